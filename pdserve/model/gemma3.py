@@ -1,0 +1,89 @@
+"""Gemma 3 (text): interleaved sliding-window and global layers with their own RoPE bases, (1 + w) RMS norms
+around attention and MLP, QK-norm, sqrt(hidden) embedding scaling, tied embeddings, GELU-tanh MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+from pdserve.model.rope_config import rope_params
+
+
+def layer_types(cfg) -> list[str]:
+    lt = getattr(cfg, "layer_types", None)
+    if lt:
+        return list(lt)
+    pattern = getattr(cfg, "sliding_window_pattern", 6)
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg.num_hidden_layers)]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rope: RotaryEmbedding, sliding: bool):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = PagedAttention(
+            layer_idx,
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            rope,
+            scale=cfg.query_pre_attn_scalar**-0.5,
+            bias=bool(getattr(cfg, "attention_bias", False)),
+            qk_norm_eps=eps,
+            qk_norm_offset=1.0,
+            sliding_window=cfg.sliding_window if sliding else None,
+            softcap=getattr(cfg, "attn_logit_softcapping", None),
+        )
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_activation", "gelu_pytorch_tanh"))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, 1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, 1.0)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, 1.0)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, 1.0)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        types = layer_types(cfg)
+        ropes = {}
+        for t in set(types):
+            base, scaling = rope_params(cfg, t)
+            ropes[t] = RotaryEmbedding(cfg.head_dim, base, cfg.max_position_embeddings, scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [Gemma3DecoderLayer(cfg, i, ropes[t], t == "sliding_attention") for i, t in enumerate(types)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0)
+        self.hidden_size = cfg.hidden_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.hidden_size**0.5, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.model = Gemma3TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # Gemma always ties
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

@@ -1,0 +1,55 @@
+"""Tiny random-weight checkpoints written as Hugging Face directories by transformers itself, so the engine is
+compared with the reference implementation on identical weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = {
+    "llama": dict(
+        cls="LlamaConfig",
+        kw=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+        model="LlamaForCausalLM",
+    ),
+    "qwen3": dict(
+        cls="Qwen3Config",
+        kw=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                rope_theta=1000000.0, bos_token_id=1, eos_token_id=2),
+        model="Qwen3ForCausalLM",
+    ),
+    "gemma3": dict(
+        cls="Gemma3TextConfig",
+        kw=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                head_dim=32, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+                query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                       "full_attention"],
+                bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        model="Gemma3ForCausalLM",
+    ),
+}
+
+
+def write_tiny_model(arch: str, out: Path, seed: int = 0) -> Path:
+    import transformers
+
+    spec = TINY[arch]
+    cfg = getattr(transformers, spec["cls"])(**spec["kw"])
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec["model"])(cfg).to(torch.float32)
+    with torch.no_grad():  # norms start at their neutral value; perturb them so the test sees their math
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+def hf_model(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
