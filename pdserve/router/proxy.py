@@ -1,0 +1,432 @@
+"""The router's HTTP app: OpenAI routes in front of the pools, PD planning, retries and abort propagation.
+
+Disaggregated requests are decode-driven (one hop): the router picks a decode instance D and an ordered list of
+prefill candidates, and forwards the client's body to D with `"pd": {"prefill_urls": [...], "request_id": id}`;
+D runs the handover and streams the answer, which the router relays. Requests the router decides to prefill
+locally (short uncached prompt, every prefill queue over its limit, no prefill instance) go to D without `pd`.
+
+Every accepted request ends with a response or an error: failures before the client saw a byte are retried on
+another decode instance (bounded), failures after are reported as an SSE error event, and client disconnects close
+the upstream connection (D aborts) and send best-effort `POST /v1/abort` to every instance involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.router.admission import Admission, Rejected
+from pdserve.router.config import RouterConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import RouteRequest, make_policy
+from pdserve.router.pool import Instance, Pools
+from pdserve.router.prefix import chunk_hashes, prompt_text
+from pdserve.router.sse import SSEFilter, error_event, pop_timings
+
+log = logging.getLogger("pdserve.router")
+
+GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# failures of an upstream exchange: retried on another decode instance while the client has seen nothing
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def is_hard(exc: BaseException) -> bool:
+    """Connection refused (or similar at connect time) proves the instance is gone; a reset or a timeout may be
+    a stale keep-alive connection or a busy instance, so those only count towards the breaker's threshold."""
+    return isinstance(exc, aiohttp.ClientConnectorError)
+
+
+def error_response(status: int, message: str, type_: str, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@dataclass
+class Plan:
+    target: Instance
+    mode: str  # pd | local | colocated
+    prefill: list[Instance]
+    reason: str | None = None  # why local
+
+
+class _Attempt:
+    """One try at one decode instance; the pool's down-hook closes it so reads fail at once."""
+
+    def __init__(self) -> None:
+        self.resp: aiohttp.ClientResponse | None = None
+        self.down_reason: str | None = None
+        self.down = asyncio.get_running_loop().create_future()
+
+    def hook(self, reason: str) -> None:
+        self.down_reason = reason
+        if not self.down.done():
+            self.down.set_result(reason)
+        if self.resp is not None:
+            self.resp.close()
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pools = Pools(config)
+        self.metrics = RouterMetrics()
+        self.pools.listeners.append(self.metrics.on_state)
+        self.admission = Admission(config, self.pools, self.metrics)
+        self.prefill_policy = make_policy(config.prefill_policy, config)
+        self.decode_policy = make_policy(config.decode_policy, config)
+        self.both_policy = make_policy(config.both_policy, config)
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task] = set()
+        for inst in self.pools:
+            self.metrics.on_state(inst, inst.breaker.state, inst.breaker.state)
+
+    # ---- app and lifecycle ----
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for route in GENERATE_ROUTES:
+            app.router.add_post(route, self.handle_generate)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/router/status", self.handle_status)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        cfg = self.config
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0)
+        timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        await self.pools.start(self.session)
+        self._spawn(self.admission.run_waker())
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.pools.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.config.abort_timeout_s + 1)
+        if self.session is not None:
+            await self.session.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- small routes ----
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        targets = self.admission.targets()
+        body = {"status": "ok" if targets else "unavailable", "healthy_targets": len(targets),
+                "prefill_healthy": len(self.pools.available("prefill"))}
+        return web.json_response(body, status=200 if targets else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        text = self.metrics.render(list(self.pools))
+        return web.Response(body=text, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def handle_status(self, request: web.Request) -> web.Response:
+        return web.json_response({"queued": self.admission.queued, "instances": [i.status() for i in self.pools]})
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """Union of the models served by the healthy instances (one entry per id)."""
+        insts = [i for i in self.pools if i.available]
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+
+        async def fetch(inst: Instance) -> list[dict[str, Any]]:
+            try:
+                async with self.session.get(inst.url + "/v1/models", timeout=timeout) as resp:
+                    data = await resp.json(content_type=None)
+                    return [m for m in data.get("data", []) if isinstance(m, dict)] if resp.status == 200 else []
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                return []
+
+        models: dict[str, dict[str, Any]] = {}
+        for result in await asyncio.gather(*(fetch(i) for i in insts)):
+            for model in result:
+                models.setdefault(str(model.get("id")), model)
+        if not models:
+            return error_response(503, "no healthy instance answered /v1/models", "upstream_error")
+        return web.json_response({"object": "list", "data": list(models.values())})
+
+    # ---- planning ----
+
+    def route_request(self, path: str, body: dict[str, Any]) -> RouteRequest:
+        cfg = self.config
+        text = prompt_text(path, body)
+        return RouteRequest(
+            est_tokens=math.ceil(len(text) / cfg.chars_per_token),
+            hashes=chunk_hashes(text, cfg.prefix_chunk_chars),
+            tokens_per_chunk=cfg.prefix_chunk_chars / cfg.chars_per_token,
+        )
+
+    def plan(self, req: RouteRequest, exclude: set[str]) -> Plan | None:
+        """Pick the decode-side target and, for disaggregation, the ordered prefill candidates."""
+        cfg = self.config
+        decode = [i for i in self.pools.available("decode") if i.url not in exclude]
+        both = [i for i in self.pools.available("both") if i.url not in exclude]
+        not_full = [i for i in decode + both if not self.admission.is_full(i)]
+        if not_full:  # prefer instances under their limits; full ones only when nothing else is left
+            decode = [i for i in decode if i in not_full]
+            both = [i for i in both if i in not_full]
+        if decode:
+            ranked = self.decode_policy.rank(decode + both, req)
+        elif both:
+            ranked = self.both_policy.rank(both, req)
+        else:
+            return None
+        target = ranked[0]
+        if target.role == "both":
+            return Plan(target, "colocated", [])
+        prefill = self.pools.available("prefill")
+        if not prefill:
+            return Plan(target, "local", [], "no_prefill")
+        uncached = req.est_tokens - req.overlap_tokens(target)
+        if uncached <= cfg.local_prefill_max_tokens:
+            return Plan(target, "local", [], "short")
+        open_prefill = [p for p in prefill if p.waiting_tokens <= cfg.prefill_max_waiting_tokens]
+        if not open_prefill:
+            return Plan(target, "local", [], "prefill_busy")
+        ranked_prefill = self.prefill_policy.rank(open_prefill, req)[: cfg.max_prefill_candidates]
+        return Plan(target, "pd", ranked_prefill)
+
+    # ---- the generate routes ----
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object", "invalid_request_error")
+        chat = request.path.endswith("/chat/completions")
+        if chat and not isinstance(body.get("messages"), list):
+            return error_response(400, "'messages' must be a list", "invalid_request_error")
+        if not chat and "prompt" not in body:
+            return error_response(400, "'prompt' is required", "invalid_request_error")
+        if "pd" in body:
+            return error_response(400, "'pd' is reserved for the router", "invalid_request_error")
+        try:
+            await self.admission.acquire()
+        except Rejected as rej:
+            return error_response(rej.status, str(rej), "overloaded",
+                                  headers={"Retry-After": str(self.config.retry_after_s)})
+        req = self.route_request(request.path, body)
+        rid = f"rt-{uuid.uuid4().hex}"
+        return await self._dispatch(request, body, req, rid, arrival)
+
+    def _upstream_body(self, body: dict[str, Any], plan: Plan, rid: str, stream: bool) -> dict[str, Any]:
+        out = dict(body)
+        if plan.mode == "pd":
+            out["pd"] = {"prefill_urls": [p.url for p in plan.prefill], "request_id": rid}
+        if stream:
+            options = dict(body.get("stream_options") or {})
+            options["include_usage"] = True
+            out["stream_options"] = options
+        return out
+
+    async def _dispatch(self, request: web.Request, body: dict[str, Any], req: RouteRequest, rid: str,
+                        arrival: float) -> web.StreamResponse:
+        stream = bool(body.get("stream"))
+        options = body.get("stream_options")
+        wants_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+        tried: set[str] = set()
+        last_error = "no healthy decode instance is available"
+        for attempt in range(1 + self.config.max_decode_retries):
+            plan = self.plan(req, tried)
+            if plan is None:
+                break
+            if attempt:
+                self.metrics.decode_retries.inc()
+            tried.add(plan.target.url)
+            if plan.reason:
+                self.metrics.local_prefill.labels(plan.reason).inc()
+            result = await self._attempt(request, body, req, rid, plan, stream, wants_usage, arrival)
+            if isinstance(result, web.StreamResponse):
+                return result
+            last_error = result
+        self.metrics.requests.labels("none", "upstream_error").inc()
+        return error_response(502 if tried else 503, last_error, "upstream_error")
+
+    async def _attempt(self, request: web.Request, body: dict[str, Any], req: RouteRequest, rid: str, plan: Plan,
+                       stream: bool, wants_usage: bool, arrival: float) -> web.StreamResponse | str:
+        """Send to plan.target. Returns the client response, or an error string when the caller should retry."""
+        target = plan.target
+        url = target.url + request.path
+        payload = self._upstream_body(body, plan, rid, stream)
+        attempt = _Attempt()
+        target.active.add(attempt.hook)
+        target.inflight += 1
+        target.pending_tokens += req.est_tokens
+        target.prefix.insert(req.hashes)
+        if plan.prefill:
+            plan.prefill[0].pending_tokens += req.est_tokens
+            plan.prefill[0].prefix.insert(req.hashes)
+        try:
+            post = asyncio.ensure_future(self._post(url, payload, rid))
+            try:
+                await asyncio.wait({post, attempt.down}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                post.cancel()
+                if post.done() and not post.cancelled() and post.exception() is None:
+                    post.result().close()
+                raise
+            if not post.done():
+                post.cancel()
+                return f"decode instance {target.url} went down: {attempt.down_reason}"
+            try:
+                resp = post.result()
+            except UPSTREAM_ERRORS as exc:
+                self.pools.report_failure(target, hard=is_hard(exc))
+                self._abort_prefill(plan, rid)
+                log.warning("request %s: decode %s failed before responding: %r", rid, target.url, exc)
+                return f"decode instance {target.url} failed: {exc!r}"
+            attempt.resp = resp
+            self.pools.report_success(target)
+            if resp.status == 503:  # instance full: another may take it
+                await resp.read()
+                resp.release()
+                return f"decode instance {target.url} is overloaded (503)"
+            if not stream or resp.status != 200:
+                return await self._relay_body(resp, plan, attempt, arrival)
+            return await self._relay_stream(request, resp, plan, rid, attempt, wants_usage, arrival)
+        except asyncio.CancelledError:  # the client went away (aiohttp cancels the handler)
+            self._on_client_gone(plan, rid, attempt)
+            self.metrics.requests.labels(plan.mode, "client_abort").inc()
+            raise
+        finally:
+            target.active.discard(attempt.hook)
+            target.inflight -= 1
+            self.admission.wake()
+
+    async def _post(self, url: str, payload: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
+        return await self.session.post(url, json=payload, headers={"X-Request-Id": rid})
+
+    async def _relay_body(self, resp: aiohttp.ClientResponse, plan: Plan, attempt: _Attempt,
+                          arrival: float) -> web.StreamResponse | str:
+        try:
+            data = await resp.read()
+        except UPSTREAM_ERRORS as exc:
+            resp.close()
+            self.pools.report_failure(plan.target)
+            return f"decode instance {plan.target.url} failed mid-response: {exc!r}"
+        finally:
+            resp.release()
+        content_type = resp.headers.get("Content-Type", "application/json")
+        if resp.status == 200 and "json" in content_type:
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                timings = pop_timings(obj)
+                if timings is not None:
+                    self.metrics.observe_timings(timings)
+                    data = json.dumps(obj, ensure_ascii=False).encode()
+        self.metrics.e2e.observe(time.monotonic() - arrival)
+        self.metrics.requests.labels(plan.mode, "ok" if resp.status == 200 else f"http_{resp.status}").inc()
+        return web.Response(body=data, status=resp.status, headers={"Content-Type": content_type})
+
+    async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, plan: Plan, rid: str,
+                            attempt: _Attempt, wants_usage: bool, arrival: float) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                      "Cache-Control": "no-cache", "X-Request-Id": rid})
+        await out.prepare(request)
+        sse = SSEFilter(client_wants_usage=wants_usage)
+        first = True
+        failure: str | None = None
+        try:
+            try:
+                async for chunk in resp.content.iter_any():
+                    data = sse.feed(chunk)
+                    if first and sse.saw_content:
+                        first = False
+                        self.metrics.ttft.observe(time.monotonic() - arrival)
+                    if data:
+                        await out.write(data)
+                tail = sse.flush()
+                if tail:
+                    await out.write(tail)
+                if not sse.saw_done:
+                    failure = "the decode instance closed the stream before [DONE]"
+            except UPSTREAM_ERRORS as exc:
+                failure = attempt.down_reason or f"lost the decode instance {plan.target.url}: {exc!r}"
+                self.pools.report_failure(plan.target)
+                self._abort_prefill(plan, rid)
+            if failure is not None:
+                log.warning("request %s: %s", rid, failure)
+                if sse.saw_error:  # upstream already told the client what went wrong
+                    await out.write(b"data: [DONE]\n\n")
+                else:
+                    await out.write(error_event(failure))
+            await out.write_eof()
+        except ConnectionResetError:  # the client went away while we were writing
+            self._on_client_gone(plan, rid, attempt)
+            self.metrics.requests.labels(plan.mode, "client_abort").inc()
+            return out
+        finally:
+            if failure is None and sse.saw_done:
+                resp.release()  # clean end: the connection goes back to the pool
+            else:
+                resp.close()
+        for timings in sse.timings:
+            self.metrics.observe_timings(timings)
+        self.metrics.e2e.observe(time.monotonic() - arrival)
+        self.metrics.requests.labels(plan.mode, "ok" if failure is None else "upstream_error").inc()
+        return out
+
+    # ---- aborts ----
+
+    def _on_client_gone(self, plan: Plan, rid: str, attempt: _Attempt) -> None:
+        if attempt.resp is not None:
+            attempt.resp.close()  # D sees its connection drop and aborts (and tells P)
+        self._spawn(self._send_aborts([plan.target] + plan.prefill, rid))
+
+    def _abort_prefill(self, plan: Plan, rid: str) -> None:
+        if plan.prefill:
+            self._spawn(self._send_aborts(plan.prefill, rid))
+
+    async def _send_aborts(self, insts: list[Instance], rid: str) -> None:
+        """Best effort: tell instances to drop `rid` (covers a D that died before telling its P)."""
+        timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
+
+        async def one(inst: Instance) -> None:
+            try:
+                async with self.session.post(inst.url + "/v1/abort", json={"request_id": rid}, timeout=timeout):
+                    pass
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+
+        await asyncio.gather(*(one(i) for i in insts))
+
+
+async def start_router(config: RouterConfig) -> tuple[Router, web.AppRunner]:
+    """Start serving on config.host:config.port; returns the router and the runner (call runner.cleanup())."""
+    router = Router(config)
+    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    return router, runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    """The port actually bound (useful with port 0)."""
+    for site in runner.sites:
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            return server.sockets[0].getsockname()[1]
+    raise RuntimeError("router is not listening")
