@@ -1,0 +1,104 @@
+"""The result file: JSON is the record of a benchmark, with what is needed to reproduce and trust it.
+
+Every file carries the machine (CPU, memory, GPUs when torch sees any), the command line, the git commit
+and the date, then the runs with their metrics and every per-request sample. NaN is written as null and
+infinities as the strings "inf"/"-inf", so the file is strict JSON.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+SCHEMA = "pdserve.bench/1"
+
+
+def _git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def machine_info() -> dict:
+    info: dict = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    try:
+        import psutil
+
+        info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    if "torch" in sys.modules:  # never import torch just for this: the client must start fast
+        torch = sys.modules["torch"]
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def new_record(kind: str, args: dict | None = None) -> dict:
+    return {
+        "schema": SCHEMA,
+        "kind": kind,  # serve | search | sweep
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "git_commit": _git_commit(),
+        "machine": machine_info(),
+        "args": args or {},
+        "runs": [],
+    }
+
+
+def _clean(x):
+    if isinstance(x, float):
+        if math.isnan(x):
+            return None
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def save_json(record: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_clean(record), indent=1, allow_nan=False))
+    os.replace(tmp, path)
+    return path
+
+
+def as_float(x) -> float:
+    """Read a number back from a record (None -> nan, "inf" -> inf)."""
+    if x is None:
+        return math.nan
+    return float(x)
+
+
+def load_json(path: str | Path) -> dict:
+    rec = json.loads(Path(path).read_text())
+    if not isinstance(rec, dict) or "runs" not in rec:
+        raise ValueError(f"{path} is not a pdserve bench result file (no 'runs')")
+    return rec

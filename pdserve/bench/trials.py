@@ -1,0 +1,89 @@
+"""SLO search trials against a live endpoint: each trial is one benchmark run judged against the SLO.
+
+Connects the pure search (search.py) to real runs (runner.py): sizes each trial, stops it as soon as the
+SLO is certain to fail or the time budget is spent, judges it with failed and unfinished requests counted as
+infinitely late, and appends every trial's run (with all its samples) to the record.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, replace
+
+from pdserve.bench.loadgen import LoadConfig, StopSignal, arrival_times
+from pdserve.bench.runner import Bench, WorkloadConfig, strip_live
+from pdserve.bench.search import SearchConfig, Trial, search_max_rate, trial_size
+from pdserve.bench.slo import SLOTerm, certain_violation, judge, slo_text
+
+
+async def run_slo_search(
+    bench: Bench,
+    workload: WorkloadConfig,
+    load: LoadConfig,
+    terms: list[SLOTerm],
+    cfg: SearchConfig,
+    user_stop: StopSignal,
+    record: dict,
+    early_stop: bool = True,
+    on_trial=None,
+) -> dict:
+    """Run the search; returns the search section (also appended to record["searches"])."""
+
+    async def trial(rate: float, seconds_left: float | None) -> Trial:
+        if user_stop.is_set:
+            return Trial(rate=rate, passed=None, reason="interrupted")
+        n = trial_size(rate, cfg)
+        seed = workload.seed + len(record["runs"])
+        window = cfg.max_duration_s if cfg.max_duration_s is not None else math.inf
+        if seconds_left is not None:
+            window = min(window, seconds_left)
+        offsets = arrival_times(n, rate, load.burstiness, seed)
+        n_expected = sum(1 for t in offsets if t <= window)
+        deadline = None if seconds_left is None else time.perf_counter() + seconds_left
+
+        def watch(results, now):
+            if user_stop.is_set:
+                return "interrupted"
+            if deadline is not None and now > deadline:
+                return "time_budget: the search ran out of time during this trial"
+            return certain_violation(results, terms, n_expected, now) if early_stop else None
+
+        trial_load = replace(load, request_rate=rate, seed=seed,
+                             max_duration_s=None if math.isinf(window) else window)
+        run = await bench.run(replace(workload, num_prompts=n, seed=seed), trial_load, stop=StopSignal(),
+                              watcher=watch, label=f"rate={rate:g}")
+        reason = run["stop_reason"] or ""
+        if reason.startswith(("interrupted", "time_budget")):
+            passed, values, why = None, {}, reason
+        elif reason.startswith("early_stop"):
+            passed, values, why = False, {}, reason
+        else:
+            passed, values, why = judge(run["_results"], terms)
+        record["runs"].append(strip_live(run))
+        t = Trial(rate=rate, passed=passed, reason=why, values=values, run_index=len(record["runs"]) - 1,
+                  goodput=run["metrics"].get("request_goodput"), num_sent=run["num_sent"])
+        if on_trial is not None:
+            on_trial(t)
+        return t
+
+    result = await search_max_rate(trial, cfg)
+    best = result.best_trial
+    section = {
+        "slo": slo_text(terms),
+        "slo_terms": [asdict(t) for t in terms],
+        "input_len": workload.random_input_len if workload.dataset_name == "random" else None,
+        "output_len": workload.random_output_len if workload.dataset_name == "random" else None,
+        "max_rate": result.max_rate,
+        "min_failed_rate": result.min_failed_rate,
+        "goodput": best.goodput if best else None,
+        "stop_reason": result.stop_reason,
+        "config": asdict(cfg),
+        "trials": [
+            {"rate": t.rate, "passed": t.passed, "reason": t.reason, "values": t.values, "run_index": t.run_index,
+             "goodput": t.goodput, "num_sent": t.num_sent}
+            for t in result.trials
+        ],
+    }
+    record.setdefault("searches", []).append(section)
+    return section
