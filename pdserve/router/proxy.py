@@ -344,11 +344,11 @@ class Router:
                             attempt: _Attempt, wants_usage: bool, arrival: float) -> web.StreamResponse:
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                       "Cache-Control": "no-cache", "X-Request-Id": rid})
-        await out.prepare(request)
         sse = SSEFilter(client_wants_usage=wants_usage)
         first = True
         failure: str | None = None
         try:
+            await out.prepare(request)
             try:
                 async for chunk in resp.content.iter_any():
                     data = sse.feed(chunk)
