@@ -1,0 +1,240 @@
+"""The asyncio face of the engine for the server: the core runs in its own process, this side tokenizes,
+detokenizes and streams, so the HTTP event loop never waits on a GPU step and a step never waits on HTTP.
+
+Every output arrives through one pipe read by the event loop's reader callback (no polling thread, no sleeps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.config import EngineConfig
+from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
+from pdserve.engine.output_processor import RequestState
+from pdserve.engine.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDead", "PromptTooLong", "QueueFull"]
+
+
+@dataclass
+class _Stream:
+    state: RequestState
+    queue: asyncio.Queue
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, role_options: dict | None = None, start_timeout_s: float = 900.0):
+        self.config = config
+        self.role_options = role_options or {}
+        self.start_timeout_s = start_timeout_s
+        self.tokenizer = None
+        self.max_model_len: int = 0
+        self.info: dict = {}
+        self._proc: mp.Process | None = None
+        self._conn = None
+        self._streams: dict[str, _Stream] = {}
+        self._stats: dict = {}
+        self._adds_since_stats = 0
+        self._dead: str | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.last_output_time = 0.0
+
+    @property
+    def model_name(self) -> str:
+        return self.config.name
+
+    async def start(self) -> None:
+        from pdserve.engine.tokenizer import Tokenizer
+        from pdserve.model.loader import resolve_model
+
+        self._loop = asyncio.get_running_loop()
+        src = await asyncio.to_thread(resolve_model, self.config.model)
+        tok_path = self.config.tokenizer or str(src.path)
+        self.tokenizer = await asyncio.to_thread(Tokenizer.load, tok_path)
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        from pdserve.engine.engine_proc import run_engine_process
+
+        self._proc = ctx.Process(target=run_engine_process, name="pdserve-engine", daemon=True,
+                                 args=(self.config, set(self.tokenizer.eos_token_ids), child, self.role_options))
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            ready = await asyncio.to_thread(parent.poll, 0.5)
+            if ready:
+                msg = parent.recv()
+                if msg[0] == "ready":
+                    self.info = msg[1]
+                    break
+                if msg[0] == "failed":
+                    self._proc.join(5)
+                    raise RuntimeError(f"the engine failed to start: {msg[1]}")
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up (exit code {self._proc.exitcode})")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise TimeoutError(f"the engine did not start within {self.start_timeout_s:.0f} s")
+        self.max_model_len = self.info["max_model_len"]
+        self._loop.add_reader(parent.fileno(), self._on_readable)
+
+    # ---- engine pipe
+    def _on_readable(self) -> None:
+        try:
+            while self._conn.poll():
+                msg = self._conn.recv()
+                kind = msg[0]
+                if kind == "outputs":
+                    _, outs, stats, _ts = msg
+                    self._stats = stats
+                    self._adds_since_stats = 0
+                    self.last_output_time = time.time()
+                    for co in outs:
+                        self._dispatch(co)
+                elif kind == "reply":
+                    _, cid, ok, result = msg
+                    fut = self._calls.pop(cid, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
+                elif kind == "bye":
+                    pass
+        except (EOFError, OSError) as e:
+            self._on_dead(f"the engine process stopped ({type(e).__name__})")
+
+    def _dispatch(self, co) -> None:
+        st = self._streams.get(co.request_id)
+        if st is None:
+            return
+        out = st.state.process(co)
+        if co.extra:
+            out.extra = co.extra  # type: ignore[attr-defined]
+        st.queue.put_nowait(out)
+        if out.finished and not co.finished:  # a stop string ended it: stop the core too
+            self._send(("abort", co.request_id))
+
+    def _on_dead(self, why: str) -> None:
+        if self._dead:
+            return
+        self._dead = why
+        if self._loop is not None and self._conn is not None:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except Exception:
+                pass
+        for st in self._streams.values():
+            st.queue.put_nowait(EngineDead(why))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDead(why))
+
+    def _send(self, msg) -> None:
+        if self._dead:
+            raise EngineDead(self._dead)
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, OSError) as e:
+            self._on_dead(f"the engine process stopped ({type(e).__name__})")
+            raise EngineDead(self._dead) from e
+
+    async def call(self, name: str, *args, timeout: float = 30.0):
+        """Run a connector method in the engine process (disaggregation control messages)."""
+        cid = next(self._call_ids)
+        fut = self._loop.create_future()
+        self._calls[cid] = fut
+        self._send(("call", cid, name, args))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(cid, None)
+
+    # ---- requests
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len or (params.max_tokens is not None and n + params.max_tokens > self.max_model_len):
+            raise PromptTooLong(n, self.max_model_len, params.max_tokens)
+        waiting = self._stats.get("num_waiting", 0) + self._adds_since_stats
+        if waiting >= self.config.max_waiting:
+            raise QueueFull(waiting, self.config.max_waiting)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       pd: dict | None = None) -> AsyncIterator[RequestOutput]:
+        if self._dead:
+            raise EngineDead(self._dead)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        state = RequestState(request_id, prompt_token_ids, params, self.tokenizer)
+        stream = _Stream(state, asyncio.Queue())
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            self._send(("add", request_id, list(prompt_token_ids), params, pd))
+            self._adds_since_stats += 1
+            while True:
+                out = await stream.queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._dead:
+                try:
+                    self._send(("abort", request_id))
+                except EngineDead:
+                    pass
+
+    async def abort(self, request_id: str) -> None:
+        st = self._streams.pop(request_id, None)
+        if not self._dead:
+            self._send(("abort", request_id))
+        if st is not None:
+            st.queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        s.setdefault("num_running", 0)
+        s.setdefault("num_waiting", 0)
+        s.setdefault("num_total_blocks", self.info.get("num_blocks", 0))
+        s.setdefault("num_free_blocks", self.info.get("num_blocks", 0))
+        s.setdefault("kv_usage", 0.0)
+        s["num_streams"] = len(self._streams)
+        s["engine_alive"] = self._dead is None and self._proc is not None and self._proc.is_alive()
+        return s
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._proc is not None and self._proc.is_alive()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._proc is None:
+            return
+        if not self._dead:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+                self._conn.send(("shutdown",))
+            except Exception:
+                pass
+        await asyncio.to_thread(self._proc.join, timeout_s)
+        if self._proc.is_alive():
+            self._proc.kill()
+            await asyncio.to_thread(self._proc.join, 5)
+        self._dead = self._dead or "shut down"
+        for st in self._streams.values():
+            st.queue.put_nowait(EngineDead("the engine is shutting down"))
