@@ -1,0 +1,40 @@
+"""KV transfer engine: agents that register memory, connect peer to peer, and move descriptor lists of bytes
+between processes (cuda_ipc within a host, tcp anywhere, nixl when installed), with completion notifications.
+
+    agent = KVAgent(AgentConfig(port=0)); rid = agent.register(kv_pool, name="kv")
+    addr = await agent.start(); peer = await agent.connect("10.0.0.2:7000")
+    await agent.write_blocks(peer, src_ids, dst_ids, block_bytes, rid, "kv", notif={"request_id": "r1"})
+
+`ThreadedAgent` offers the same from synchronous code (the event loop runs in a daemon thread).
+"""
+
+from pdserve.kv.agent import KVAgent, Notification, XferResult
+from pdserve.kv.config import AgentConfig
+from pdserve.kv.descs import XferList, block_xfers
+from pdserve.kv.errors import (
+    InvalidDescriptorError,
+    KVTransferError,
+    PeerDisconnectedError,
+    PeerUnreachableError,
+    RegionError,
+    TransferTimeoutError,
+    TransportUnavailableError,
+)
+from pdserve.kv.threaded import ThreadedAgent
+
+__all__ = [
+    "AgentConfig",
+    "InvalidDescriptorError",
+    "KVAgent",
+    "KVTransferError",
+    "Notification",
+    "PeerDisconnectedError",
+    "PeerUnreachableError",
+    "RegionError",
+    "ThreadedAgent",
+    "TransferTimeoutError",
+    "TransportUnavailableError",
+    "XferList",
+    "XferResult",
+    "block_xfers",
+]

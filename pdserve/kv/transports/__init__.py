@@ -1,0 +1,45 @@
+"""Transport registry: which transports this process can offer, built lazily so missing optional libraries
+(CUDA, NIXL) never break import on a CPU-only machine."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from pdserve.kv.errors import TransportUnavailableError
+from pdserve.kv.transports.base import Transport
+from pdserve.kv.transports.tcp import TcpTransport
+
+if TYPE_CHECKING:
+    from pdserve.kv.agent import KVAgent
+
+log = logging.getLogger(__name__)
+
+
+def build_transports(agent: KVAgent) -> dict[str, Transport]:
+    """tcp always; cuda_ipc when CUDA is usable; nixl when importable and allowed by the configuration.
+
+    A transport forced by configuration but unavailable is an error here, at construction, not at first transfer.
+    """
+    want = agent.config.transport
+    out: dict[str, Transport] = {"tcp": TcpTransport(agent)}
+    if want in ("auto", "cuda_ipc"):
+        from pdserve.kv.transports.cuda_ipc import CudaIpcTransport
+
+        if CudaIpcTransport.available():
+            out["cuda_ipc"] = CudaIpcTransport(agent)
+        elif want == "cuda_ipc":
+            raise TransportUnavailableError("transport cuda_ipc needs torch with CUDA and a visible GPU")
+    if want in ("auto", "nixl"):
+        from pdserve.kv.transports.nixl import NixlTransport
+
+        if NixlTransport.available():
+            try:
+                out["nixl"] = NixlTransport(agent)
+            except Exception as e:
+                if want == "nixl":
+                    raise TransportUnavailableError(f"cannot start a NIXL agent: {e}") from e
+                log.warning("NIXL is importable but its agent failed to start: %s", e)
+        elif want == "nixl":
+            raise TransportUnavailableError("transport nixl needs the nixl (or nixl_cu13 / nixl_cu12) package")
+    return out

@@ -1,0 +1,69 @@
+"""The interface every transport implements, so the agent picks one per transfer and callers never see which."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from pdserve.kv.descs import XferList
+
+if TYPE_CHECKING:
+    from pdserve.kv.agent import KVAgent
+    from pdserve.kv.peer import Peer
+    from pdserve.kv.regions import MemoryRegion, RemoteRegion
+
+
+class Transport(ABC):
+    """Moves bytes between registered regions of two agents.
+
+    `transfer` returns once the bytes are in the destination memory (for a WRITE: readable by the peer's next
+    kernel or read; for a READ: in our memory). It returns True when it delivered the notification itself (in band,
+    after the data), False when the agent must send it on the control connection (after this return).
+    """
+
+    name: str = ""
+
+    def __init__(self, agent: KVAgent) -> None:
+        self.agent = agent
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this process can use the transport at all (libraries importable, devices present)."""
+        return True
+
+    def export_region(self, region: MemoryRegion) -> dict[str, Any] | None:
+        """Sharing information peers need for `region` (sent in each handshake; None if not applicable)."""
+        return None
+
+    def on_register(self, region: MemoryRegion) -> None:
+        """Called after a region is registered locally."""
+        return None  # default: nothing to do
+
+    def on_deregister(self, region: MemoryRegion) -> None:
+        """Called after a region is deregistered locally."""
+        return None  # default: nothing to do
+
+    def hello_extra(self) -> dict[str, Any]:
+        """Extra handshake fields (e.g. NIXL agent metadata)."""
+        return {}
+
+    async def on_peer(self, peer: Peer) -> None:
+        """A peer connected or its region table changed: map its memory now so the first transfer is fast."""
+        return None  # default: nothing to do
+
+    def on_peer_lost(self, peer: Peer) -> None:
+        """The peer is gone: drop connections and mappings."""
+        return None  # default: nothing to do
+
+    @abstractmethod
+    def supports(self, peer: Peer, local: list[MemoryRegion], remote: list[RemoteRegion]) -> str | None:
+        """None if this transport can move between these regions, else the reason it cannot."""
+
+    @abstractmethod
+    async def transfer(self, op: str, peer: Peer, xfers: XferList, notif: bytes | None, xfer_id: int,
+                       deadline: float, wait_event: Any = None) -> bool:
+        """Move the bytes of `xfers` (op 'write': local -> remote, 'read': remote -> local) before `deadline`."""
+
+    async def close(self) -> None:
+        """Release everything (called once, at agent close)."""
+        return None  # default: nothing to do

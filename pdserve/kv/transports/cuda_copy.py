@@ -1,0 +1,167 @@
+"""Batched GPU copies between (possibly peer) device pointers: one call for a whole descriptor list.
+
+Why: on 2xH200 one torch copy per 2.25 MiB block reaches 104 GB/s while one large peer copy reaches 396 GB/s; the
+difference is per-call overhead. Three engines, best first:
+  batch   - cuMemcpyBatchAsync (CUDA >= 12.8 driver, cuda-bindings): the copy engines take the whole list at once.
+  kernel  - a Triton gather/scatter kernel: one launch; SMs move the bytes over NVLink.
+  percopy - one cudaMemcpyAsync per (coalesced) run: the fallback, and the baseline the others are measured against.
+All enqueue on `stream`; the caller records an event after and waits for it.
+CUDA-only modules (torch.cuda, cuda.bindings, triton) are imported lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+METHODS = ("batch", "kernel", "percopy")
+_BATCH_MAX = 8192
+
+
+class BatchCopier:
+    """cuMemcpyBatchAsync via cuda.bindings.driver."""
+
+    name = "batch"
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver as drv  # noqa: PLC0415 - CUDA-only
+
+        self.drv = drv
+        if not hasattr(drv, "cuMemcpyBatchAsync"):
+            raise RuntimeError("cuda.bindings has no cuMemcpyBatchAsync (needs CUDA 12.8+ bindings)")
+        self._attrs: dict[tuple[int, int], Any] = {}
+        self._ptr_ints: bool | None = None  # whether the bindings accept plain ints for CUdeviceptr lists
+
+    def _attr(self, src_dev: int, dst_dev: int) -> Any:
+        key = (src_dev, dst_dev)
+        a = self._attrs.get(key)
+        if a is None:
+            drv = self.drv
+            a = drv.CUmemcpyAttributes()
+            a.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            for field, dev in (("srcLocHint", src_dev), ("dstLocHint", dst_dev)):
+                loc = drv.CUmemLocation()
+                loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                loc.id = dev
+                setattr(a, field, loc)
+            a.flags = 0
+            self._attrs[key] = a
+        return a
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, src_dev: int, dst_dev: int, stream: Any) -> None:
+        drv = self.drv
+        attr = self._attr(src_dev, dst_dev)
+        hstream = drv.CUstream(int(stream.cuda_stream))
+        for i in range(0, src.size, _BATCH_MAX):
+            s, d, n = src[i:i + _BATCH_MAX].tolist(), dst[i:i + _BATCH_MAX].tolist(), sizes[i:i + _BATCH_MAX].tolist()
+            res = self._call(d, s, n, attr, hstream)
+            err = res[0] if isinstance(res, tuple) else res
+            if int(err) != 0:
+                raise RuntimeError(f"cuMemcpyBatchAsync failed: {err!r} (result {res!r})")
+
+    def _call(self, d: list[int], s: list[int], n: list[int], attr: Any, hstream: Any) -> Any:
+        drv = self.drv
+        if self._ptr_ints is not False:
+            try:
+                res = drv.cuMemcpyBatchAsync(d, s, n, len(n), [attr], [0], 1, hstream)
+                self._ptr_ints = True
+                return res
+            except TypeError:
+                if self._ptr_ints:
+                    raise
+                self._ptr_ints = False
+        dp = [drv.CUdeviceptr(x) for x in d]
+        sp = [drv.CUdeviceptr(x) for x in s]
+        return drv.cuMemcpyBatchAsync(dp, sp, n, len(n), [attr], [0], 1, hstream)
+
+
+_KERNEL = None
+CHUNK = 256 << 10  # bytes per Triton program
+
+
+def _kernel() -> Any:
+    global _KERNEL
+    if _KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _scatter_copy(src_base, dst_base, src_off, dst_off, nbytes, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            s = tl.load(src_off + pid)
+            d = tl.load(dst_off + pid)
+            n = tl.load(nbytes + pid)
+            s = tl.multiple_of(s, 4)  # word offsets of 16-byte aligned runs
+            d = tl.multiple_of(d, 4)
+            for i in range(0, n, BLOCK):
+                idx = i + tl.arange(0, BLOCK)
+                m = idx < n
+                v = tl.load(src_base + s + idx, mask=m)
+                tl.store(dst_base + d + idx, v, mask=m)
+
+        _KERNEL = _scatter_copy
+    return _KERNEL
+
+
+class KernelCopier:
+    """One Triton launch copying every run, split into CHUNK-byte programs.
+
+    Works on int32 words: every pointer and length must be a multiple of 16 bytes (KV blocks are), else it refuses.
+    Pointers are passed as offsets from two base tensors (the local region and the mapped remote region).
+    """
+
+    name = "kernel"
+
+    def __init__(self) -> None:
+        _kernel()
+
+    def copy_tensors(self, src_base: Any, dst_base: Any, src_off: np.ndarray, dst_off: np.ndarray, sizes: np.ndarray,
+                     stream: Any) -> None:
+        import torch
+
+        if ((src_off | dst_off | sizes) % 16).any() or src_base.data_ptr() % 16 or dst_base.data_ptr() % 16:
+            raise ValueError("kernel copy needs 16-byte aligned offsets and lengths")
+        n_chunks = (sizes + CHUNK - 1) // CHUNK
+        rep = np.repeat(np.arange(sizes.size), n_chunks)
+        first = np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+        k = np.arange(rep.size) - first
+        within = k * CHUNK
+        lens = np.minimum(CHUNK, sizes[rep] - within)
+        table = np.stack([(src_off[rep] + within) // 4, (dst_off[rep] + within) // 4, lens // 4]).astype(np.int64)
+        host = torch.from_numpy(table).pin_memory()
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            t = host.to(device=stream.device, non_blocking=True)
+            src32 = src_base[: src_base.numel() // 4 * 4].view(torch.int32)
+            dst32 = dst_base[: dst_base.numel() // 4 * 4].view(torch.int32)
+            _kernel()[(rep.size,)](src32, dst32, t[0], t[1], t[2], BLOCK=4096, num_warps=8)
+        self._keep = (host, t)  # the pinned table must outlive the async H2D copy; replaced on the next call
+
+
+class PerCopy:
+    """One torch copy per run (cudaMemcpyAsync, peer copy when the devices differ)."""
+
+    name = "percopy"
+
+    def copy_tensors(self, src_base: Any, dst_base: Any, src_off: np.ndarray, dst_off: np.ndarray, sizes: np.ndarray,
+                     stream: Any) -> None:
+        import torch
+
+        with torch.cuda.stream(stream):
+            for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
+                dst_base[d:d + n].copy_(src_base[s:s + n], non_blocking=True)
+
+
+def make_copier(method: str) -> Any:
+    """The requested engine, or for 'auto' the first of batch, kernel, percopy that initializes."""
+    order = METHODS if method == "auto" else (method,)
+    errors = []
+    for m in order:
+        try:
+            return {"batch": BatchCopier, "kernel": KernelCopier, "percopy": PerCopy}[m]()
+        except Exception as e:  # missing library or too old a driver: try the next engine
+            errors.append(f"{m}: {e}")
+            log.info("copy engine %s unavailable: %s", m, e)
+    raise RuntimeError("no CUDA copy engine available: " + "; ".join(errors))

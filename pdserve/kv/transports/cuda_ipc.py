@@ -1,0 +1,227 @@
+"""cuda_ipc: GPU to GPU within one host. The peer's registered CUDA memory is mapped into this process once (CUDA
+IPC, through torch's own tensor-sharing path, the one torch.multiprocessing uses), and a transfer is one batched
+copy on a dedicated stream, followed by an event wait; only then is the peer notified.
+
+Why torch's `_share_cuda_` / `_new_shared_cuda`: it handles IPC handles of caching-allocator blocks (offsets inside
+a larger cudaMalloc segment), caches opened handles per process, and keeps the producer's memory alive while a
+consumer maps it; the sharing information is plain bytes and ints, so it travels in the msgpack handshake (no
+pickle). Devices are matched by UUID, so processes with different CUDA_VISIBLE_DEVICES still agree.
+
+Ordering: the copy stream waits on `wait_event` if given, else on the device's default stream. The sender learns
+the copy finished by polling the event from the event loop (cheap for small transfers: no thread hop), falling
+back to a blocking wait in a helper thread for long copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pdserve.kv.descs import XferList
+from pdserve.kv.errors import TransferTimeoutError
+from pdserve.kv.transports.base import Transport
+
+if TYPE_CHECKING:
+    from pdserve.kv.peer import Peer
+    from pdserve.kv.regions import MemoryRegion, RemoteRegion
+
+log = logging.getLogger(__name__)
+_SPIN_S = 0.002  # poll the completion event this long before handing the wait to a thread
+
+
+def _uuid_map() -> dict[str, int]:
+    import torch
+
+    out = {}
+    for i in range(torch.cuda.device_count()):
+        u = str(getattr(torch.cuda.get_device_properties(i), "uuid", ""))
+        if u:
+            out[u] = i
+    return out
+
+
+def _bases(ids: np.ndarray, ptr_of: Any) -> np.ndarray:
+    """Base address of each entry's region (one lookup per distinct region)."""
+    u, inv = np.unique(ids, return_inverse=True)
+    return np.array([ptr_of(int(r)) for r in u.tolist()], dtype=np.int64)[inv]
+
+
+class CudaIpcTransport(Transport):
+    name = "cuda_ipc"
+
+    def __init__(self, agent: Any) -> None:
+        super().__init__(agent)
+        self._copier: Any = None
+        self._streams: dict[int, Any] = {}
+        self._peer_ok: set[tuple[int, int]] = set()
+        self._uuids: dict[str, int] | None = None
+        self._sync = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-cuda-sync")
+
+    @classmethod
+    def available(cls) -> bool:
+        try:
+            import torch
+        except ImportError:
+            return False
+        return bool(torch.cuda.is_available())
+
+    @property
+    def copier(self) -> Any:
+        if self._copier is None:
+            from pdserve.kv.transports.cuda_copy import make_copier
+
+            self._copier = make_copier(self.agent.config.cuda_copy)
+            log.info("cuda_ipc copy engine: %s", self._copier.name)
+        return self._copier
+
+    # ---- sharing -----------------------------------------------------------------------------------------------
+    def export_region(self, region: MemoryRegion) -> dict[str, Any] | None:
+        if region.kind != "cuda":
+            return None
+        storage = region.obj.untyped_storage()
+        dev, handle, size, soff, rch, rco, evh, evs = storage._share_cuda_()
+        return {"dev": int(dev), "h": bytes(handle), "sz": int(size), "so": int(soff), "rh": bytes(rch), "ro": int(rco),
+                "eh": bytes(evh) if evh is not None else None, "es": bool(evs), "to": region.ptr - storage.data_ptr()}
+
+    def _local_index(self, remote: RemoteRegion) -> int:
+        if self._uuids is None:
+            self._uuids = _uuid_map()
+        if remote.device_uuid and remote.device_uuid in self._uuids:
+            return self._uuids[remote.device_uuid]
+        if remote.device_uuid:
+            raise RuntimeError(f"GPU {remote.device_uuid} of the peer is not visible in this process")
+        return int(remote.export["cuda_ipc"]["dev"])
+
+    def _map(self, remote: RemoteRegion) -> Any:
+        import torch
+
+        e = remote.export["cuda_ipc"]
+        dev = self._local_index(remote)
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(dev, e["h"], e["sz"], e["so"], e["rh"], e["ro"], e["eh"], e["es"])
+        typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
+        return torch._utils._rebuild_tensor(typed, int(e["to"]), (remote.size,), (1,))
+
+    def _enable_peer(self, a: int, b: int) -> None:
+        """Turn on peer access both ways (torch enables it on its first cross-device copy)."""
+        import torch
+
+        if a == b or (a, b) in self._peer_ok:
+            return
+        x, y = torch.zeros(1, device=f"cuda:{a}"), torch.zeros(1, device=f"cuda:{b}")
+        y.copy_(x)
+        x.copy_(y)
+        torch.cuda.synchronize(a)
+        torch.cuda.synchronize(b)
+        self._peer_ok.update({(a, b), (b, a)})
+
+    async def on_peer(self, peer: Peer) -> None:
+        if peer.host_id != self.agent.host_id:
+            return
+        mapped: dict[int, Any] = peer.extra.setdefault(self.name, {})
+        local_devs = {r.device for r in self.agent.regions.all() if r.kind == "cuda"}
+        for rid, remote in peer.regions.items():
+            if rid in mapped or remote.kind != "cuda" or "cuda_ipc" not in remote.export:
+                continue
+            t = self._map(remote)
+            for d in local_devs:
+                self._enable_peer(d, t.device.index)
+            mapped[rid] = t
+        for rid in [r for r in mapped if r not in peer.regions]:
+            del mapped[rid]
+
+    def on_peer_lost(self, peer: Peer) -> None:
+        peer.extra.pop(self.name, None)
+
+    def mapped(self, peer: Peer, remote_region: int) -> Any:
+        """The peer's region as a tensor in this process (used by the benchmark's peer-copy ceiling)."""
+        return peer.extra[self.name][remote_region]
+
+    def supports(self, peer: Peer, local: list[MemoryRegion], remote: list[RemoteRegion]) -> str | None:
+        if peer.host_id != self.agent.host_id:
+            return "peer is on another host"
+        if any(r.kind != "cuda" for r in local):
+            return "a local region is not CUDA memory"
+        mapped = peer.extra.get(self.name, {})
+        missing = [r.region_id for r in remote if r.region_id not in mapped]
+        if missing:
+            return f"remote region(s) {missing} are not CUDA memory mapped by IPC"
+        return None
+
+    def _stream(self, dev: int) -> Any:
+        import torch
+
+        s = self._streams.get(dev)
+        if s is None:
+            s = self._streams[dev] = torch.cuda.Stream(device=dev)
+        return s
+
+    # ---- moving bytes ------------------------------------------------------------------------------------------
+    async def transfer(self, op: str, peer: Peer, xfers: XferList, notif: bytes | None, xfer_id: int,
+                       deadline: float, wait_event: Any = None) -> bool:
+        import torch
+
+        mapped = peer.extra[self.name]
+        regions = self.agent.regions
+        events = []
+        devs = {int(r): regions.get(int(r)).device for r in np.unique(xfers.local_region)}
+        for dev in sorted(set(devs.values())):
+            x = xfers if len(devs) == 1 else xfers.take(np.isin(xfers.local_region, [r for r, d in devs.items() if d == dev]))
+            stream = self._stream(dev)
+            with torch.cuda.device(dev):
+                if wait_event is not None:
+                    stream.wait_event(wait_event)
+                else:
+                    stream.wait_stream(torch.cuda.default_stream(dev))
+                self._enqueue(op, x, mapped, dev, stream)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            events.append(ev)
+        for ev in events:
+            await self._wait(ev, deadline, peer, xfer_id, op)
+        return False
+
+    def _enqueue(self, op: str, x: XferList, mapped: dict[int, Any], dev: int, stream: Any) -> None:
+        regions = self.agent.regions
+        copier = self.copier
+        if copier.name == "batch":
+            lp = _bases(x.local_region, lambda r: regions.get(r).ptr) + x.local_offset
+            rp = _bases(x.remote_region, lambda r: mapped[r].data_ptr()) + x.remote_offset
+            uniq_r = np.unique(x.remote_region)
+            rdev = mapped[int(uniq_r[0])].device.index
+            if op == "write":
+                copier.copy(lp, rp, x.length, dev, rdev, stream)
+            else:
+                copier.copy(rp, lp, x.length, rdev, dev, stream)
+            return
+        pairs = np.stack([x.local_region, x.remote_region], 1)
+        for lr, rr in np.unique(pairs, axis=0).tolist():
+            sel = (x.local_region == lr) & (x.remote_region == rr)
+            lt, rt = regions.get(lr).tensor, mapped[rr]
+            lo, ro, n = x.local_offset[sel], x.remote_offset[sel], x.length[sel]
+            if op == "write":
+                copier.copy_tensors(lt, rt, lo, ro, n, stream)
+            else:
+                copier.copy_tensors(rt, lt, ro, lo, n, stream)
+
+    async def _wait(self, ev: Any, deadline: float, peer: Peer, xfer_id: int, op: str) -> None:
+        spin_until = time.monotonic() + _SPIN_S
+        while time.monotonic() < spin_until:
+            if ev.query():
+                return
+            await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._sync, ev.synchronize),
+                                   max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise TransferTimeoutError(f"cuda_ipc {op} {xfer_id} with {peer.describe()} did not complete before "
+                                       "its deadline (GPU busy or hung?)") from None
+
+    async def close(self) -> None:
+        self._sync.shutdown(wait=False, cancel_futures=True)
