@@ -1,0 +1,310 @@
+"""`pdserve serve --prefill X --decode Y`: a local XpYd deployment in one command.
+
+Starts X prefill and Y decode (and optionally colocated) instances as child processes, one GPU each on a CUDA host
+(CUDA_VISIBLE_DEVICES), waits until every one answers /health, runs the router in this process, prints where to
+send requests, and on SIGINT/SIGTERM stops the router and every child (their whole process groups; children also
+get SIGTERM from the kernel if this process dies without cleaning up), so nothing is left running.
+
+Instance flags (`--model`, `--max-model-len`, ...) are the instance server's own, mirrored here and passed to every
+instance; router tunables are mirrored from RouterConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.main import add_tunable_arguments, build_config
+
+log = logging.getLogger("pdserve.serve")
+
+LAUNCHER_FLAGS = {"--prefill", "--decode", "--both", "--host", "--port", "--role", "-h", "--help"}
+STOP_GRACE_S = 15.0  # children get this long after SIGTERM before SIGKILL
+_MIRRORED = "_pdserve_instance_flags"  # args attribute: [(dest, action)] of the mirrored instance flags
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    gpu: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _instance_parser() -> argparse.ArgumentParser:
+    from pdserve.server.main import add_arguments as add_instance_arguments
+
+    return add_instance_arguments(argparse.ArgumentParser(add_help=False))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("deployment")
+    g.add_argument("--prefill", type=int, default=0, metavar="X", help="prefill instances to start")
+    g.add_argument("--decode", type=int, default=0, metavar="Y", help="decode instances to start")
+    g.add_argument("--both", type=int, default=0, metavar="N", help="colocated instances to start")
+    g.add_argument("--host", default=RouterConfig.host, help="router listen address (default: %(default)s)")
+    g.add_argument("--port", type=int, default=RouterConfig.port, help="router port; 0 picks one (default: %(default)s)")
+    g.add_argument("--instance-base-port", type=int, default=0,
+                   help="instance i listens on base+i (default 0: free ports)")
+    g.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds to wait for every instance's /health (model loading)")
+    g.add_argument("--log-dir", default=None, help="instance logs (default: a new temporary directory)")
+    g.add_argument("--instance-command", default=f"{shlex.quote(sys.executable)} -m pdserve.server",
+                   help="command that starts one instance; --role/--port/--host and the instance flags are appended")
+    g.add_argument("--allow-gpu-sharing", action="store_true",
+                   help="more instances than GPUs: share GPUs round-robin instead of refusing")
+    g.add_argument("--router-config", default=None, metavar="FILE.yaml", help="router settings (pools are ignored)")
+    g.add_argument("--policy", default=None, help="router: the same policy for every pool")
+    r = parser.add_argument_group("router")
+    add_tunable_arguments(r, skip=LAUNCHER_FLAGS)
+    mirrored: list[tuple[str, argparse.Action]] = []
+    inst = parser.add_argument_group("instance (passed to every instance)")
+    taken = {s for a in parser._actions for s in a.option_strings}
+    for action in _instance_parser()._actions:
+        if not action.option_strings or set(action.option_strings) & (LAUNCHER_FLAGS | taken):
+            continue
+        inst._add_action(action)
+        mirrored.append((action.dest, action))
+    parser.set_defaults(**{_MIRRORED: mirrored})
+    return parser
+
+
+def instance_argv(args: argparse.Namespace) -> list[str]:
+    """The instance flags the user set (those differing from the instance defaults), as argv."""
+    out: list[str] = []
+    for dest, action in getattr(args, _MIRRORED, []):
+        value = getattr(args, dest, None)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif isinstance(action, argparse._StoreTrueAction):
+            if value:
+                out.append(flag)
+        elif isinstance(action, argparse._StoreFalseAction):
+            if not value:
+                out.append(flag)
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def visible_gpus(device: str | None) -> list[str]:
+    """GPU ids this process may hand out; empty on a CPU-only host or when instances are told to use the CPU."""
+    if device and device.startswith("cpu"):
+        return []
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    except Exception:  # no torch or a broken CUDA install: behave as on CPU
+        return []
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec: ask the kernel to SIGTERM the child if the launcher dies (Linux), so no orphans survive."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def plan_children(args: argparse.Namespace) -> list[tuple[str, str]]:
+    for name in ("prefill", "decode", "both"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0")
+    if args.decode + args.both == 0:
+        raise ValueError("nothing would serve requests: give --decode Y (with --prefill X) or --both N")
+    return ([("prefill", f"prefill{i}") for i in range(args.prefill)]
+            + [("decode", f"decode{i}") for i in range(args.decode)]
+            + [("both", f"both{i}") for i in range(args.both)])
+
+
+def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
+    plan = plan_children(args)
+    gpus = visible_gpus(getattr(args, "device", None))
+    if gpus and len(plan) > len(gpus) and not args.allow_gpu_sharing:
+        raise ValueError(f"{len(plan)} instances need {len(plan)} GPUs but {len(gpus)} are visible "
+                         "(use fewer instances or --allow-gpu-sharing)")
+    base = shlex.split(args.instance_command)
+    extra = instance_argv(args)
+    threads = max(1, (os.cpu_count() or 1) // len(plan))
+    children: list[Child] = []
+    try:
+        for k, (role, name) in enumerate(plan):
+            port = args.instance_base_port + k if args.instance_base_port else free_port()
+            env = dict(os.environ)
+            gpu = gpus[k % len(gpus)] if gpus else None
+            if gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+            else:  # CPU processes: split the cores instead of every process spinning on all of them
+                env.setdefault("OMP_NUM_THREADS", str(threads))
+            cmd = [*base, "--role", role, "--host", "127.0.0.1", "--port", str(port), *extra]
+            log_path = log_dir / f"{name}.log"
+            with open(log_path, "wb") as fh:
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+            children.append(Child(name, role, port, proc, log_path, gpu))
+    except BaseException:
+        stop_children(children)
+        raise
+    return children
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+async def wait_healthy(children: list[Child], timeout: float, stop: asyncio.Event) -> None:
+    """Until every child answers /health 200; raises RuntimeError if one exits or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    pending = {c.name: c for c in children}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        while pending:
+            if stop.is_set():
+                raise RuntimeError("interrupted while waiting for the instances")
+            for child in list(pending.values()):
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"instance {child.name} exited with code {child.proc.returncode} during "
+                                       f"start-up; last lines of {child.log_path}:\n{_tail(child.log_path)}")
+                try:
+                    async with session.get(child.url + "/health") as resp:
+                        if resp.status == 200:
+                            del pending[child.name]
+                            print(f"pdserve serve: {child.name} ready at {child.url}", flush=True)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"instances {sorted(pending)} not healthy after {timeout:.0f}s "
+                                   f"(logs in {children[0].log_path.parent})")
+            if pending:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=0.25)
+
+
+def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM every child's process group, wait up to `grace`, then SIGKILL what is left."""
+    for child in children:
+        if child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("instance %s did not stop within %.0fs: killing it", child.name, grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.proc.pid, signal.SIGKILL)  # also reaps grandchildren left in the group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=5)
+
+
+async def _watch(children: list[Child], stop: asyncio.Event) -> None:
+    """Report instances that die while serving (the router's health checks route around them)."""
+    reported: set[str] = set()
+    while not stop.is_set():
+        for child in children:
+            if child.name not in reported and child.proc.poll() is not None:
+                reported.add(child.name)
+                print(f"pdserve serve: instance {child.name} exited with code {child.proc.returncode}; "
+                      f"see {child.log_path}", file=sys.stderr, flush=True)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from pdserve.router.proxy import bound_port, start_router
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children = spawn_children(args, log_dir)
+    for c in children:
+        where = f"GPU {c.gpu}" if c.gpu is not None else "CPU"
+        print(f"pdserve serve: started {c.name} (pid {c.proc.pid}, {where}) on {c.url}, log {c.log_path}", flush=True)
+    runner = None
+    try:
+        await wait_healthy(children, args.startup_timeout, stop)
+        pools = {role: [c.url for c in children if c.role == role] for role in ("prefill", "decode", "both")}
+        config: RouterConfig = build_config(args, args.router_config, **pools)
+        _, runner = await start_router(config)
+        port = bound_port(runner)
+        print(f"pdserve serve: ready: send OpenAI requests to http://{config.host}:{port}/v1 "
+              f"({args.prefill} prefill, {args.decode} decode, {args.both} colocated); Ctrl-C stops everything",
+              flush=True)
+        await _watch(children, stop)
+        return 0
+    except RuntimeError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        print("pdserve serve: stopping", flush=True)
+        if runner is not None:
+            await runner.cleanup()
+        await asyncio.get_running_loop().run_in_executor(None, stop_children, children)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # fail on bad flags before starting anything (placeholder pools: the real URLs come after start-up)
+        plan_children(args)
+        build_config(args, args.router_config, prefill=[], decode=["http://127.0.0.1:1"], both=[])
+    except (ValueError, OSError) as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(args))
+    except ValueError as e:
+        print(f"pdserve serve: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve serve", description=__doc__.split("\n\n")[0])
+    return run(add_arguments(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

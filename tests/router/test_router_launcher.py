@@ -1,0 +1,98 @@
+"""`pdserve serve --prefill X --decode Y` with fake instances: starts, serves, stops everything on SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+FAKE = Path(__file__).with_name("fake_instance.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _reader(stream, lines: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+    lines.put(None)
+
+
+def _wait_line(lines: queue.Queue, pattern: str, timeout: float, seen: list[str]) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r}; output so far:\n{''.join(seen)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _launch(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pdserve.router.launcher", "--port", "0", "--log-dir", str(tmp_path),
+           "--instance-command", f"{sys.executable} {FAKE}", "--startup-timeout", "30", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_launcher_serves_and_stops_every_child(tmp_path):
+    proc = _launch(tmp_path, "--prefill", "1", "--decode", "2", "--local-prefill-max-tokens", "0")
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        m = _wait_line(lines, r"ready: send OpenAI requests to (http://\S+)/v1", 60, seen)
+        url = m.group(1)
+        pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)", "".join(seen))]
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        req = urllib.request.Request(url + "/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "hello " * 40, "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            body = json.loads(resp.read())
+        assert body["choices"][0]["text"] == " t0 t1"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert not any(_alive(p) for p in pids), "an instance outlived the launcher"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_launcher_reports_an_instance_that_fails_to_start(tmp_path):
+    bad = tmp_path / "bad_instance.py"
+    bad.write_text("import sys\nprint('cannot load the model')\nsys.exit(3)\n")
+    cmd = [sys.executable, "-m", "pdserve.router.launcher", "--port", "0", "--log-dir", str(tmp_path),
+           "--instance-command", f"{sys.executable} {bad}", "--decode", "1", "--startup-timeout", "30"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 1
+    assert "exited with code 3" in out.stderr and "cannot load the model" in out.stderr
+
+
+def test_launcher_refuses_bad_flags():
+    cmd = [sys.executable, "-m", "pdserve.router.launcher", "--prefill", "1"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2 and "--decode" in out.stderr
