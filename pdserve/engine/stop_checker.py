@@ -27,9 +27,13 @@ class StopChecker:
         return self._held
 
     def feed(self, delta: str) -> tuple[str, str | None]:
-        """Return (text to emit now, the stop string that matched or None). After a match, feed raises."""
+        """Return (text to emit now, the stop string that matched or None).
+
+        After a match the request is over: later deltas (tokens already in flight) are dropped, returning
+        ("", the matched string) again, so a caller that sees one more output does not leak text past the stop.
+        """
         if self.matched is not None:
-            raise RuntimeError(f"stop string {self.matched!r} already matched; the request is finished")
+            return "", self.matched
         if not self.stop:
             return delta, None
         buf = self._held + delta
@@ -54,12 +58,19 @@ class StopChecker:
         return max(len(s) for s in self.stop)
 
     def _earliest_match(self, buf: str, start: int) -> tuple[int, str | None]:
-        """The stop string occurring first in `buf` (the longest one where two start at the same place)."""
-        best_at, best = len(buf) + 1, None
+        """The stop string that is complete first in `buf` (the longest where several end at the same place).
+
+        "First complete", not "first to start": a stream cannot wait to see whether "ab" grows into "abc", so
+        this rule gives the same answer however the text is split into deltas.
+        """
+        best_end, best_at, best = len(buf) + 1, -1, None
         for s in self.stop:
             at = buf.find(s, start)
-            if at != -1 and (at < best_at or (at == best_at and best is not None and len(s) > len(best))):
-                best_at, best = at, s
+            if at == -1:
+                continue
+            end = at + len(s)
+            if end < best_end or (end == best_end and best is not None and len(s) > len(best)):
+                best_end, best_at, best = end, at, s
         return best_at, best
 
     def _partial_suffix_len(self, buf: str) -> int:

@@ -226,8 +226,10 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 **{**self.special_tokens_map, **kwargs},
             )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template error: {exc}") from exc
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            # Raised by the template on messages it cannot render (its raise_exception, a missing key, None where
+            # a string was expected): the request's fault, so a ValueError (HTTP 400), not a server error.
+            raise ValueError(f"chat template error: {type(exc).__name__}: {exc}") from exc
         return rendered[0]
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
