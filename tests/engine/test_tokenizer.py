@@ -264,6 +264,20 @@ def test_hf_dir_matches_transformers(bpe_dir):
                                                                      return_dict=False))
 
 
+@pytest.mark.parametrize("add_bos,add_eos", [(True, False), (False, True), (True, True), (False, False)])
+def test_hf_dir_add_bos_eos_flags_like_transformers(bpe_dir, add_bos, add_eos):
+    """tokenizer.json's post-processor decides special tokens; transformers 5's generic tokenizer class agrees."""
+    from transformers import AutoTokenizer
+
+    config = json.loads((bpe_dir / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|endoftext|>", add_bos_token=add_bos, add_eos_token=add_eos)
+    (bpe_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.load(str(bpe_dir))
+    hf = AutoTokenizer.from_pretrained(str(bpe_dir))
+    assert tok.encode("hello world") == hf.encode("hello world")
+    assert tok.encode("hello world", add_special_tokens=False) == hf.encode("hello world", add_special_tokens=False)
+
+
 def test_hf_dir_chat_template_jinja_takes_precedence(bpe_dir):
     (bpe_dir / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     tok = Tokenizer.load(str(bpe_dir))
