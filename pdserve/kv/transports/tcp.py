@@ -144,12 +144,18 @@ class TcpTransport(Transport):
             conns.abort()  # unblock the other stripes now; wait for them so no thread still touches our memory
             if pending:
                 await asyncio.wait(pending, timeout=cfg.io_timeout_s + 1.0)
+            for f in futs:  # retrieve every stripe's outcome (no "exception never retrieved" noise)
+                if f.done() and not f.cancelled():
+                    f.exception()
             if failed:
                 err = failed[0].exception()
                 if isinstance(err, RemoteRejected):
                     raise InvalidDescriptorError(f"{op} {xfer_id} rejected by {peer.describe()}: {err}") from err
                 if isinstance(err, KVTransferError):
                     raise err
+                if isinstance(err, TimeoutError):
+                    raise TransferTimeoutError(f"{op} {xfer_id} to {peer.describe()} stalled: no progress on a data "
+                                               f"connection within {cfg.io_timeout_s:g} s or past the deadline") from err
                 raise PeerDisconnectedError(f"{op} {xfer_id} to {peer.describe()} failed over tcp: "
                                             f"{type(err).__name__}: {err}") from err
             raise TransferTimeoutError(f"{op} {xfer_id} to {peer.describe()} did not finish within its deadline "

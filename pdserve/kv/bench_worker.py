@@ -1,0 +1,268 @@
+"""One side of `pdserve bench transfer`: a process that owns a KV-shaped pool and an agent, and runs commands sent
+by the orchestrating parent over a multiprocessing pipe (fill, checksum, timed transfers, raw-socket and peer-copy
+ceilings). Also used by the tests as "a peer in another process"."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from pdserve.kv.agent import KVAgent, Notification
+from pdserve.kv.config import AgentConfig
+from pdserve.kv.descs import block_xfers
+from pdserve.kv.transports.tcp import split_address, tune_socket
+from pdserve.kv.wire import recv_into_exact
+
+
+class Pool:
+    """A block-major pool [num_blocks, block_bytes] of bytes: numpy on CPU (tests), torch on CPU or CUDA (bench)."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, backend: str, device: str) -> None:
+        self.num_blocks, self.block_bytes, self.backend, self.device = num_blocks, block_bytes, backend, device
+        if backend == "numpy":
+            self.data: Any = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+        else:
+            import torch
+
+            pin = device == "pinned"
+            dev = "cpu" if device in ("cpu", "pinned") else device
+            self.data = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, device=dev, pin_memory=pin)
+
+    def fill(self, seed: int) -> None:
+        if self.backend == "numpy":
+            self.data[:] = np.random.default_rng(seed).integers(0, 256, self.data.shape, dtype=np.uint8)
+            return
+        import torch
+
+        g = torch.Generator(device=self.data.device).manual_seed(seed)
+        for i in range(0, self.num_blocks, 64):
+            blk = self.data[i:i + 64]
+            blk.copy_(torch.randint(0, 256, blk.shape, dtype=torch.uint8, device=self.data.device, generator=g))
+        self.sync()
+
+    def sync(self) -> None:
+        if self.backend == "torch" and self.data.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(self.data.device)
+
+    def checksums(self, ids: list[int]) -> list[str]:
+        """Per-block digests, identical for identical bytes whatever the device (exact integer sums on torch)."""
+        if self.backend == "numpy":
+            return [hashlib.blake2b(self.data[i].tobytes(), digest_size=16).hexdigest() for i in ids]
+        import torch
+
+        out: list[str] = []
+        bb = self.block_bytes - self.block_bytes % 4
+        w = (torch.arange(bb // 4, device=self.data.device, dtype=torch.int64) % 251) + 1
+        for i in range(0, len(ids), 32):
+            idx = torch.tensor(ids[i:i + 32], device=self.data.device)
+            x = self.data[idx][:, :bb].contiguous().view(torch.int32).to(torch.int64)
+            s1 = x.sum(1).tolist()
+            s2 = (x * w).sum(1).tolist()
+            tail = self.data[idx][:, bb:].to(torch.int64).sum(1).tolist()
+            out += [f"{a}:{b}:{c}" for a, b, c in zip(s1, s2, tail)]
+        return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else float("nan")
+
+
+def summarize(seconds: list[float], nbytes: int) -> dict[str, float]:
+    med = statistics.median(seconds)
+    return {"median_ms": med * 1e3, "p99_ms": _pct(seconds, 0.99) * 1e3, "min_ms": min(seconds) * 1e3,
+            "GBps": nbytes / med / 1e9 if med > 0 else float("nan"), "iters": len(seconds)}
+
+
+class Worker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        dev = spec.get("device", "cpu")
+        if dev.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(torch.device(dev))
+        self.pool = Pool(spec["num_blocks"], spec["block_bytes"], spec.get("backend", "torch"), dev)
+        self.agent = KVAgent(AgentConfig(**spec.get("agent", {})))
+        src = self.pool.data
+        self.region = self.agent.register(src, name="kv")
+        self.latencies_ns: list[int] = []
+        self.agent.on_notification(self._on_notif)
+        self._sink: socket.socket | None = None
+
+    def _on_notif(self, n: Notification) -> None:
+        try:
+            t0 = int(n.unpack()["t0"])
+        except Exception:
+            return
+        self.latencies_ns.append(n.recv_ns - t0)
+
+    async def run(self, conn: Any) -> None:
+        loop = asyncio.get_running_loop()
+        await self.agent.start()
+        while True:
+            cmd, kw = await loop.run_in_executor(None, conn.recv)
+            if cmd == "exit":
+                await self.agent.close()
+                conn.send(("ok", None))
+                return
+            if cmd == "kill":
+                os._exit(17)
+            try:
+                res = await getattr(self, "cmd_" + cmd)(**kw)
+                conn.send(("ok", res))
+            except Exception as e:  # reported to the parent, which decides
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+
+    async def cmd_info(self) -> dict[str, Any]:
+        return {"address": self.agent.address, "name": self.agent.name, "region": self.region,
+                "transports": sorted(self.agent.transports), "pid": os.getpid()}
+
+    async def cmd_connect(self, address: str) -> str:
+        return await self.agent.connect(address)
+
+    async def cmd_fill(self, seed: int) -> None:
+        self.pool.fill(seed)
+
+    async def cmd_checksums(self, ids: list[int]) -> list[str]:
+        return self.pool.checksums(ids)
+
+    async def cmd_latencies(self) -> list[int]:
+        out, self.latencies_ns = self.latencies_ns, []
+        return out
+
+    async def cmd_xfer(self, op: str, peer: str, local_ids: list[int], remote_ids: list[int], iters: int, warmup: int,
+                       transport: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
+        """Timed transfers, each from the call (descriptor building included) to completion at this side."""
+        bb = self.pool.block_bytes
+        rr = self.agent.peer(peer).region_id("kv")
+        times = []
+        res = None
+        self.pool.sync()
+        for i in range(warmup + iters):
+            t0 = time.perf_counter_ns()
+            xl = block_xfers(local_ids, remote_ids, bb, self.region, rr, coalesce=False)  # the agent coalesces
+            notif = {"i": i, "t0": t0}
+            if op == "write":
+                res = await self.agent.write(peer, xl, notif, transport=transport, timeout=timeout)
+            else:
+                res = await self.agent.read(peer, xl, notif, transport=transport, timeout=timeout)
+            if i >= warmup:
+                times.append((time.perf_counter_ns() - t0) / 1e9)
+        assert res is not None
+        out = summarize(times, res.nbytes)
+        out.update({"transport": res.transport, "bytes": res.nbytes, "descs_in": res.descs_in,
+                    "descs_out": res.descs_out, "times_ms": [t * 1e3 for t in times]})
+        tr = self.agent.transports.get(res.transport)
+        if tr is not None and getattr(tr, "_copier", None) is not None:
+            out["copy_method"] = tr._copier.name
+        return out
+
+    async def cmd_copy_method(self) -> str | None:
+        tr = self.agent.transports.get("cuda_ipc")
+        return tr.copier.name if tr is not None else None
+
+    # ---- ceilings ----------------------------------------------------------------------------------------------
+    def _host_view(self, nbytes: int) -> memoryview:
+        reg = self.agent.region(self.region)
+        if reg.host_view is not None and reg.size >= nbytes:
+            return reg.host_view[:nbytes]
+        if not hasattr(self, "_raw_buf") or self._raw_buf.nbytes < nbytes:
+            self._raw_buf = memoryview(bytearray(nbytes))
+        return self._raw_buf[:nbytes]
+
+    async def cmd_raw_sink(self, nbytes: int, conns: int) -> int:
+        """Listen for `conns` raw TCP streams; each iteration receives its share of nbytes and acks one byte."""
+        view = self._host_view(nbytes)
+        ls = socket.socket()
+        ls.bind((self.agent.config.host, 0))
+        ls.listen(conns)
+        port = ls.getsockname()[1]
+
+        def serve_one(s: socket.socket, part: memoryview) -> None:
+            tune_socket(s, self.agent.config.tcp_socket_buffer)
+            try:
+                while True:
+                    recv_into_exact(s, part)
+                    s.sendall(b"k")
+            except (OSError, ConnectionError):
+                s.close()
+
+        def accept() -> None:
+            for i in range(conns):
+                s, _ = ls.accept()
+                lo, hi = nbytes * i // conns, nbytes * (i + 1) // conns
+                threading.Thread(target=serve_one, args=(s, view[lo:hi]), daemon=True).start()
+            ls.close()
+
+        threading.Thread(target=accept, daemon=True).start()
+        return port
+
+    async def cmd_raw_send(self, address: str, nbytes: int, iters: int, warmup: int, conns: int) -> dict[str, Any]:
+        """The tcp ceiling: plain sendall of one contiguous buffer over `conns` sockets to the sink, same processes."""
+        host, port = split_address(address)
+        view = self._host_view(nbytes)
+        socks = []
+        for _ in range(conns):
+            s = socket.create_connection((host, port), timeout=30)
+            tune_socket(s, self.agent.config.tcp_socket_buffer)
+            socks.append(s)
+        ack = memoryview(bytearray(1))
+
+        def one(i: int) -> None:
+            lo, hi = nbytes * i // conns, nbytes * (i + 1) // conns
+            socks[i].sendall(view[lo:hi])
+            recv_into_exact(socks[i], ack)
+
+        loop = asyncio.get_running_loop()
+        times = []
+        for it in range(warmup + iters):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(loop.run_in_executor(None, one, i) for i in range(conns)))
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+        for s in socks:
+            s.close()
+        out = summarize(times, nbytes)
+        out["connections"] = conns
+        return out
+
+    async def cmd_peer_copy(self, peer: str, nbytes: int, iters: int, warmup: int) -> dict[str, Any]:
+        """The cuda_ipc ceiling: one large copy into the peer's IPC-mapped pool (torch copy_, a cudaMemcpyAsync)."""
+        import torch
+
+        tr = self.agent.transports["cuda_ipc"]
+        p = self.agent.peer(peer)
+        dst = tr.mapped(p, p.region_id("kv"))[:nbytes]
+        src = self.pool.data.view(-1)[:nbytes]
+        stream = torch.cuda.Stream()
+        times = []
+        for it in range(warmup + iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+        return summarize(times, nbytes)
+
+
+def worker_main(conn: Any, spec: dict[str, Any]) -> None:
+    try:
+        w = Worker(spec)
+    except Exception as e:
+        conn.send(("error", f"worker start failed: {type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", "ready"))
+    asyncio.run(w.run(conn))
