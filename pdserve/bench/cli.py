@@ -114,6 +114,7 @@ def _add_search(p: argparse.ArgumentParser, required: bool) -> None:
     g.add_argument("--max-requests", type=int, default=None, help="cap on requests per trial")
     g.add_argument("--max-duration", type=float, default=None, help="cap on a trial's arrival window (s)")
     g.add_argument("--time-budget", type=float, default=None, help="seconds for the whole search")
+    g.add_argument("--cooldown", type=float, default=2.0, help="idle seconds between trials")
     g.add_argument("--no-early-stop", action="store_true", help="run failing trials to the end")
 
 
@@ -201,7 +202,7 @@ def _search_cfg(args) -> SearchConfig:
                         tolerance=args.tolerance, max_trials=args.max_trials, requests_per_rate=args.requests_per_rate,
                         min_duration_s=args.min_duration, min_requests=args.min_requests,
                         max_requests=args.max_requests, max_duration_s=args.max_duration,
-                        time_budget_s=args.time_budget)
+                        time_budget_s=args.time_budget, cooldown_s=args.cooldown)
 
 
 def _open_bench(args, endpoint: EndpointConfig, opts: MetricOptions) -> Bench:

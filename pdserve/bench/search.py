@@ -29,6 +29,7 @@ class SearchConfig:
     max_requests: int | None = None
     max_duration_s: float | None = None  # cap on a trial's arrival window
     time_budget_s: float | None = None  # the whole search
+    cooldown_s: float = 2.0  # idle time before each trial after the first, so an overloaded one drains away
 
     def __post_init__(self) -> None:
         if not 0 < self.min_rate <= self.start_rate <= self.max_rate:

@@ -7,6 +7,7 @@ infinitely late, and appends every trial's run (with all its samples) to the rec
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import asdict, replace
@@ -14,7 +15,7 @@ from dataclasses import asdict, replace
 from pdserve.bench.loadgen import LoadConfig, StopSignal, arrival_times
 from pdserve.bench.runner import Bench, WorkloadConfig, strip_live
 from pdserve.bench.search import SearchConfig, Trial, search_max_rate, trial_size
-from pdserve.bench.slo import SLOTerm, certain_violation, judge, slo_text
+from pdserve.bench.slo import SLOTerm, certain_violation, goodput_limits, judge, slo_text
 
 
 async def run_slo_search(
@@ -29,8 +30,17 @@ async def run_slo_search(
     on_trial=None,
 ) -> dict:
     """Run the search; returns the search section (also appended to record["searches"])."""
+    if not bench.metric_opts.goodput_ms:  # goodput at the found rate: requests meeting the SLO's own limits
+        bench.metric_opts = replace(bench.metric_opts, goodput_ms=goodput_limits(terms) or None)
 
     async def trial(rate: float, seconds_left: float | None) -> Trial:
+        if record["runs"] and cfg.cooldown_s > 0:
+            try:  # let the server finish aborting the previous trial's requests
+                await asyncio.wait_for(user_stop.event.wait(), cfg.cooldown_s)
+            except asyncio.TimeoutError:
+                pass
+            if seconds_left is not None:
+                seconds_left -= cfg.cooldown_s
         if user_stop.is_set:
             return Trial(rate=rate, passed=None, reason="interrupted")
         n = trial_size(rate, cfg)

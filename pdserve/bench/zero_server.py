@@ -48,12 +48,16 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": "zero", "object": "model"}]})
 
 
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
 def make_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", lambda r: web.Response(text="ok"))
+    app.router.add_get("/health", _health)
     return app
 
 

@@ -39,8 +39,22 @@ def _event(chat: bool, text: str) -> bytes:
     return f"data: {json.dumps(ev)}\n\n".encode()
 
 
+BEHAVIOUR = web.AppKey("behaviour", Behaviour)
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"data": [{"id": "fake-model"}]})
+
+
 async def _handle(request: web.Request) -> web.StreamResponse:
-    b: Behaviour = request.app["behaviour"]
+    try:
+        return await _respond(request)
+    except ConnectionError:  # the benchmark cancelled the request (early stop, Ctrl-C): nothing to do
+        return web.Response(status=499)
+
+
+async def _respond(request: web.Request) -> web.StreamResponse:
+    b: Behaviour = request.app[BEHAVIOUR]
     now = time.perf_counter()
     b.arrivals.append(now)
     b.count += 1
@@ -100,10 +114,10 @@ class FakeServer:
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
         app = web.Application()
-        app["behaviour"] = self.behaviour
+        app[BEHAVIOUR] = self.behaviour
         app.router.add_post("/v1/completions", _handle)
         app.router.add_post("/v1/chat/completions", _handle)
-        app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake-model"}]}))
+        app.router.add_get("/v1/models", _models)
         self._runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
