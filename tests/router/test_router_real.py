@@ -1,0 +1,291 @@
+"""The router in front of real instances (default model, CPU, tcp transport).
+
+Greedy outputs through the router (colocated, 1P1D, 2P2D) must equal the colocated instance's token for token,
+streaming and not, including prompts whose prefix the decode instance already caches; client aborts mid-stream
+and mid-handover must leave every KV pool whole; a killed decode instance gives its client an error and later
+requests go to the survivor; a killed prefill instance leads to retry or local prefill, not failures.
+
+Module-scoped: one set of instances serves every test (model loading dominates the cost). The kill tests come
+last in the file because they take instances down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import importlib.util
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DISAGG_READY = importlib.util.find_spec("pdserve.disagg.connector") is not None
+needs_disagg = pytest.mark.skipif(not DISAGG_READY, reason="pdserve.disagg.connector (the handover) is not there yet")
+MAX_TOKENS = 8
+SYSTEM = "You are a careful assistant. Answer briefly and precisely, and never invent facts. " * 3
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    SYSTEM + "Question: what is the boiling point of water at sea level?",
+    SYSTEM + "Question: name the largest planet of the solar system.",  # shares the long prefix (cache hit)
+    SYSTEM + "Question: what is the boiling point of water at sea level?",  # exact repeat
+]
+CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hello in French."}]
+ROUTER_FLAGS = ["--local-prefill-max-tokens", "0", "--health-timeout", "5", "--breaker-failures", "5",
+                "--health-interval", "0.2"]
+
+
+def _start(cmd: list[str], pattern: str, timeout: float) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def reader() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=reader, daemon=True).start()
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise RuntimeError(f"{cmd} did not start:\n{''.join(seen[-30:])}")
+
+
+def start_instance(role: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "pdserve.server", "--role", role, "--port", "0", "--cpu-kv-cache-gb", "0.25",
+           "--log-level", "warning"]
+    return _start(cmd, r"serving .* on (http://\S+)", timeout=300)
+
+
+def start_router(*flags: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "pdserve.router", "--port", "0", *ROUTER_FLAGS, *flags]
+    return _start(cmd, r"serving on (http://\S+)", timeout=60)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.urls: dict[str, str] = {}
+
+    def add(self, name: str, started: tuple[subprocess.Popen, str]) -> None:
+        self.procs[name], self.urls[name] = started
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    try:
+        roles = {"ref": "both"}
+        if DISAGG_READY:
+            roles.update({"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"})
+        with concurrent.futures.ThreadPoolExecutor(len(roles)) as pool:
+            for name, started in zip(roles, pool.map(start_instance, roles.values())):
+                c.add(name, started)
+        c.add("r_colo", start_router("--both", c.urls["ref"]))
+        if DISAGG_READY:
+            c.add("r_1p1d", start_router("--prefill", c.urls["p0"], "--decode", c.urls["d0"]))
+            c.add("r_2p2d", start_router("--prefill", c.urls["p0"], c.urls["p1"], "--decode", c.urls["d0"],
+                                         c.urls["d1"], "--decode-policy", "round_robin"))
+        yield c
+    finally:
+        c.close()
+
+
+def run(coro, timeout: float = 300.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def complete(session: aiohttp.ClientSession, url: str, prompt: str | None = None, *, stream: bool,
+                   messages: list | None = None) -> str:
+    """Greedy completion (or chat) text via `url`; streaming requests are reassembled from their chunks."""
+    path = "/v1/chat/completions" if messages is not None else "/v1/completions"
+    body = {"max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+    body.update({"messages": messages} if messages is not None else {"prompt": prompt})
+    async with session.post(url + path, json=body) as resp:
+        raw = await resp.read()
+        assert resp.status == 200, raw
+    if not stream:
+        choice = json.loads(raw)["choices"][0]
+        return choice["message"]["content"] if messages is not None else choice["text"]
+    text = ""
+    events = [e[6:] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    for payload in events[:-1]:
+        obj = json.loads(payload)
+        assert "error" not in obj, obj
+        assert "pd_timings" not in obj
+        for choice in obj["choices"]:
+            text += (choice["delta"].get("content") or "") if messages is not None else choice["text"]
+    return text
+
+
+async def load(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(url + "/load") as resp:
+        return await resp.json()
+
+
+async def assert_pools_whole(session: aiohttp.ClientSession, urls: list[str], timeout: float = 15.0) -> None:
+    """Every instance idle with all KV blocks free (cached blocks nobody holds count as free)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [await load(session, u) for u in urls]
+        whole = [ld["num_free_blocks"] == ld["num_total_blocks"] and ld["num_running"] == 0
+                 and ld["num_waiting"] == 0 and ld.get("num_remote", 0) == 0 for ld in loads]
+        if all(whole):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not whole: {dict(zip(urls, loads))}")
+        await asyncio.sleep(0.2)
+
+
+async def _references(cluster: Cluster) -> dict:
+    async with aiohttp.ClientSession() as s:
+        ref = cluster.urls["ref"]
+        out = {p: await complete(s, ref, p, stream=False) for p in PROMPTS}
+        out["chat"] = await complete(s, ref, messages=CHAT, stream=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(cluster) -> dict:
+    """The colocated instance's greedy answers, asked directly (no router)."""
+    return run(_references(cluster))
+
+
+def test_colocated_through_router_matches_the_instance(cluster, expected):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            for stream in (False, True):
+                for p in PROMPTS[1:4]:
+                    assert await complete(s, cluster.urls["r_colo"], p, stream=stream) == expected[p]
+                assert await complete(s, cluster.urls["r_colo"], messages=CHAT, stream=stream) == expected["chat"]
+            await assert_pools_whole(s, [cluster.urls["ref"]])
+
+    run(main())
+
+
+@needs_disagg
+@pytest.mark.parametrize("router", ["r_1p1d", "r_2p2d"])
+def test_disaggregated_outputs_equal_colocated(cluster, expected, router):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            prefill = [cluster.urls[n] for n in ("p0", "p1")]
+            steps_before = sum((await load(s, u))["num_steps"] for u in prefill)
+            for stream in (False, True):
+                for p in PROMPTS:
+                    assert await complete(s, cluster.urls[router], p, stream=stream) == expected[p], (p, stream)
+                assert await complete(s, cluster.urls[router], messages=CHAT, stream=stream) == expected["chat"]
+            steps_after = sum((await load(s, u))["num_steps"] for u in prefill)
+            assert steps_after > steps_before, "no prefill instance did any work: nothing was disaggregated"
+            async with s.get(cluster.urls[router] + "/metrics") as resp:
+                assert 'pdserve:router_requests_total{mode="pd",outcome="ok"}' in await resp.text()
+            await assert_pools_whole(s, [cluster.urls[n] for n in ("p0", "p1", "d0", "d1")])
+
+    run(main())
+
+
+@needs_disagg
+def test_aborts_mid_stream_and_mid_handover_leave_pools_whole(cluster, expected):
+    async def main():
+        url = cluster.urls["r_2p2d"]
+        long_prompt = SYSTEM * 4 + "Tell me a long story about a lighthouse keeper."
+        async with aiohttp.ClientSession() as s:
+            for i in range(4):  # mid-stream: after the first chunk
+                resp = await s.post(url + "/v1/completions", json={"prompt": f"{i} " + long_prompt,
+                                                                   "max_tokens": 200, "stream": True})
+                await resp.content.readuntil(b"\n\n")
+                resp.close()
+            for delay in (0.0, 0.02, 0.05, 0.1, 0.2):  # mid-handover: before any token arrived
+                try:
+                    await s.post(url + "/v1/completions", json={"prompt": f"{delay} " + long_prompt,
+                                                                "max_tokens": 50, "stream": True},
+                                 timeout=aiohttp.ClientTimeout(total=delay + 0.001))
+                except asyncio.TimeoutError:
+                    pass
+            await assert_pools_whole(s, [cluster.urls[n] for n in ("p0", "p1", "d0", "d1")], timeout=30)
+            # and the deployment still answers correctly
+            assert await complete(s, url, PROMPTS[2], stream=True) == expected[PROMPTS[2]]
+
+    run(main())
+
+
+@needs_disagg
+def test_killed_decode_errors_promptly_and_survivor_serves(cluster, expected):
+    async def main():
+        url = cluster.urls["r_2p2d"]
+        async with aiohttp.ClientSession() as s:
+            victim, errors = cluster.procs["d1"], 0
+            for _ in range(2):  # round robin: one of two consecutive streams lands on d1
+                resp = await s.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 400,
+                                                                   "temperature": 0, "ignore_eos": True,
+                                                                   "stream": True})
+                await resp.content.readuntil(b"\n\n")
+                if victim.poll() is None:
+                    victim.kill()
+                t0 = time.monotonic()
+                rest = (await resp.read()).decode()
+                if '"upstream_error"' in rest:
+                    errors += 1
+                    assert time.monotonic() - t0 < 5.0
+                assert rest.endswith("data: [DONE]\n\n")
+            assert errors == 1
+            for p in PROMPTS:
+                assert await complete(s, url, p, stream=True) == expected[p]
+
+    run(main())
+
+
+@needs_disagg
+def test_killed_prefill_leads_to_retry_or_local_prefill(cluster, expected):
+    async def main():
+        url = cluster.urls["r_2p2d"]
+        cluster.procs["p0"].kill()
+        async with aiohttp.ClientSession() as s:
+            for i, p in enumerate(PROMPTS):  # right after the kill: the router may still name p0 first
+                assert await complete(s, url, f"{i} " + p, stream=bool(i % 2)) is not None
+            for p in PROMPTS:
+                assert await complete(s, url, p, stream=False) == expected[p]
+            await assert_pools_whole(s, [cluster.urls[n] for n in ("p1", "d0")], timeout=30)
+
+    run(main())
