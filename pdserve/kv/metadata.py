@@ -24,14 +24,14 @@ def _b64(s: str | bytes) -> str:
     return base64.b64encode(s.encode() if isinstance(s, str) else s).decode()
 
 
-def prefix_end(prefix: str) -> str:
+def prefix_end(prefix: str) -> bytes:
     """etcd's range_end for "every key starting with prefix": the prefix with its last byte incremented."""
     b = bytearray(prefix.encode())
     for i in range(len(b) - 1, -1, -1):
         if b[i] < 0xFF:
             b[i] += 1
-            return bytes(b[: i + 1]).decode()
-    return "\0"
+            return bytes(b[: i + 1])
+    return b"\0"  # all 0xff: etcd reads "\0" as "to the end of the keyspace"
 
 
 def lease_grant_request(ttl: int) -> dict[str, Any]:

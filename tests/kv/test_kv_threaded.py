@@ -1,0 +1,79 @@
+"""The synchronous facade: a plain (non-asyncio) loop starts transfers, polls futures and notifications."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from kv_helpers import BB, NB
+
+from pdserve.kv import AgentConfig, PeerDisconnectedError, ThreadedAgent, TransferTimeoutError
+from pdserve.kv.bench_worker import Pool
+
+
+@pytest.mark.timeout(60)
+def test_threaded_agents_write_poll_and_notify():
+    pa, pb = Pool(NB, BB, "numpy", "cpu"), Pool(NB, BB, "numpy", "cpu")
+    pa.fill(7)
+    with ThreadedAgent(AgentConfig(transport="tcp", name="prefill")) as a, \
+            ThreadedAgent(AgentConfig(transport="tcp", name="decode")) as b:
+        ra, rb = a.register(pa.data, "kv"), b.register(pb.data, "kv")
+        peer = a.connect(b.address)
+        assert peer == "decode"
+        seen: list[tuple[str, dict]] = []
+        got = threading.Event()
+
+        def on_note(n):
+            seen.append((threading.current_thread().name, n.unpack() if n.op == "write" else {"op": n.op}))
+            got.set()
+
+        b.on_notification(on_note)
+        futs = []
+        for i in range(4):  # an engine step starts a push and moves on
+            futs.append(a.write_blocks(peer, [4 * i, 4 * i + 1], [50 + 2 * i, 51 + 2 * i], BB, ra, "kv",
+                                       notif={"request_id": f"r{i}", "first_token": i}))
+        deadline = time.monotonic() + 10
+        while not all(f.done() for f in futs):  # ... and polls on later steps
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        results = [f.result() for f in futs]
+        assert [r.nbytes for r in results] == [2 * BB] * 4
+        assert got.wait(5)
+        deadline = time.monotonic() + 5
+        while len(seen) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(p["request_id"] for _, p in seen[:4]) == ["r0", "r1", "r2", "r3"]
+        assert all(t == "kv-agent-loop" for t, _ in seen)
+        for i in range(4):
+            assert np.array_equal(pb.data[50 + 2 * i:52 + 2 * i], pa.data[4 * i:4 * i + 2])
+        # READ with a blocking wait on the other side
+        f = a.read_blocks(peer, [0, 1], [90, 91], BB, ra, a.peer_region_id(peer, "kv"), notif=b"read")
+        f.result(10)
+        assert np.array_equal(pa.data[90:92], pb.data[0:2])
+        with pytest.raises(TransferTimeoutError):
+            a.wait_notification(timeout=0.2)
+        deadline = time.monotonic() + 5
+        while len(seen) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen[4][1] == {"op": "read"}  # the reader told us it is done with our blocks
+        assert b.poll_notifications() == []  # with a callback registered nothing is queued
+        b.deregister(rb)
+
+
+@pytest.mark.timeout(60)
+def test_threaded_wait_notification_fails_when_peer_closes():
+    a = ThreadedAgent(AgentConfig(transport="tcp", name="p"))
+    b = ThreadedAgent(AgentConfig(transport="tcp", name="d"))
+    try:
+        a.connect(b.address)
+        time.sleep(0.2)
+        fut = b.submit(b.agent.wait_notification(peer="p", timeout=20))
+        time.sleep(0.1)
+        a.close()
+        with pytest.raises(PeerDisconnectedError, match="p"):
+            fut.result(5)
+        polled = b.poll_notifications()
+        assert polled == []
+    finally:
+        a.close()
+        b.close()
