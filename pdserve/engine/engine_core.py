@@ -195,4 +195,5 @@ class EngineCore:
             "prefix_cache_queries": pool.queries,
             "prefix_cache_hits": pool.hits,
             "num_steps": self.num_steps,
+            "num_preemptions": s.num_preemptions,
         }

@@ -36,6 +36,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # decode side: requests whose KV is in flight
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -105,6 +106,7 @@ class Scheduler:
         self.kv.reset_for_recompute(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str | None = None) -> None:
