@@ -215,10 +215,15 @@ class Pools:
             async with session.get(inst.url + "/load", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise ValueError(f"/load answered HTTP {resp.status}")
-                snap = LoadSnapshot.from_json(await resp.json(content_type=None))
+                data = await resp.json(content_type=None)
+                snap = LoadSnapshot.from_json(data)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             log.debug("poll %s failed: %r", inst.url, exc)
             self.report_failure(inst, hard=isinstance(exc, aiohttp.ClientConnectorError))
+            return
+        if data.get("engine_alive") is False:  # the HTTP front answers but its engine is gone: as good as dead
+            log.debug("poll %s: engine not alive", inst.url)
+            self.report_failure(inst, hard=True)
             return
         if snap.role and snap.role != inst.role:
             log.warning("instance %s reports role %s but is configured as %s", inst.url, snap.role, inst.role)

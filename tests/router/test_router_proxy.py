@@ -280,3 +280,16 @@ def test_models_are_aggregated():
                 assert resp.status == 200
 
     run(main())
+
+
+def test_instance_whose_engine_died_is_taken_out_at_once():
+    async def main():
+        async with Deployment(decode=2, breaker_failures=100) as d:
+            d.decode[1].behavior.load = {"engine_alive": False}
+            inst = d.router.pools.by_url[d.decode[1].url]
+            await wait_until(lambda: inst.breaker.state.value == "open")
+            for _ in range(3):
+                assert (await d.post("/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+            assert len(d.decode[1].requests) == 0
+
+    run(main())
