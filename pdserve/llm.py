@@ -44,7 +44,9 @@ class LLM:
             kwargs["model"] = model
         self.config = EngineConfig(**kwargs)
         src = resolve_model(self.config.model)
-        self.tokenizer = Tokenizer.load(self.config.tokenizer or str(src.path))
+        from pdserve.model.dummy_tokenizer import tokenizer_path_for
+
+        self.tokenizer = Tokenizer.load(self.config.tokenizer or tokenizer_path_for(src))
         self.engine = EngineCore(self.config, eos_token_ids=set(self.tokenizer.eos_token_ids))
         self._ids = itertools.count()
 

@@ -60,7 +60,9 @@ class AsyncLLM:
 
         self._loop = asyncio.get_running_loop()
         src = await asyncio.to_thread(resolve_model, self.config.model)
-        tok_path = self.config.tokenizer or str(src.path)
+        from pdserve.model.dummy_tokenizer import tokenizer_path_for
+
+        tok_path = self.config.tokenizer or await asyncio.to_thread(tokenizer_path_for, src)
         self.tokenizer = await asyncio.to_thread(Tokenizer.load, tok_path)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
