@@ -24,18 +24,27 @@ def _plt():
     return plt
 
 
+def _failed_runs(record: dict) -> set[int]:
+    return {t["run_index"] for s in record.get("searches", []) for t in s["trials"] if t.get("passed") is False}
+
+
 def _series(label: str, record: dict) -> dict[str, list[tuple[float, dict]]]:
-    """Runs grouped per input length, each as (x rate, metrics) sorted by rate; inf rates use the achieved rate."""
+    """Runs grouped per input length, each as (x rate, metrics) sorted by rate; inf rates use the achieved rate.
+
+    Metrics dicts of search trials that failed the SLO carry "_slo_failed" (their latencies are over the
+    requests that finished, so the plot marks them rather than let them look good).
+    """
     groups: dict[str, list[tuple[float, dict]]] = {}
     multi = len({r["config"].get("random_input_len") for r in record["runs"]}) > 1
-    for run in record["runs"]:
+    failed = _failed_runs(record)
+    for i, run in enumerate(record["runs"]):
         m = run["metrics"]
         if not m.get("completed"):
             continue
         rate = as_float(run["config"].get("request_rate"))
         x = rate if math.isfinite(rate) else as_float(m["request_throughput"])
         key = f"{label} in={run['config'].get('random_input_len')}" if multi else label
-        groups.setdefault(key, []).append((x, m))
+        groups.setdefault(key, []).append((x, {**m, "_slo_failed": i in failed}))
     for pts in groups.values():
         pts.sort(key=lambda p: p[0])
     return groups
@@ -64,6 +73,10 @@ def plot_latency_vs_rate(sources: list[tuple[str, dict]], path: str | Path) -> P
                 for stat, name, style in _STATS:
                     ys = [as_float(p[1].get(f"{stat}_{metric}_ms")) for p in pts]
                     ax.plot(xs, ys, linestyle=style, marker="o", ms=3, color=color, label=f"{key} {name}")
+                bad = [(x, as_float(p[1].get(f"p90_{metric}_ms"))) for x, p in zip(xs, pts) if p[1]["_slo_failed"]]
+                if bad:
+                    ax.scatter(*zip(*bad), marker="x", s=60, color="red", zorder=5,
+                               label="trial failed the SLO (p90 over finished requests)")
         for ax, metric in zip(axes, ("ttft", "tpot")):
             for name, limit in _slo_limits(record).items():
                 if name.endswith(metric):
@@ -81,12 +94,11 @@ def plot_latency_vs_rate(sources: list[tuple[str, dict]], path: str | Path) -> P
 
 
 def plot_throughput_vs_latency(sources: list[tuple[str, dict]], path: str | Path) -> Path:
-    """Output token throughput against p90 TTFT and p90 TPOT: the trade-off curve of each deployment."""
+    """Output token throughput against p90 TTFT and p90 TPOT as the rate rises: each deployment's trade-off."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, record in sources:
         for key, pts in _series(label, record).items():
-            pts = sorted(pts, key=lambda p: as_float(p[1]["output_throughput"]))
             ys = [as_float(p[1]["output_throughput"]) for p in pts]
             for ax, metric in zip(axes, ("ttft", "tpot")):
                 xs = [as_float(p[1].get(f"p90_{metric}_ms")) for p in pts]

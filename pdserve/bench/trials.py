@@ -67,7 +67,7 @@ async def run_slo_search(
         if reason.startswith(("interrupted", "time_budget")):
             passed, values, why = None, {}, reason
         elif reason.startswith("early_stop"):
-            passed, values, why = False, {}, reason
+            passed, values, why = False, judge(run["_results"], terms)[1], reason
         else:
             passed, values, why = judge(run["_results"], terms)
         record["runs"].append(strip_live(run))
