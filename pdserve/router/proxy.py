@@ -50,6 +50,10 @@ def error_response(status: int, message: str, type_: str, headers: dict[str, str
     return web.json_response(body, status=status, headers=headers)
 
 
+class Overloaded(str):
+    """An attempt's failure message when the instance said 503 (full), so the client gets 503 + Retry-After."""
+
+
 @dataclass
 class Plan:
     target: Instance
@@ -258,8 +262,14 @@ class Router:
             if isinstance(result, web.StreamResponse):
                 return result
             last_error = result
+        retry_after = {"Retry-After": str(self.config.retry_after_s)}
+        if isinstance(last_error, Overloaded):
+            self.metrics.requests.labels("none", "overloaded").inc()
+            return error_response(503, last_error, "overloaded", headers=retry_after)
         self.metrics.requests.labels("none", "upstream_error").inc()
-        return error_response(502 if tried else 503, last_error, "upstream_error")
+        if not tried:
+            return error_response(503, last_error, "upstream_error", headers=retry_after)
+        return error_response(502, last_error, "upstream_error")
 
     async def _attempt(self, request: web.Request, body: dict[str, Any], req: RouteRequest, rid: str, plan: Plan,
                        stream: bool, wants_usage: bool, arrival: float) -> web.StreamResponse | str:
@@ -299,7 +309,7 @@ class Router:
             if resp.status == 503:  # instance full: another may take it
                 await resp.read()
                 resp.release()
-                return f"decode instance {target.url} is overloaded (503)"
+                return Overloaded(f"decode instance {target.url} is overloaded (503)")
             if not stream or resp.status != 200:
                 return await self._relay_body(resp, plan, attempt, arrival)
             return await self._relay_stream(request, resp, plan, rid, attempt, wants_usage, arrival)

@@ -63,9 +63,20 @@ class SSEFilter:
         if payload == DONE:
             self.saw_done = True
             return event + b"\n\n"
-        if b'"usage"' not in payload and b'"pd_timings"' not in payload and b'"error"' not in payload:
-            self.saw_content = True
-            return event + b"\n\n"
+        if b'"pd_timings"' not in payload and b'"error"' not in payload:
+            if b'"usage"' not in payload:
+                self.saw_content = True
+                return event + b"\n\n"
+            # fast path for the `"usage": null` every chunk carries once usage is on: bytes, not JSON (an unescaped
+            # quote cannot occur inside a JSON string, so these byte patterns are always the field itself)
+            nulls = payload.count(b'"usage":null') + payload.count(b'"usage": null')
+            if nulls == payload.count(b'"usage"'):
+                self.saw_content = True
+                if self.client_wants_usage:
+                    return event + b"\n\n"
+                stripped = payload.replace(b',"usage":null', b"").replace(b', "usage": null', b"")
+                if b'"usage"' not in stripped:
+                    return b"data: " + stripped + b"\n\n"
         try:
             obj = json.loads(payload)
         except ValueError:

@@ -293,3 +293,20 @@ def test_instance_whose_engine_died_is_taken_out_at_once():
             assert len(d.decode[1].requests) == 0
 
     run(main())
+
+
+def test_instances_answering_503_are_tried_in_turn_then_503_reaches_the_client():
+    async def main():
+        async with Deployment(decode=2, decode_policy="round_robin", max_decode_retries=1) as d:
+            for fake in d.decode:
+                fake.behavior.fail_status = 503
+            status, headers, body = await d.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+            assert status == 503 and "Retry-After" in headers and body["error"]["type"] == "overloaded"
+            assert [len(f.requests) for f in d.decode] == [1, 1]  # each tried once
+            d.decode[1].behavior.fail_status = None
+            for _ in range(3):
+                status, _, _ = await d.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+                assert status == 200  # d0 still full: retried on d1
+            assert d.decode[1].completed == 3
+
+    run(main())

@@ -170,3 +170,14 @@ def test_sse_filter_handles_split_chunks_and_usage():
             assert events == [chunk, {"choices": [], "usage": {"total_tokens": 3}}, "[DONE]"]
         else:
             assert events == [{"choices": [{"index": 0, "text": "hi"}]}, "[DONE]"]
+
+
+def test_sse_filter_fast_path_strips_null_usage_without_changing_the_rest():
+    compact = b'data: {"id":"x","choices":[{"index":0,"text":"a \\"usage\\":null"}],"usage":null}\n\n'
+    spaced = b'data: {"id": "x", "choices": [{"index": 0, "text": "b"}], "usage": null}\n\n'
+    f = SSEFilter(client_wants_usage=False)
+    out = f.feed(compact + spaced)
+    assert _events(out) == [{"id": "x", "choices": [{"index": 0, "text": 'a "usage":null'}]},
+                            {"id": "x", "choices": [{"index": 0, "text": "b"}]}]
+    f = SSEFilter(client_wants_usage=True)
+    assert f.feed(compact + spaced) == compact + spaced  # asked for usage: bytes untouched
