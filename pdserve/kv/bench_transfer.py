@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.kv.bench_worker import worker_main
+from pdserve.kv.config import AgentConfig
 from pdserve.kv.model_shapes import kv_shape
 
 
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-iters", type=int, default=200, help="single-block transfers timed (0: skip)")
     p.add_argument("--devices", default=None, help="two devices, e.g. cuda:0,cuda:1 or cpu,cpu (default: auto)")
     p.add_argument("--backend", default="torch", choices=["torch", "numpy"], help="pool memory (numpy: CPU only)")
-    p.add_argument("--tcp-connections", type=int, default=4)
+    p.add_argument("--tcp-connections", type=int, default=None, help="default: min(4, CPU cores)")
     p.add_argument("--cuda-copy", default="auto", choices=["auto", "batch", "kernel", "percopy"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--timeout", type=float, default=300.0, help="limit for each step, seconds")
@@ -148,6 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     devices = args.devices.split(",") if args.devices else _default_devices(args.backend)
     if len(devices) != 2:
         raise ValueError("--devices needs exactly two entries")
+    if args.tcp_connections is None:
+        args.tcp_connections = AgentConfig().tcp_connections
     agent_cfg = {"transport": args.transport, "host": args.host, "tcp_connections": args.tcp_connections,
                  "cuda_copy": args.cuda_copy, "transfer_timeout_s": args.timeout}
     ctx = mp.get_context("spawn")
@@ -167,14 +170,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peer = a.call("connect", address=binfo["address"])
         out["transports_available"] = a.call("info")["transports"]
         src, dst = pl["src"], pl["dst"]
+        transport = None if args.transport == "auto" else args.transport
+        ceil = Ceiling(a, b, binfo, peer, pl, args)
         for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
             if op not in ("write", "read"):
                 raise ValueError(f"unknown op {op!r}")
             a.call("fill", seed=args.seed * 10 + 1)
             b.call("fill", seed=args.seed * 10 + 2)
             before = a.call("checksums", ids=src) == b.call("checksums", ids=dst)
-            res = a.call("xfer", op=op, peer=peer, local_ids=src, remote_ids=dst, iters=args.iters,
-                         warmup=args.warmup, transport=None if args.transport == "auto" else args.transport)
+            b.call("latencies")
+            a.call("xfer", op=op, peer=peer, local_ids=src, remote_ids=dst, iters=0, warmup=args.warmup,
+                   transport=transport)
+            # one transfer, then one ceiling iteration, and so on: both see the same machine conditions
+            runs = []
+            for _ in range(args.iters):
+                runs.append(a.call("xfer", op=op, peer=peer, local_ids=src, remote_ids=dst, iters=1, warmup=0,
+                                   transport=transport))
+                ceil.step(runs[-1]["transport"])
+            res = merge_runs(runs)
             after = a.call("checksums", ids=src) == b.call("checksums", ids=dst)
             lat = b.call("latencies") if op == "write" else []
             if lat:
@@ -186,14 +199,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             b.call("latencies")
             res = a.call("xfer", op="write", peer=peer, local_ids=src[:1], remote_ids=dst[:1],
                          iters=args.latency_iters, warmup=min(20, args.latency_iters),
-                         transport=None if args.transport == "auto" else args.transport)
+                         transport=transport)
             lat = np.array(b.call("latencies")[-args.latency_iters:], dtype=np.float64) / 1e3
             res.pop("times_ms", None)
             res.update({"e2e_median_us": float(np.median(lat)), "e2e_p99_us": float(np.percentile(lat, 99)),
                         "sender_median_us": res["median_ms"] * 1e3})
             out["results"]["single_block_write"] = res
-        transport = next(iter(out["results"].values()), {}).get("transport")
-        out["results"]["ceiling"] = ceiling(a, b, binfo, peer, transport, pl, args)
+        out["results"]["ceiling"] = ceil.result()
         _ratios(out)
     finally:
         for r in (a, b):
@@ -202,22 +214,70 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def ceiling(a: Remote, b: Remote, binfo: dict[str, Any], peer: str, transport: str | None, pl: dict[str, Any],
-            args: argparse.Namespace) -> dict[str, Any]:
-    nbytes = pl["bytes"]
-    if transport == "cuda_ipc":
-        r = a.call("peer_copy", peer=peer, nbytes=nbytes, iters=args.iters, warmup=args.warmup)
-        r["what"] = "one large peer copy (torch copy_ into the IPC-mapped peer pool), same processes"
-        return r
-    host = binfo["address"].rpartition(":")[0]
-    res: dict[str, Any] = {"what": "raw socket stream (sendall of one buffer, recv_into), same processes"}
-    for conns in sorted({1, args.tcp_connections}):
-        port = b.call("raw_sink", nbytes=nbytes, conns=conns)
-        res[f"streams_{conns}"] = a.call("raw_send", address=f"{host}:{port}", nbytes=nbytes, iters=args.iters,
-                                         warmup=args.warmup, conns=conns)
-    best = max((v for k, v in res.items() if k.startswith("streams_")), key=lambda v: v["GBps"])
-    res.update({"median_ms": best["median_ms"], "GBps": best["GBps"], "connections": best["connections"]})
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary from single-iteration runs."""
+    from pdserve.kv.bench_worker import summarize
+
+    times = [t / 1e3 for r in runs for t in r["times_ms"]]
+    res = {k: v for k, v in runs[-1].items() if k not in ("times_ms",)}
+    res.update(summarize(times, runs[-1]["bytes"]))
+    res["times_ms"] = [t * 1e3 for t in times]
     return res
+
+
+class Ceiling:
+    """The physical ceiling of the transport in use, measured interleaved with the transfers it is compared to:
+    one large peer copy into the IPC-mapped pool for cuda_ipc; a raw socket stream (one, and as many as the tcp
+    transport uses) between the same two processes otherwise."""
+
+    def __init__(self, a: Remote, b: Remote, binfo: dict[str, Any], peer: str, pl: dict[str, Any],
+                 args: argparse.Namespace) -> None:
+        self.a, self.b, self.peer, self.nbytes = a, b, peer, pl["bytes"]
+        self.host = binfo["address"].rpartition(":")[0]
+        self.conns = sorted({1, args.tcp_connections})
+        self.warmup = args.warmup
+        self.kind: str | None = None
+        self.times: dict[str, list[float]] = {}
+
+    def step(self, transport: str) -> None:
+        if self.kind is None:
+            self.kind = "peer_copy" if transport == "cuda_ipc" else "raw_tcp"
+            if self.kind == "raw_tcp":
+                for c in self.conns:
+                    port = self.b.call("raw_sink", nbytes=self.nbytes, conns=c)
+                    self.a.call("raw_open", address=f"{self.host}:{port}", conns=c)
+                    self.a.call("raw_send", nbytes=self.nbytes, iters=0, warmup=self.warmup)
+                    self._switch(c)
+        if self.kind == "peer_copy":
+            r = self.a.call("peer_copy", peer=self.peer, nbytes=self.nbytes, iters=1, warmup=1)
+            self.times.setdefault("peer_copy", []).append(r["median_ms"])
+            return
+        for c in self.conns:
+            self._switch(c)
+            r = self.a.call("raw_send", nbytes=self.nbytes, iters=1, warmup=0)
+            self.times.setdefault(f"streams_{c}", []).extend(r["times_ms"])
+
+    def _switch(self, conns: int) -> None:
+        """Raw sockets of each width stay open in the worker; swap the active set."""
+        self.a.call("raw_use", conns=conns)
+
+    def result(self) -> dict[str, Any]:
+        from pdserve.kv.bench_worker import summarize
+
+        if not self.times:
+            return {}
+        res: dict[str, Any] = {}
+        for k, ms in self.times.items():
+            res[k] = summarize([t / 1e3 for t in ms], self.nbytes)
+        best_key = max(res, key=lambda k: res[k]["GBps"])
+        best = res[best_key]
+        what = ("one large peer copy (torch copy_ into the IPC-mapped peer pool), same processes"
+                if self.kind == "peer_copy" else
+                f"raw socket stream ({best_key.replace('_', ' ')}: sendall of one buffer, recv_into), same processes")
+        res.update({"what": what, "median_ms": best["median_ms"], "GBps": best["GBps"], "best": best_key})
+        if self.kind == "raw_tcp":
+            self.a.call("raw_close")
+        return res
 
 
 def _ratios(out: dict[str, Any]) -> None:

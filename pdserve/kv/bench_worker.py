@@ -98,7 +98,8 @@ class Worker:
         self.region = self.agent.register(src, name="kv")
         self.latencies_ns: list[int] = []
         self.agent.on_notification(self._on_notif)
-        self._sink: socket.socket | None = None
+        self._raw_sets: dict[int, list[socket.socket]] = {}
+        self._raw_socks: list[socket.socket] = []
 
     def _on_notif(self, n: Notification) -> None:
         try:
@@ -160,6 +161,8 @@ class Worker:
             if i >= warmup:
                 times.append((time.perf_counter_ns() - t0) / 1e9)
         assert res is not None
+        if not times:  # warm-up only
+            return {"transport": res.transport, "bytes": res.nbytes}
         out = summarize(times, res.nbytes)
         out.update({"transport": res.transport, "bytes": res.nbytes, "descs_in": res.descs_in,
                     "descs_out": res.descs_out, "times_ms": [t * 1e3 for t in times]})
@@ -173,17 +176,19 @@ class Worker:
         return tr.copier.name if tr is not None else None
 
     # ---- ceilings ----------------------------------------------------------------------------------------------
-    def _host_view(self, nbytes: int) -> memoryview:
+    def _host_view(self, nbytes: int, scratch: bool) -> memoryview:
+        """Host bytes for the raw-socket ceiling: the pool itself when sending from host memory (the transfer reads
+        it too), a separate buffer when receiving (the pool's contents are checked after the transfers)."""
         reg = self.agent.region(self.region)
-        if reg.host_view is not None and reg.size >= nbytes:
+        if not scratch and reg.host_view is not None and reg.size >= nbytes:
             return reg.host_view[:nbytes]
-        if not hasattr(self, "_raw_buf") or self._raw_buf.nbytes < nbytes:
-            self._raw_buf = memoryview(bytearray(nbytes))
+        if getattr(self, "_raw_buf", None) is None or self._raw_buf.nbytes < nbytes:
+            self._raw_buf = memoryview(np.ones(nbytes, dtype=np.uint8))  # touched: no page faults while timed
         return self._raw_buf[:nbytes]
 
     async def cmd_raw_sink(self, nbytes: int, conns: int) -> int:
         """Listen for `conns` raw TCP streams; each iteration receives its share of nbytes and acks one byte."""
-        view = self._host_view(nbytes)
+        view = self._host_view(nbytes, scratch=True)
         ls = socket.socket()
         ls.bind((self.agent.config.host, 0))
         ls.listen(conns)
@@ -208,34 +213,51 @@ class Worker:
         threading.Thread(target=accept, daemon=True).start()
         return port
 
-    async def cmd_raw_send(self, address: str, nbytes: int, iters: int, warmup: int, conns: int) -> dict[str, Any]:
-        """The tcp ceiling: plain sendall of one contiguous buffer over `conns` sockets to the sink, same processes."""
+    async def cmd_raw_open(self, address: str, conns: int) -> None:
         host, port = split_address(address)
-        view = self._host_view(nbytes)
         socks = []
         for _ in range(conns):
             s = socket.create_connection((host, port), timeout=30)
             tune_socket(s, self.agent.config.tcp_socket_buffer)
             socks.append(s)
-        ack = memoryview(bytearray(1))
+        self._raw_sets[conns] = self._raw_socks = socks
+
+    async def cmd_raw_use(self, conns: int) -> None:
+        self._raw_socks = self._raw_sets[conns]
+
+    async def cmd_raw_send(self, nbytes: int, iters: int, warmup: int) -> dict[str, Any]:
+        """The tcp ceiling: plain sendall of one contiguous buffer over the raw sockets to the sink, same processes."""
+        socks = self._raw_socks
+        conns = len(socks)
+        view = self._host_view(nbytes, scratch=False)
+        ack = [memoryview(bytearray(1)) for _ in socks]
 
         def one(i: int) -> None:
             lo, hi = nbytes * i // conns, nbytes * (i + 1) // conns
             socks[i].sendall(view[lo:hi])
-            recv_into_exact(socks[i], ack)
+            recv_into_exact(socks[i], ack[i])
 
         loop = asyncio.get_running_loop()
         times = []
         for it in range(warmup + iters):
             t0 = time.perf_counter()
-            await asyncio.gather(*(loop.run_in_executor(None, one, i) for i in range(conns)))
+            if conns == 1:
+                await loop.run_in_executor(None, one, 0)
+            else:
+                await asyncio.gather(*(loop.run_in_executor(None, one, i) for i in range(conns)))
             if it >= warmup:
                 times.append(time.perf_counter() - t0)
-        for s in socks:
-            s.close()
+        if not times:
+            return {"connections": conns}
         out = summarize(times, nbytes)
-        out["connections"] = conns
+        out.update({"connections": conns, "times_ms": [t * 1e3 for t in times]})
         return out
+
+    async def cmd_raw_close(self) -> None:
+        for socks in self._raw_sets.values():
+            for s in socks:
+                s.close()
+        self._raw_sets, self._raw_socks = {}, []
 
     async def cmd_peer_copy(self, peer: str, nbytes: int, iters: int, warmup: int) -> dict[str, Any]:
         """The cuda_ipc ceiling: one large copy into the peer's IPC-mapped pool (torch copy_, a cudaMemcpyAsync)."""
