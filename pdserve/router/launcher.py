@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -36,7 +37,6 @@ log = logging.getLogger("pdserve.serve")
 
 LAUNCHER_FLAGS = {"--prefill", "--decode", "--both", "--host", "--port", "--role", "-h", "--help"}
 STOP_GRACE_S = 15.0  # children get this long after SIGTERM before SIGKILL
-_MIRRORED = "_pdserve_instance_flags"  # args attribute: [(dest, action)] of the mirrored instance flags
 
 
 @dataclass
@@ -59,43 +59,65 @@ def _instance_parser() -> argparse.ArgumentParser:
     return add_instance_arguments(argparse.ArgumentParser(add_help=False))
 
 
+def _add(container: Any, parser: argparse.ArgumentParser, *flags: str, **kw: Any) -> None:
+    """add_argument unless the parser already has one of these option strings (`pdserve serve` builds its parser
+    from the instance flags and adds --prefill/--decode itself; the launcher then adds only what is missing)."""
+    if not any(f in parser._option_string_actions for f in flags):
+        container.add_argument(*flags, **kw)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Launcher flags, router tunables and (mirrored) instance flags; options the parser already has are kept."""
     g = parser.add_argument_group("deployment")
-    g.add_argument("--prefill", type=int, default=0, metavar="X", help="prefill instances to start")
-    g.add_argument("--decode", type=int, default=0, metavar="Y", help="decode instances to start")
-    g.add_argument("--both", type=int, default=0, metavar="N", help="colocated instances to start")
-    g.add_argument("--host", default=RouterConfig.host, help="router listen address (default: %(default)s)")
-    g.add_argument("--port", type=int, default=RouterConfig.port, help="router port; 0 picks one (default: %(default)s)")
-    g.add_argument("--instance-base-port", type=int, default=0,
-                   help="instance i listens on base+i (default 0: free ports)")
-    g.add_argument("--startup-timeout", type=float, default=900.0,
-                   help="seconds to wait for every instance's /health (model loading)")
-    g.add_argument("--log-dir", default=None, help="instance logs (default: a new temporary directory)")
-    g.add_argument("--instance-command", default=f"{shlex.quote(sys.executable)} -m pdserve.server",
-                   help="command that starts one instance; --role/--port/--host and the instance flags are appended")
-    g.add_argument("--allow-gpu-sharing", action="store_true",
-                   help="more instances than GPUs: share GPUs round-robin instead of refusing")
-    g.add_argument("--router-config", default=None, metavar="FILE.yaml", help="router settings (pools are ignored)")
-    g.add_argument("--policy", default=None, help="router: the same policy for every pool")
+    _add(g, parser, "--prefill", type=int, default=0, metavar="X", help="prefill instances to start")
+    _add(g, parser, "--decode", type=int, default=0, metavar="Y", help="decode instances to start")
+    _add(g, parser, "--both", type=int, default=0, metavar="N", help="colocated instances to start")
+    _add(g, parser, "--host", default=RouterConfig.host, help="router listen address (default: %(default)s)")
+    _add(g, parser, "--port", type=int, default=RouterConfig.port,
+         help="router port; 0 picks one (default: %(default)s)")
+    _add(g, parser, "--instance-base-port", type=int, default=None,
+         help="instance i listens on BASE+i (default: the router's port + 1, or free ports if that is 0)")
+    _add(g, parser, "--startup-timeout", type=float, default=900.0,
+         help="seconds to wait for every instance's /health (model loading)")
+    _add(g, parser, "--log-dir", default=None, help="instance logs (default: a new temporary directory)")
+    _add(g, parser, "--instance-command", default=f"{shlex.quote(sys.executable)} -m pdserve.server",
+         help="command that starts one instance; --role/--port/--host and the instance flags are appended")
+    _add(g, parser, "--allow-gpu-sharing", action="store_true",
+         help="more instances than GPUs: share GPUs round-robin instead of refusing")
+    _add(g, parser, "--router-config", default=None, metavar="FILE.yaml", help="router settings (pools are ignored)")
+    _add(g, parser, "--policy", default=None, help="router: the same policy for every pool")
     r = parser.add_argument_group("router")
-    add_tunable_arguments(r, skip=LAUNCHER_FLAGS)
-    mirrored: list[tuple[str, argparse.Action]] = []
+    add_tunable_arguments(r, skip=LAUNCHER_FLAGS | set(parser._option_string_actions))
     inst = parser.add_argument_group("instance (passed to every instance)")
-    taken = {s for a in parser._actions for s in a.option_strings}
     for action in _instance_parser()._actions:
-        if not action.option_strings or set(action.option_strings) & (LAUNCHER_FLAGS | taken):
+        if not action.option_strings or set(action.option_strings) & (LAUNCHER_FLAGS | set(parser._option_string_actions)):
             continue
         inst._add_action(action)
-        mirrored.append((action.dest, action))
-    parser.set_defaults(**{_MIRRORED: mirrored})
     return parser
+
+
+def _defaults() -> dict[str, Any]:
+    return vars(add_arguments(argparse.ArgumentParser(add_help=False)).parse_args([]))
+
+
+def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill what a caller's parser did not define (e.g. `pdserve serve`'s) with the launcher's defaults, and apply
+    `--router-port` where the caller has it."""
+    for name, value in _defaults().items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    if getattr(args, "router_port", None) is not None:
+        args.port = args.router_port
+    return args
 
 
 def instance_argv(args: argparse.Namespace) -> list[str]:
     """The instance flags the user set (those differing from the instance defaults), as argv."""
     out: list[str] = []
-    for dest, action in getattr(args, _MIRRORED, []):
-        value = getattr(args, dest, None)
+    for action in _instance_parser()._actions:
+        if not action.option_strings or set(action.option_strings) & LAUNCHER_FLAGS:
+            continue
+        value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue
         flag = action.option_strings[0]
@@ -159,12 +181,15 @@ def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
         raise ValueError(f"{len(plan)} instances need {len(plan)} GPUs but {len(gpus)} are visible "
                          "(use fewer instances or --allow-gpu-sharing)")
     base = shlex.split(args.instance_command)
+    base_port = args.instance_base_port
+    if base_port is None:
+        base_port = args.port + 1 if args.port else 0
     extra = instance_argv(args)
     threads = max(1, (os.cpu_count() or 1) // len(plan))
     children: list[Child] = []
     try:
         for k, (role, name) in enumerate(plan):
-            port = args.instance_base_port + k if args.instance_base_port else free_port()
+            port = base_port + k if base_port else free_port()
             env = dict(os.environ)
             gpu = gpus[k % len(gpus)] if gpus else None
             if gpu is not None:
@@ -286,6 +311,7 @@ async def serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    normalize_args(args)
     try:  # fail on bad flags before starting anything (placeholder pools: the real URLs come after start-up)
         plan_children(args)
         build_config(args, args.router_config, prefill=[], decode=["http://127.0.0.1:1"], both=[])

@@ -29,8 +29,8 @@ class RouterMetrics:
         self.router_queue = Histogram("pdserve:router_queue_seconds", "Time a request waited for admission",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.phase = Histogram("pdserve:router_phase_seconds",
-                               "Per-phase latency reported by the decode instance (pd_timings)",
-                               ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+                               "Per-phase latency reported by the decode instance (pd_timings), by routing mode",
+                               ["phase", "mode"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("pdserve:router_time_to_first_token_seconds",
                               "Router arrival to the first content chunk sent to the client (streaming)",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -64,16 +64,19 @@ class RouterMetrics:
         self.healthy.labels(inst.url, inst.role).set(1 if new is BreakerState.CLOSED else 0)
         self.breaker_state.labels(inst.url, inst.role).set(code)
 
-    def observe_timings(self, timings: Any) -> None:
-        """Feed a `pd_timings` object into the phase histograms; ignores missing or malformed fields."""
+    def observe_timings(self, timings: Any, mode: str) -> None:
+        """Feed a `pd_timings` object into the phase histograms; ignores missing or malformed fields. A handover
+        exists only in pd mode, and only there is a fallback a fallback."""
         if not isinstance(timings, dict):
             return
         for phase in PHASES:
+            if phase == "handover_s" and mode != "pd":
+                continue
             value = timings.get(phase)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-                self.phase.labels(phase.removesuffix("_s")).observe(value)
+                self.phase.labels(phase.removesuffix("_s"), mode).observe(value)
         fallback = timings.get("fallback")
-        if isinstance(fallback, str):
+        if mode == "pd" and isinstance(fallback, str):
             self.prefill_fallback.labels(fallback).inc()
 
     def render(self, instances: list[Instance]) -> bytes:

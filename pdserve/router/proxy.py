@@ -344,7 +344,7 @@ class Router:
             if isinstance(obj, dict):
                 timings = pop_timings(obj)
                 if timings is not None:
-                    self.metrics.observe_timings(timings)
+                    self.metrics.observe_timings(timings, plan.mode)
                     data = json.dumps(obj, ensure_ascii=False).encode()
         self.metrics.e2e.observe(time.monotonic() - arrival)
         self.metrics.requests.labels(plan.mode, "ok" if resp.status == 200 else f"http_{resp.status}").inc()
@@ -393,7 +393,7 @@ class Router:
             else:
                 resp.close()
         for timings in sse.timings:
-            self.metrics.observe_timings(timings)
+            self.metrics.observe_timings(timings, plan.mode)
         self.metrics.e2e.observe(time.monotonic() - arrival)
         self.metrics.requests.labels(plan.mode, "ok" if failure is None else "upstream_error").inc()
         return out

@@ -96,3 +96,23 @@ def test_launcher_refuses_bad_flags():
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2 and "--decode" in out.stderr
+
+
+def test_launcher_accepts_the_namespace_of_pdserve_serve():
+    """`pdserve serve` parses instance flags + --prefill/--decode/--router-port itself, then calls launcher.run."""
+    import argparse
+
+    from pdserve.router.launcher import add_arguments, instance_argv, normalize_args
+    from pdserve.server.main import add_arguments as add_instance_arguments
+
+    p = add_instance_arguments(argparse.ArgumentParser())
+    p.add_argument("--prefill", type=int, default=0)
+    p.add_argument("--decode", type=int, default=0)
+    p.add_argument("--router-port", type=int, default=None)
+    args = p.parse_args(["--prefill", "1", "--decode", "2", "--max-model-len", "256", "--port", "9000",
+                         "--no-enable-prefix-caching", "--router-port", "9100"])
+    normalize_args(args)
+    assert args.port == 9100 and args.both == 0 and args.startup_timeout > 0 and args.instance_base_port is None
+    assert instance_argv(args) == ["--max-model-len", "256", "--no-enable-prefix-caching"]
+    add_arguments(p)  # the launcher's own flags go on such a parser without conflicts
+    assert p.parse_args(["--decode", "1", "--local-prefill-max-tokens", "0"]).local_prefill_max_tokens == 0

@@ -22,7 +22,7 @@ def test_pd_request_carries_prefill_candidates_and_hides_timings():
             assert sent["pd"]["request_id"].startswith("rt-")
             assert sorted(sent["pd"]["prefill_urls"]) == sorted(p.url for p in d.prefill)
             text = await d.metrics()
-            assert metric_value(text, "pdserve:router_phase_seconds_count", 'phase="handover"') == 1
+            assert metric_value(text, "pdserve:router_phase_seconds_count", 'mode="pd",phase="handover"') == 1
             assert metric_value(text, "pdserve:router_requests_total", 'mode="pd",outcome="ok"') == 1
 
     run(main())
@@ -46,7 +46,7 @@ def test_stream_drops_usage_unless_asked_and_always_strips_timings():
             assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 2
             assert "pd_timings" not in usage_chunk
             text = await d.metrics()
-            assert metric_value(text, "pdserve:router_phase_seconds_count", 'phase="prefill"') == 2
+            assert metric_value(text, "pdserve:router_phase_seconds_count", 'mode="pd",phase="prefill"') == 2
             assert metric_value(text, "pdserve:router_time_to_first_token_seconds_count") == 2
 
     run(main())
