@@ -258,7 +258,9 @@ class Router:
             tried.add(plan.target.url)
             if plan.reason:
                 self.metrics.local_prefill.labels(plan.reason).inc()
-            result = await self._attempt(request, body, req, rid, plan, stream, wants_usage, arrival)
+            # each attempt gets its own id: a late abort of a failed attempt must not hit its retry
+            attempt_rid = f"{rid}-{attempt}" if attempt else rid
+            result = await self._attempt(request, body, req, attempt_rid, plan, stream, wants_usage, arrival)
             if isinstance(result, web.StreamResponse):
                 return result
             last_error = result
@@ -351,14 +353,15 @@ class Router:
         return web.Response(body=data, status=resp.status, headers={"Content-Type": content_type})
 
     async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, plan: Plan, rid: str,
-                            attempt: _Attempt, wants_usage: bool, arrival: float) -> web.StreamResponse:
+                            attempt: _Attempt, wants_usage: bool, arrival: float) -> web.StreamResponse | str:
+        """Relay the SSE stream. The client's response starts with the first event, not with upstream's headers:
+        a decode instance that dies before sending anything (e.g. mid-handover) is retried elsewhere unseen."""
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                       "Cache-Control": "no-cache", "X-Request-Id": rid})
         sse = SSEFilter(client_wants_usage=wants_usage)
         first = True
         failure: str | None = None
         try:
-            await out.prepare(request)
             try:
                 async for chunk in resp.content.iter_any():
                     data = sse.feed(chunk)
@@ -366,9 +369,13 @@ class Router:
                         first = False
                         self.metrics.ttft.observe(time.monotonic() - arrival)
                     if data:
+                        if not out.prepared:
+                            await out.prepare(request)
                         await out.write(data)
                 tail = sse.flush()
                 if tail:
+                    if not out.prepared:
+                        await out.prepare(request)
                     await out.write(tail)
                 if not sse.saw_done:
                     failure = "the decode instance closed the stream before [DONE]"
@@ -376,6 +383,8 @@ class Router:
                 failure = attempt.down_reason or f"lost the decode instance {plan.target.url}: {exc!r}"
                 self.pools.report_failure(plan.target)
                 self._abort_prefill(plan, rid)
+            if failure is not None and not out.prepared:
+                return failure  # the client has seen nothing: the caller retries on another decode instance
             if failure is not None:
                 log.warning("request %s: %s", rid, failure)
                 if sse.saw_error:  # upstream already told the client what went wrong

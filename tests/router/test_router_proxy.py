@@ -310,3 +310,19 @@ def test_instances_answering_503_are_tried_in_turn_then_503_reaches_the_client()
             assert d.decode[1].completed == 3
 
     run(main())
+
+
+def test_decode_dying_before_its_first_event_is_retried_unseen():
+    async def main():
+        async with Deployment(prefill=1, decode=2, decode_policy="round_robin", local_prefill_max_tokens=0) as d:
+            d.decode[0].behavior.die_after_tokens = 0  # headers sent, then gone (e.g. died mid-handover)
+            events = await d.stream("/v1/completions", {"prompt": LONG, "max_tokens": 3})
+            assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == " t0 t1 t2"
+            assert len(d.decode[0].requests) == 1 and d.decode[1].completed == 1
+            rid = d.decode[0].requests[0]["pd"]["request_id"]
+            await wait_until(lambda: rid in d.prefill[0].aborts)  # the prefill side is told to drop it
+            assert d.decode[1].requests[0]["pd"]["request_id"] != rid  # and that abort cannot hit the retry
+            assert metric_value(await d.metrics(), "pdserve:router_decode_retries_total") == 1
+
+    run(main())
