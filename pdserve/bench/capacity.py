@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import aiohttp
 
@@ -24,9 +26,11 @@ SAFETY_FACTOR = 3.0
 
 
 async def _start_zero_server(timeout_s: float = 30.0) -> tuple[asyncio.subprocess.Process, int]:
+    root = str(Path(__file__).resolve().parents[2])  # so the child imports this same pdserve from any cwd
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "pdserve.bench.zero_server", "--port", "0",
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
     )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)

@@ -261,7 +261,12 @@ def _run_async(fn, args) -> int:
         return await fn(args, stop)
 
     try:
-        return asyncio.run(main())
+        try:  # uvloop (when installed) parses more streamed chunks per second: more client headroom
+            import uvloop
+
+            return uvloop.run(main())
+        except ImportError:
+            return asyncio.run(main())
     except (BenchError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -47,11 +47,19 @@ def machine_info() -> dict:
         info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
-    if "torch" in sys.modules:  # never import torch just for this: the client must start fast
-        torch = sys.modules["torch"]
-        if torch.cuda.is_available():
-            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    gpus = _nvidia_gpus()  # never import torch just for this: the client must start fast
+    if gpus:
+        info["gpus"] = gpus
     return info
+
+
+def _nvidia_gpus() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
 def new_record(kind: str, args: dict | None = None) -> dict:

@@ -148,8 +148,9 @@ class Bench:
         if not items:
             raise BenchError("the dataset produced no requests")
         await self.check_endpoint(items[0])  # materializing round 0 of a conversation changes nothing
-        conc = load.max_concurrency or min(len(items), 256)
-        cap = await self.capacity(workload.mean_output_len, conc)
+        # one measurement per output length serves every trial: the client's cost per request and per chunk
+        # barely depends on concurrency once there are a few hundred streams, the most an open loop here sees
+        cap = await self.capacity(workload.mean_output_len, load.max_concurrency or 256)
         lr = await run_load(items, self.send, load, stop=stop, watcher=watcher)
         metrics = compute_metrics(lr.results, lr.duration, self.metric_opts)
         warnings = [w for w in [capacity_warning(metrics, cap)] if w]

@@ -137,3 +137,17 @@ def test_client_capacity_against_the_zero_work_endpoint():
     far = {"request_throughput": cap["request_throughput"] / 10, "output_throughput": cap["output_throughput"] / 10}
     assert "bottleneck" in capacity_warning(near, cap)
     assert capacity_warning(far, cap) is None
+
+
+def test_sweep_with_a_search_per_input_length(tmp_path, word_tokenizer_dir):
+    with FakeServer() as srv:
+        rc = main(["sweep", *_common(srv.url, word_tokenizer_dir), "--input-lens", "4,12", "--slo",
+                   "p90_ttft_ms<=1000", "--start-rate", "20", "--max-rate", "20", "--min-requests", "5",
+                   "--requests-per-rate", "0.5", "--cooldown", "0", "--no-plots", "--result-dir", str(tmp_path),
+                   "--result-filename", "ss"])
+    assert rc == 0
+    rec = json.loads((tmp_path / "ss.json").read_text())
+    assert [(s["input_len"], s["max_rate"], s["stop_reason"]) for s in rec["searches"]] == [
+        (4, 20.0, "max_rate_passed"), (12, 20.0, "max_rate_passed")]
+    assert [r["config"]["random_input_len"] for r in rec["runs"]] == [4, 12]
+    assert (tmp_path / "ss.md").read_text().count("max rate **20") == 2
