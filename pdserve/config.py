@@ -30,6 +30,12 @@ class EngineConfig:
     enforce_eager: bool = False  # disable CUDA graphs for decode
     attention_backend: str = "auto"  # auto | torch | triton
     kv_cache_dtype: str = "auto"
+    # disaggregation: the role decides whether the engine process runs a KV transfer agent
+    kv_role: str = "both"  # prefill | decode | both
+    kv_transport: str = "auto"  # auto | tcp | cuda_ipc | nixl
+    kv_host: str = "127.0.0.1"  # where the KV agent listens (0.0.0.0 across hosts)
+    kv_port: int = 0
+    kv_lease_s: float = 30.0  # longest a block may be held or reserved for a peer
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -40,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens must be at least block_size ({self.block_size})")
+        if self.kv_role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both; got {self.kv_role!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
 

@@ -29,12 +29,19 @@ __all__ = ["AsyncLLM", "EngineDead", "PromptTooLong", "QueueFull"]
 class _Stream:
     state: RequestState
     queue: asyncio.Queue
+    pd: dict | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, role_options: dict | None = None, start_timeout_s: float = 900.0):
         self.config = config
-        self.role_options = role_options or {}
+        if role_options is None:
+            from pdserve.disagg.instance import role_options as make_options
+
+            role_options = make_options(config.kv_role, config.kv_host, config.kv_port, config.kv_transport,
+                                        config.kv_lease_s)
+        self.role_options = role_options
         self.start_timeout_s = start_timeout_s
         self.tokenizer = None
         self.max_model_len: int = 0
@@ -49,6 +56,12 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_output_time = 0.0
+        # disaggregation hooks (pdserve.disagg.instance installs them): control events of PD requests go here,
+        # not into the client's stream
+        self.pd_event_handler = None  # (request_id, event dict, stream) -> None
+        self.pd_abort_handler = None  # (request_id) -> None
+        self.pd_timings: dict[str, dict] = {}
+        self.aliases: dict[str, str] = {}  # router request id -> engine request id
 
     @property
     def model_name(self) -> str:
@@ -119,9 +132,12 @@ class AsyncLLM:
         st = self._streams.get(co.request_id)
         if st is None:
             return
+        ev = (co.extra or {}).get("pd_event")
+        if ev is not None and self.pd_event_handler is not None:
+            self.pd_event_handler(co.request_id, co.extra, st)
+            if not co.new_token_ids and not co.finished:
+                return
         out = st.state.process(co)
-        if co.extra:
-            out.extra = co.extra  # type: ignore[attr-defined]
         st.queue.put_nowait(out)
         if out.finished and not co.finished:  # a stop string ended it: stop the core too
             self._send(("abort", co.request_id))
@@ -180,8 +196,11 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
         state = RequestState(request_id, prompt_token_ids, params, self.tokenizer)
-        stream = _Stream(state, asyncio.Queue())
+        stream = _Stream(state, asyncio.Queue(), pd, list(prompt_token_ids))
         self._streams[request_id] = stream
+        alias = (pd or {}).get("request_id")
+        if alias:
+            self.aliases[alias] = request_id
         finished = False
         try:
             self._send(("add", request_id, list(prompt_token_ids), params, pd))
@@ -196,11 +215,15 @@ class AsyncLLM:
                     return
         finally:
             self._streams.pop(request_id, None)
+            if alias:
+                self.aliases.pop(alias, None)
             if not finished and not self._dead:
                 try:
                     self._send(("abort", request_id))
                 except EngineDead:
                     pass
+                if pd and self.pd_abort_handler is not None:
+                    self.pd_abort_handler(request_id)
 
     async def abort(self, request_id: str) -> None:
         st = self._streams.pop(request_id, None)

@@ -130,13 +130,17 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        if self.connector is not None:
-            self.connector.on_abort(req)
+        if self.connector is not None and self.connector.on_abort(self, req):
+            return True  # the connector owns blocks a peer may be reading or writing
         self.scheduler.finish(req, "abort")
         return True
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def check_whole(self) -> None:
+        """Raise unless no request holds a block (tests)."""
+        self.kv.pool.check_whole()
 
     # ---- one step
     def step(self) -> list[CoreOutput]:
@@ -172,7 +176,9 @@ class EngineCore:
                              req.stop_reason if done else None, lp, req.num_prompt_tokens,
                              max(req.num_cached_tokens, 0), req.first_scheduled_time)
             if self.connector is not None and req.kv_export is not None:
-                self.connector.after_prefill(self, req, out)  # hands the KV over; may hold the blocks
+                self.connector.after_prefill(self, req, out)  # holds the blocks and pushes them; ends it later
+                outputs.append(out)
+                continue
             if done:
                 self.requests.pop(req.request_id, None)
                 if req.status != RequestStatus.FINISHED:
@@ -196,4 +202,5 @@ class EngineCore:
             "prefix_cache_hits": pool.hits,
             "num_steps": self.num_steps,
             "num_preemptions": s.num_preemptions,
+            **({"pd": self.connector.connector_stats(self)} if self.connector is not None else {}),
         }
