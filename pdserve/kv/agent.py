@@ -121,6 +121,11 @@ class KVAgent:
             t.on_deregister(reg)
         self._regions_changed()
 
+    def descriptor(self) -> dict[str, Any]:
+        """What this agent publishes: name, address, host identity and its region table (as peers see it)."""
+        return {"name": self.name, "address": self._address, "host_id": self.host_id,
+                "transports": sorted(self.transports), "regions": self._describe_regions()}
+
     def region(self, region_id: int) -> MemoryRegion:
         return self.regions.get(region_id)
 

@@ -154,9 +154,12 @@ class PerCopy:
                 dst_base[d:d + n].copy_(src_base[s:s + n], non_blocking=True)
 
 
-def make_copier(method: str) -> Any:
-    """The requested engine, or for 'auto' the first of batch, kernel, percopy that initializes."""
+def make_copier(method: str, after: str | None = None) -> Any:
+    """The requested engine, or for 'auto' the first of batch, kernel, percopy (those after `after`, if given)
+    that initializes."""
     order = METHODS if method == "auto" else (method,)
+    if after is not None:
+        order = METHODS[METHODS.index(after) + 1:]
     errors = []
     for m in order:
         try:

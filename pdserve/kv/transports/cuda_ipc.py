@@ -178,13 +178,31 @@ class CudaIpcTransport(Transport):
                     stream.wait_event(wait_event)
                 else:
                     stream.wait_stream(torch.cuda.default_stream(dev))
-                self._enqueue(op, x, mapped, dev, stream)
+                self._enqueue_with_fallback(op, x, mapped, dev, stream)
                 ev = torch.cuda.Event()
                 ev.record(stream)
             events.append(ev)
         for ev in events:
             await self._wait(ev, deadline, peer, xfer_id, op)
         return False
+
+    def _enqueue_with_fallback(self, op: str, x: XferList, mapped: dict[int, Any], dev: int, stream: Any) -> None:
+        """In 'auto' mode an engine that fails at its first real use (old driver, bindings mismatch) is replaced by
+        the next one (batch -> kernel -> percopy) and the copy retried; a forced engine's failure is an error.
+        Engines fail at enqueue time, before any byte moved, so retrying is safe."""
+        from pdserve.kv.transports.cuda_copy import METHODS, make_copier
+
+        while True:
+            try:
+                self._enqueue(op, x, mapped, dev, stream)
+                return
+            except Exception as e:
+                name = self.copier.name
+                if self.agent.config.cuda_copy != "auto" or name == METHODS[-1]:
+                    raise
+                self._copier = make_copier("auto", after=name)
+                log.warning("cuda copy engine %s failed (%s: %s); switched to %s", name, type(e).__name__, e,
+                            self._copier.name)
 
     def _enqueue(self, op: str, x: XferList, mapped: dict[int, Any], dev: int, stream: Any) -> None:
         regions = self.agent.regions

@@ -80,6 +80,8 @@ class NixlTransport(Transport):
     async def on_peer(self, peer: Peer) -> None:
         meta = peer.hello.get("nixl_meta")
         if meta is not None and peer.extra.get(self.name, {}).get("meta") != meta:
+            if self.name in peer.extra:  # its memory changed: load the new metadata in place of the old
+                self.on_peer_lost(peer)
             remote_name = self._nixl.add_remote_agent(meta)
             peer.extra[self.name] = {"meta": meta, "name": remote_name}
 

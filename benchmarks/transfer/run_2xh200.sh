@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# KV transfer engine on one host with 2 GPUs (written for the 2xH200 NV18 machine), in one go (~2 minutes):
+#   cuda_ipc WRITE and READ of the KV of 8192 tokens of Qwen3-8B (512 random 16-token blocks, 1.21 GB) with the
+#   peer-copy ceiling measured interleaved in the same run, single-block latency (call -> receiver notified),
+#   the other copy engines (Triton kernel, one copy per block) and the coalesced (contiguous) layout for
+#   comparison, tcp between the same two GPUs, and NIXL on the same workload when the nixl package is importable
+#   (set NIXL_WHEELS=<dir of nixl / nixl_cu13 wheels> to install them first).
+# Writes one JSON per run into $OUT and prints a summary table (and the pass/fail of the issue's targets) last.
+#   usage: OUT=/some/dir bash benchmarks/transfer/run_2xh200.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-benchmarks/transfer/results}"
+mkdir -p "$OUT"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
+if [ -n "${NIXL_WHEELS:-}" ]; then
+  python -m pip install --no-deps --no-index "$NIXL_WHEELS"/*.whl > "$OUT/nixl_install.txt" 2>&1 || echo "nixl install failed (see nixl_install.txt)"
+fi
+W="--model-config qwen3-8b --tokens 8192 --block-size 16 --devices cuda:0,cuda:1"
+run() {  # name, then bench arguments; a failing run is reported and the script goes on
+  local name=$1; shift
+  echo "=== $name: $*"
+  timeout 300 python -m pdserve.kv.bench_transfer $W "$@" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" | tail -12
+}
+run cuda_ipc --transport cuda_ipc --iters 30 --warmup 5 --latency-iters 300
+run cuda_ipc_kernel --transport cuda_ipc --cuda-copy kernel --ops write,read --iters 15 --latency-iters 100
+run cuda_ipc_percopy --transport cuda_ipc --cuda-copy percopy --ops write --iters 10 --latency-iters 0
+run cuda_ipc_contiguous --transport cuda_ipc --layout contiguous --ops write --iters 15 --latency-iters 0
+run tcp_gpu --transport tcp --iters 5 --warmup 1 --latency-iters 50
+if python -c "import importlib.util as u, sys; sys.exit(0 if any(u.find_spec(m) for m in ('nixl_cu13','nixl_cu12','nixl')) else 1)"; then
+  run nixl --transport nixl --iters 20 --warmup 3 --latency-iters 100
+else
+  echo "=== nixl: not importable here (set NIXL_WHEELS to a folder with the nixl wheels to include it)"
+fi
+python benchmarks/transfer/summarize.py "$OUT"
