@@ -3,6 +3,16 @@
 Why one flat dataclass: the same values come from flags (`pdserve router --prefill ...`) or from a YAML file
 (`--config router.yaml`), and tests build it directly; one place validates them so a bad value fails at start-up
 with a message instead of misbehaving under load.
+
+A YAML file uses the field names below; every key is optional except a decode (or both) pool:
+
+    prefill: [http://10.0.0.1:8001, http://10.0.0.2:8001]
+    decode: [http://10.0.0.3:8002]
+    host: 0.0.0.0
+    port: 8000
+    prefill_policy: kv_aware
+    local_prefill_max_tokens: 256
+    max_queue: 2048
 """
 
 from __future__ import annotations
