@@ -95,10 +95,13 @@ async def error_middleware(request: web.Request, handler: Callable) -> web.Strea
 
 async def health(request: web.Request) -> web.Response:
     """200 while the engine answers; 503 (with the reason) once it has died, so routers drain this instance."""
+    llm = state(request).llm
     try:
-        await engine_stats(state(request).llm)
+        await engine_stats(llm)
     except Exception as e:
         return json_response(error_body(f"engine unavailable: {e}", "server_error"), 503)
+    if not getattr(llm, "is_alive", True):
+        return json_response(error_body("the engine process is not running", "server_error"), 503)
     return web.Response(text="OK")
 
 

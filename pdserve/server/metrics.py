@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -60,6 +60,7 @@ class ServerMetrics:
     """All metrics of one instance; `track()` gives the per-request recorder the handlers feed."""
 
     def __init__(self, model_name: str):
+        disable_created_metrics()  # `*_created` series double the output and no pdserve dashboard reads them
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]

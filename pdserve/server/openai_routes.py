@@ -48,9 +48,11 @@ def check_token_ids(ids: list[int], vocab_size: int | None) -> None:
         raise P.bad_request(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}", "prompt")
 
 
-def vocab_size(tokenizer: Any) -> int | None:
-    size = getattr(tokenizer, "vocab_size", None)
-    return size if isinstance(size, int) and size > 0 else None
+def vocab_size(llm: Any) -> int | None:
+    """The largest valid token id + 1: the model's vocabulary where the engine reports it, else the tokenizer's."""
+    sizes = [getattr(llm, "info", {}).get("vocab_size"), getattr(llm.tokenizer, "vocab_size", None)]
+    sizes = [n for n in sizes if isinstance(n, int) and n > 0]
+    return min(sizes) if sizes else None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -63,7 +65,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echo_text = req.prompt
     else:
         ids = req.prompt
-        check_token_ids(ids, vocab_size(tok))
+        check_token_ids(ids, vocab_size(s.llm))
         echo_text = await asyncio.to_thread(tok.decode, ids) if req.echo else ""
     if not ids:
         raise P.bad_request("prompt must not be empty", "prompt")
@@ -125,6 +127,8 @@ def engine_error(e: Exception) -> P.APIError | None:
         return P.context_length_exceeded(e.num_tokens, e.max_tokens, e.max_model_len)
     if isinstance(e, InvalidParameter):
         return P.bad_request(str(e), e.param)
+    if isinstance(e, ValueError):  # the engine's own checks of a request (empty prompt, token id out of range, ...)
+        return P.bad_request(str(e))
     return None
 
 

@@ -1,0 +1,71 @@
+"""Start a real `python -m pdserve.server` process for tests, and stop it cleanly.
+
+Why --port 0 and the ready line: the server binds a free port itself and prints it, so two test runs never race
+for a port, and "ready" means the model is loaded and the socket is listening.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+READY = re.compile(r"pdserve: serving (\S+) on (http://\S+) \(role (\w+)\)")
+START_TIMEOUT_S = 300.0  # first start converts the GGUF tokenizer (~15 s) and assembles the default model
+STOP_TIMEOUT_S = 60.0
+
+
+class LiveServer:
+    def __init__(self, *args: str, start_timeout_s: float = START_TIMEOUT_S):
+        cmd = [sys.executable, "-m", "pdserve.server", "--port", "0", "--device", "cpu", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()  # keeps the pipe drained for the server's life
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                line = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop()
+                raise TimeoutError(f"server not ready in {start_timeout_s:g} s; output:\n{self.output()}") from None
+            if line is None:
+                raise RuntimeError(f"server exited with {self.proc.wait()} before it was ready:\n{self.output()}")
+            m = READY.search(line)
+            if m:
+                self.model, self.url, self.role = m.group(1), m.group(2), m.group(3)
+                return
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._q.put(line)
+        self._q.put(None)
+
+    def output(self) -> str:
+        return "".join(self.lines[-200:])
+
+    def get_json(self, path: str, timeout_s: float = 10.0) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> int:
+        """SIGINT (what Ctrl-C sends) and wait for a clean exit; kill only if it does not come."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+                raise RuntimeError(f"server did not stop within {STOP_TIMEOUT_S:g} s:\n{self.output()}") from None
+        return self.proc.returncode
