@@ -259,14 +259,16 @@ class Worker:
                 s.close()
         self._raw_sets, self._raw_socks = {}, []
 
-    async def cmd_peer_copy(self, peer: str, nbytes: int, iters: int, warmup: int) -> dict[str, Any]:
-        """The cuda_ipc ceiling: one large copy into the peer's IPC-mapped pool (torch copy_, a cudaMemcpyAsync)."""
+    async def cmd_peer_copy(self, peer: str, nbytes: int, iters: int, warmup: int, pull: bool = False) -> dict[str, Any]:
+        """The cuda_ipc ceiling: one large copy between our pool and the peer's IPC-mapped pool (torch copy_, a
+        cudaMemcpyAsync on the copy engines): pushed into the peer (write direction) or pulled from it (read)."""
         import torch
 
         tr = self.agent.transports["cuda_ipc"]
         p = self.agent.peer(peer)
-        dst = tr.mapped(p, p.region_id("kv"))[:nbytes]
-        src = self.pool.data.view(-1)[:nbytes]
+        remote = tr.mapped(p, p.region_id("kv"))[:nbytes]
+        local = self.pool.data.view(-1)[:nbytes]
+        src, dst = (remote, local) if pull else (local, remote)
         stream = torch.cuda.Stream()
         times = []
         for it in range(warmup + iters):

@@ -36,6 +36,8 @@ def test_bench_transfer_tcp_cpu(tmp_path, capsys):
         assert res["median_ms"] > 0 and res["p99_ms"] >= res["median_ms"] and res["fraction_of_ceiling"] > 0
     lat = r["results"]["single_block_write"]
     assert lat["descs_in"] == 1 and lat["e2e_median_us"] > 0
-    ceil = r["results"]["ceiling"]
-    assert ceil["GBps"] > 0 and {"streams_1", "streams_2"} <= set(ceil)
-    assert "ceiling" in capsys.readouterr().out
+    for op in ("write", "read"):
+        ceil = r["ceilings"][op]
+        assert ceil["GBps"] > 0 and {"streams_1", "streams_2"} <= set(ceil) and op in ceil["what"]
+        assert r["results"][op]["ceiling_GBps"] == ceil["GBps"]
+    assert "ceiling for read" in capsys.readouterr().out
