@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -235,6 +237,10 @@ def write_outputs(record: dict, stem: Path, plots: bool) -> list[Path]:
     stem.with_suffix(".md").write_text(to_markdown(record))
     paths += [stem.with_suffix(".csv"), stem.with_suffix(".md")]
     if plots and sum(1 for r in record["runs"] if r["metrics"].get("completed")) >= 1:
+        if importlib.util.find_spec("matplotlib") is None:  # e.g. a GPU image without it: plot elsewhere later
+            print(f"note: matplotlib is not installed, no plots; run `python -m pdserve.bench plot "
+                  f"{stem.with_suffix('.json')}` where it is", file=sys.stderr)
+            return paths
         from pdserve.bench.plots import write_plots
 
         paths += write_plots([(record["runs"][0]["config"].get("model") or "run", record)], str(stem))
@@ -261,12 +267,11 @@ def _run_async(fn, args) -> int:
         return await fn(args, stop)
 
     try:
-        try:  # uvloop (when installed) parses more streamed chunks per second: more client headroom
-            import uvloop
-
-            return uvloop.run(main())
-        except ImportError:
-            return asyncio.run(main())
+        uvloop = importlib.import_module("uvloop")
+    except ImportError:
+        uvloop = None
+    try:  # uvloop (when installed) parses more streamed chunks per second: more client headroom
+        return uvloop.run(main()) if hasattr(uvloop, "run") else asyncio.run(main())
     except (BenchError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -182,6 +182,9 @@ async def _drain(tasks: list[asyncio.Task], stop: StopSignal, timeout_s: float |
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a bare image without tqdm still benchmarks, just without the bar
+        return None
 
     return tqdm(total=total, unit="req", dynamic_ncols=True, leave=False)
