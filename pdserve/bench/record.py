@@ -21,6 +21,8 @@ SCHEMA = "pdserve.bench/1"
 
 
 def _git_commit() -> str | None:
+    if os.environ.get("PDSERVE_GIT_COMMIT"):  # set when the tree was copied without .git (GPU machines)
+        return os.environ["PDSERVE_GIT_COMMIT"]
     try:
         here = Path(__file__).resolve().parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)

@@ -227,7 +227,7 @@ class PDConnector:
         for rid, res in list(self.reservations.items()):
             if now > res.deadline:
                 outs.extend(self._fail_reservation(core, rid, "the KV handover did not complete within its lease"))
-        for rid, ex in list(self.exports.items()):
+        for ex in list(self.exports.values()):
             if now > ex.deadline and not ex.future.done():
                 ex.future.cancel()
         return outs

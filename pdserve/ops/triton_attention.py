@@ -75,10 +75,10 @@ def _merge_kernel(PartO, PartM, PartL, Out, s_pb, s_ph, s_ps, s_ob, s_oh, num_sp
     smask = sidx < num_splits
     pm = b * (s_pb // D) + h * (s_ph // D) + sidx
     m = tl.load(PartM + pm, mask=smask, other=float("-inf"))
-    l = tl.load(PartL + pm, mask=smask, other=0.0)
+    lse = tl.load(PartL + pm, mask=smask, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(smask & (m > float("-inf")), tl.exp(m - m_max), 0.0)
-    denom = tl.sum(w * l, 0)
+    denom = tl.sum(w * lse, 0)
     d = tl.arange(0, D)
     o = tl.load(PartO + b * s_pb + h * s_ph + sidx[:, None] * s_ps + d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / denom

@@ -1,5 +1,4 @@
 import pytest
-
 from tiny_models import write_tiny_model
 
 
