@@ -9,6 +9,7 @@ tokenizer.json is cached on disk and later loads take well under a second throug
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,11 +98,29 @@ def default_model_gguf() -> Path:
     return Path(pkg.assemble())
 
 
+def _shipped_shape(name: str) -> BenchTokenizer | None:
+    """The word-level tokenizer pdserve serves a shipped shape (e.g. `qwen3-8b --load-format dummy`) with."""
+    cfg_path = Path(__file__).resolve().parent.parent / "model" / "configs" / f"{name}.json"
+    if not cfg_path.is_file():
+        return None
+    from types import SimpleNamespace
+
+    from pdserve.model.dummy_tokenizer import wordlevel_tokenizer_dir
+
+    cfg = json.loads(cfg_path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    d = wordlevel_tokenizer_dir(SimpleNamespace(**cfg), _cache_dir())
+    return _from_tokenizer_json(d / "tokenizer.json", source=f"{name} (shipped shape, word-level)")
+
+
 def load_tokenizer(name: str) -> BenchTokenizer:
-    """Load a tokenizer from a HF directory, a tokenizer.json, a .gguf file, or the default model's name."""
+    """Load a tokenizer from a HF directory, a tokenizer.json, a .gguf file, or a model name pdserve knows
+    (its default model, or a shipped shape for dummy weights)."""
     if name in DEFAULT_MODEL_NAMES:
         return _from_gguf(default_model_gguf())
     path = Path(name).expanduser()
+    if not path.exists() and "/" not in name and (shipped := _shipped_shape(name)) is not None:
+        return shipped
     if path.is_dir():
         if (path / "tokenizer.json").exists():
             return _from_tokenizer_json(path / "tokenizer.json", source=str(path))
@@ -117,5 +136,5 @@ def load_tokenizer(name: str) -> BenchTokenizer:
         raise ValueError(f"unsupported tokenizer file {path}: expected a .gguf or tokenizer.json")
     raise ValueError(
         f"tokenizer {name!r} not found: pass a local Hugging Face directory, a tokenizer.json, a .gguf file, "
-        f"or {DEFAULT_MODEL_NAMES[0]!r} (this benchmark does not download tokenizers)"
+        f"{DEFAULT_MODEL_NAMES[0]!r} or a shipped shape name (this benchmark does not download tokenizers)"
     )

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,13 @@ def test_sharegpt_and_file_datasets(tmp_path, word_tokenizer_dir):
     bad.write_text('{"text": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         file_dataset(str(bad), tok, 1, 4)
+
+
+def test_shipped_shape_names_get_the_servers_word_level_tokenizer():
+    """`pdserve serve --model qwen3-0.6b --load-format dummy` serves "qwen3-0.6b": the bench finds its tokenizer."""
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "pdserve/model/configs/qwen3-0.6b.json").read_text())
+    tok = load_tokenizer("qwen3-0.6b")
+    assert tok.vocab_size == cfg.get("text_config", cfg)["vocab_size"]
+    reqs = random_dataset(tok, num_prompts=3, input_len=1024, output_len=4, seed=0)
+    assert all(len(tok.encode(r.prompt)) == 1024 for r in reqs)
+    assert tok.decode([5, tok.vocab_size - 1]) == f"t5 t{tok.vocab_size - 1}"
