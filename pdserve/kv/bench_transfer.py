@@ -149,16 +149,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     devices = args.devices.split(",") if args.devices else _default_devices(args.backend)
     if len(devices) != 2:
         raise ValueError("--devices needs exactly two entries")
+    pl["devices"] = devices
     if args.tcp_connections is None:
         args.tcp_connections = AgentConfig().tcp_connections
-    agent_cfg = {"transport": args.transport, "host": args.host, "tcp_connections": args.tcp_connections,
+    # each transfer names the transport under test; NIXL runs keep cuda_ipc too, for the peer-copy ceiling's mapping
+    agent_cfg = {"transport": "auto" if args.transport == "nixl" else args.transport, "host": args.host, "tcp_connections": args.tcp_connections,
                  "cuda_copy": args.cuda_copy, "transfer_timeout_s": args.timeout}
     ctx = mp.get_context("spawn")
     specs = [{"num_blocks": pl["pool_blocks"], "block_bytes": pl["block_bytes"], "backend": args.backend,
               "device": d, "agent": {**agent_cfg, "name": f"bench-{r}-{os.getpid()}"}} for r, d in zip("AB", devices)]
     out: dict[str, Any] = {"machine": machine_info(), "command": [sys.executable, *sys.argv], "args": vars(args),
                            "git_commit": _git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "workload": {k: v for k, v in pl.items() if k not in ("src", "dst")} | {
+                           "workload": {k: v for k, v in pl.items() if k not in ("src", "dst", "devices")} | {
                                "layout": args.layout, "tokens": args.tokens, "block_size": args.block_size,
                                "devices": devices, "backend": args.backend},
                            "results": {}, "ceilings": {}, "checks": {}}
@@ -240,12 +242,13 @@ class Ceiling:
         self.a, self.b, self.ainfo, self.binfo, self.peer, self.nbytes = a, b, ainfo, binfo, peer, pl["bytes"]
         self.conns = sorted({1, args.tcp_connections})
         self.warmup = args.warmup
+        self.gpu = all(d.startswith("cuda") for d in pl["devices"])
         self.kind: dict[str, str] = {}
         self.times: dict[tuple[str, str], list[float]] = {}
 
     def step(self, transport: str, op: str) -> None:
         if op not in self.kind:
-            self.kind[op] = "peer_copy" if transport == "cuda_ipc" else "raw_tcp"
+            self.kind[op] = "peer_copy" if transport in ("cuda_ipc", "nixl") and self.gpu else "raw_tcp"
             if self.kind[op] == "raw_tcp":
                 self._open(op)
         if self.kind[op] == "peer_copy":

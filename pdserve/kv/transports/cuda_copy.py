@@ -106,6 +106,17 @@ def _kernel() -> Any:
     return _KERNEL
 
 
+def chunk_table(src_off: np.ndarray, dst_off: np.ndarray, sizes: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
+    """[3, n_programs] int64: source word offset, destination word offset and word count of each program's piece
+    (every run cut into `chunk`-byte pieces; offsets and sizes are bytes, multiples of 4)."""
+    n_chunks = (sizes + chunk - 1) // chunk
+    rep = np.repeat(np.arange(sizes.size), n_chunks)
+    first = np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+    within = (np.arange(rep.size) - first) * chunk
+    lens = np.minimum(chunk, sizes[rep] - within)
+    return np.stack([(src_off[rep] + within) // 4, (dst_off[rep] + within) // 4, lens // 4]).astype(np.int64)
+
+
 class KernelCopier:
     """One Triton launch copying every run, split into CHUNK-byte programs.
 
@@ -124,19 +135,13 @@ class KernelCopier:
 
         if ((src_off | dst_off | sizes) % 16).any() or src_base.data_ptr() % 16 or dst_base.data_ptr() % 16:
             raise ValueError("kernel copy needs 16-byte aligned offsets and lengths")
-        n_chunks = (sizes + CHUNK - 1) // CHUNK
-        rep = np.repeat(np.arange(sizes.size), n_chunks)
-        first = np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-        k = np.arange(rep.size) - first
-        within = k * CHUNK
-        lens = np.minimum(CHUNK, sizes[rep] - within)
-        table = np.stack([(src_off[rep] + within) // 4, (dst_off[rep] + within) // 4, lens // 4]).astype(np.int64)
+        table = chunk_table(src_off, dst_off, sizes)
         host = torch.from_numpy(table).pin_memory()
         with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             t = host.to(device=stream.device, non_blocking=True)
             src32 = src_base[: src_base.numel() // 4 * 4].view(torch.int32)
             dst32 = dst_base[: dst_base.numel() // 4 * 4].view(torch.int32)
-            _kernel()[(rep.size,)](src32, dst32, t[0], t[1], t[2], BLOCK=4096, num_warps=8)
+            _kernel()[(table.shape[1],)](src32, dst32, t[0], t[1], t[2], BLOCK=4096, num_warps=8)
         self._keep = (host, t)  # the pinned table must outlive the async H2D copy; replaced on the next call
 
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pdserve.kv.regions import MemoryRegion, RemoteRegion
 
 log = logging.getLogger(__name__)
-_SPIN_S = 0.002  # poll the completion event this long before handing the wait to a thread
+_SPIN_S = 0.02  # poll the completion event this long (yielding to the loop) before handing the wait to a thread
 
 
 def _uuid_map() -> dict[str, int]:
