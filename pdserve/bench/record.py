@@ -69,7 +69,7 @@ def new_record(kind: str, args: dict | None = None) -> dict:
         "schema": SCHEMA,
         "kind": kind,  # serve | search | sweep
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),  # interpreter, -m module and all flags
         "git_commit": _git_commit(),
         "machine": machine_info(),
         "args": args or {},
