@@ -495,13 +495,15 @@ class KVAgent:
                            remote_region: int | str, notif: bytes | dict[str, Any] | None = None, **kw: Any) -> XferResult:
         """Push whole KV blocks src_ids (ours) into dst_ids (the peer's); runs of consecutive ids are coalesced."""
         rr = self.peer(peer).region_id(remote_region) if isinstance(remote_region, str) else remote_region
-        return await self.write(peer, block_xfers(src_ids, dst_ids, block_bytes, local_region, rr), notif, **kw)
+        xl = block_xfers(src_ids, dst_ids, block_bytes, local_region, rr, coalesce=False)  # write() coalesces
+        return await self.write(peer, xl, notif, **kw)
 
     async def read_blocks(self, peer: str, remote_ids: Any, local_ids: Any, block_bytes: int, local_region: int,
                           remote_region: int | str, notif: bytes | dict[str, Any] | None = None, **kw: Any) -> XferResult:
         """Pull the peer's blocks remote_ids into our local_ids."""
         rr = self.peer(peer).region_id(remote_region) if isinstance(remote_region, str) else remote_region
-        return await self.read(peer, block_xfers(local_ids, remote_ids, block_bytes, local_region, rr), notif, **kw)
+        xl = block_xfers(local_ids, remote_ids, block_bytes, local_region, rr, coalesce=False)  # read() coalesces
+        return await self.read(peer, xl, notif, **kw)
 
     def pick_transport(self, peer: Peer, x: XferList, forced: str | None = None) -> Transport:
         local = [self.regions.get(int(r)) for r in np.unique(x.local_region)]
