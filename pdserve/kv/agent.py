@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from pdserve.kv.config import AgentConfig
-from pdserve.kv.descs import XferList, block_xfers, validate
+from pdserve.kv.descs import XferList, block_xfers, distinct, validate
 from pdserve.kv.errors import (
     KVTransferError,
     PeerDisconnectedError,
@@ -506,8 +505,8 @@ class KVAgent:
         return await self.read(peer, xl, notif, **kw)
 
     def pick_transport(self, peer: Peer, x: XferList, forced: str | None = None) -> Transport:
-        local = [self.regions.get(int(r)) for r in np.unique(x.local_region)]
-        remote = [peer.regions[int(r)] for r in np.unique(x.remote_region)]
+        local = [self.regions.get(r) for r in distinct(x.local_region)]
+        remote = [peer.regions[r] for r in distinct(x.remote_region)]
         name = forced or self.config.transport
         if name != "auto":
             tr = self.transports.get(name)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdserve.kv.descs import XferList
+from pdserve.kv.descs import XferList, distinct
 from pdserve.kv.errors import TransferTimeoutError
 from pdserve.kv.transports.base import Transport
 
@@ -47,6 +47,9 @@ def _uuid_map() -> dict[str, int]:
 
 def _bases(ids: np.ndarray, ptr_of: Any) -> np.ndarray:
     """Base address of each entry's region (one lookup per distinct region)."""
+    u = distinct(ids)
+    if len(u) == 1:
+        return np.int64(ptr_of(u[0]))
     u, inv = np.unique(ids, return_inverse=True)
     return np.array([ptr_of(int(r)) for r in u.tolist()], dtype=np.int64)[inv]
 
@@ -169,7 +172,7 @@ class CudaIpcTransport(Transport):
         mapped = peer.extra[self.name]
         regions = self.agent.regions
         events = []
-        devs = {int(r): regions.get(int(r)).device for r in np.unique(xfers.local_region)}
+        devs = {r: regions.get(r).device for r in distinct(xfers.local_region)}
         for dev in sorted(set(devs.values())):
             x = xfers if len(devs) == 1 else xfers.take(np.isin(xfers.local_region, [r for r, d in devs.items() if d == dev]))
             stream = self._stream(dev)
@@ -210,8 +213,7 @@ class CudaIpcTransport(Transport):
         if copier.name == "batch":
             lp = _bases(x.local_region, lambda r: regions.get(r).ptr) + x.local_offset
             rp = _bases(x.remote_region, lambda r: mapped[r].data_ptr()) + x.remote_offset
-            uniq_r = np.unique(x.remote_region)
-            rdev = mapped[int(uniq_r[0])].device.index
+            rdev = mapped[int(x.remote_region[0])].device.index
             if op == "write":
                 copier.copy(lp, rp, x.length, dev, rdev, stream)
             else:
