@@ -1,7 +1,7 @@
 """A zero-work OpenAI-compatible endpoint: streams N tokens instantly, to measure the benchmark client's ceiling.
 
-Each response is one pre-built byte string in OpenAI's SSE format (one token per event, a usage event,
-`data: [DONE]`), so the server spends almost nothing per request and the measured rate is the client's.
+Responses are pre-built SSE events in OpenAI's format (one token per event, a usage event, `data: [DONE]`)
+written back to back, so the server spends almost nothing per token and the measured rate is the client's.
 Run as `python -m pdserve.bench.zero_server --port 0`; it prints `PORT <n>` once it listens.
 """
 
@@ -18,7 +18,7 @@ from aiohttp import web
 
 
 @lru_cache(maxsize=64)
-def sse_body(n_tokens: int, chat: bool) -> bytes:
+def sse_events(n_tokens: int, chat: bool) -> tuple[bytes, ...]:
     base = {"id": "cmpl-zero", "created": 0, "model": "zero"}
     events = []
     for i in range(n_tokens):
@@ -31,7 +31,7 @@ def sse_body(n_tokens: int, chat: bool) -> bytes:
         events.append(ev)
     events.append({**base, "choices": [],
                    "usage": {"prompt_tokens": 1, "completion_tokens": n_tokens, "total_tokens": n_tokens + 1}})
-    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+    return tuple(f"data: {json.dumps(e)}\n\n".encode() for e in events) + (b"data: [DONE]\n\n",)
 
 
 async def _complete(request: web.Request) -> web.StreamResponse:
@@ -39,7 +39,12 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     n = max(1, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    await resp.write(sse_body(n, request.path.endswith("/chat/completions")))
+    for ev in sse_events(n, request.path.endswith("/chat/completions")):
+        # One write per event and a yield between them, so concurrent streams interleave and the client sees
+        # events one or a few per read, as from a real server; a single pre-joined body would be parsed in big
+        # reads and overstate the client's capacity several times.
+        await resp.write(ev)
+        await asyncio.sleep(0)
     await resp.write_eof()
     return resp
 
