@@ -179,7 +179,8 @@ class KVAgent:
         ls.settimeout(1.0)
         self._listen = ls
         host = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "::", "") else _my_ip())
-        self._address = f"{host}:{ls.getsockname()[1]}"
+        port = ls.getsockname()[1]
+        self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         threading.Thread(target=self._accept_loop, name=f"kv-accept-{self.name}", daemon=True).start()
         if self._meta is not None:
             await self._meta.publish(self.name, {"address": self._address, "host_id": self.host_id})

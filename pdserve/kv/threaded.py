@@ -83,10 +83,10 @@ class ThreadedAgent:
 
     def on_notification(self, cb: Callable[[Notification], None]) -> None:
         """`cb` runs on the agent's thread for every notification (queued ones are then not kept)."""
-        self._loop.call_soon_threadsafe(self.agent.on_notification, cb)
+        self._call(self._sync(self.agent.on_notification, cb), 10.0)  # registered before this returns
 
     def on_peer_lost(self, cb: Callable[[str, str], None]) -> None:
-        self._loop.call_soon_threadsafe(self.agent.on_peer_lost, cb)
+        self._call(self._sync(self.agent.on_peer_lost, cb), 10.0)
 
     def poll_notifications(self, timeout: float = 5.0) -> list[Notification]:
         return self._call(self._sync(self.agent.poll_notifications), timeout)
