@@ -28,6 +28,8 @@ def hbm_copy_gbps(device=None, nbytes: int = 4 << 30) -> float:
     """Device-to-device copy of a buffer far larger than L2, counting bytes read plus bytes written."""
     import torch
 
+    device = device or "cuda"
+
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = _time_ms(lambda: dst.copy_(src))
@@ -38,6 +40,7 @@ def matmul_tflops(device=None, n: int = 8192, dtype=None) -> float:
     import torch
 
     dtype = dtype or torch.bfloat16
+    device = device or "cuda"
     a = torch.randn((n, n), device=device, dtype=dtype)
     b = torch.randn((n, n), device=device, dtype=dtype)
     ms = _time_ms(lambda: a @ b, iters=30)
@@ -57,6 +60,7 @@ def peer_copy_gbps(src_dev: int = 0, dst_dev: int = 1, nbytes: int = 1 << 30) ->
 def measure(device=None) -> dict:
     import torch
 
+    device = device or torch.device("cuda", torch.cuda.current_device())
     out = {"gpu": torch.cuda.get_device_name(device), "hbm_copy_gbps": hbm_copy_gbps(device),
            "bf16_matmul_tflops": matmul_tflops(device)}
     if torch.cuda.device_count() >= 2:

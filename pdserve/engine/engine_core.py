@@ -37,10 +37,13 @@ class CoreOutput:
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available on this machine")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but CUDA is not available on this machine")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
