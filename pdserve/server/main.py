@@ -93,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=_default(S, "request_timeout_s"),
         help="seconds before a request is aborted with HTTP 504",
     )
+    k = parser.add_argument_group("disaggregation (prefill/decode roles)")
+    k.add_argument("--kv-transport", default=_default(E, "kv_transport"), choices=["auto", "tcp", "cuda_ipc", "nixl"],
+                   help="how KV blocks move between instances (auto: cuda_ipc within a host, else tcp)")
+    k.add_argument("--kv-host", default=_default(E, "kv_host"), help="address the KV agent listens on")
+    k.add_argument("--kv-port", type=int, default=_default(E, "kv_port"), help="KV agent port (0: any free port)")
+    k.add_argument("--kv-lease", type=float, default=_default(E, "kv_lease_s"),
+                   help="seconds a block may stay held or reserved for a peer before it is reclaimed")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -120,6 +127,11 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_role=args.role,
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        kv_lease_s=args.kv_lease,
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {args.port}")
@@ -142,7 +154,17 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    from pdserve.disagg.instance import pd_extra_routes
+
+    config.engine.kv_role = config.role  # prefill/decode instances run a KV transfer agent in the engine process
     llm = AsyncLLM(config.engine)
+    pd_routes = pd_extra_routes(llm, config.role)
+
+    def routes(app: web.Application) -> None:
+        pd_routes(app)
+        if extra_routes is not None:
+            extra_routes(app)
+
     try:
         await llm.start()
     except Exception as e:
@@ -150,7 +172,7 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
         await llm.shutdown()
         return 1
     runner = web.AppRunner(
-        create_app(llm, config, extra_routes),
+        create_app(llm, config, routes),
         handler_cancellation=True,  # a client that disconnects cancels its handler, which aborts its request
         access_log=log if access_log else None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
