@@ -79,6 +79,8 @@ class EngineCore:
         self.block_bytes = bb
         self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, num_blocks, config.block_size,
                                   config.attention_backend)
+        if not config.enforce_eager:
+            self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.requests: dict[str, Request] = {}
