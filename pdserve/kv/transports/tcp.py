@@ -71,9 +71,13 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class _Staging(threading.local):
-    """Per-thread pinned buffer for GPU memory (allocated on first use, reused for every chunk)."""
+    """Per-thread pinned buffers for GPU memory (allocated on first use, reused for every chunk)."""
 
     buf: Any = None
+    views: Any = None
+    stream: Any = None
+    events: Any = None
+    device: int = -1
 
 
 class _XferConns:
@@ -231,36 +235,65 @@ class TcpTransport(Transport):
             raise RemoteRejected(msg)
 
     # ---- moving bytes between a socket and a region ------------------------------------------------------------
-    def _stage(self) -> Any:
-        if self._staging.buf is None:
+    def _stage(self, device: int) -> tuple[list[Any], list[memoryview], Any, list[Any]]:
+        """This thread's two pinned half-buffers, their byte views, a copy stream on `device` and two events.
+
+        Two buffers so the GPU copy of one chunk overlaps the socket transfer of the other."""
+        st = self._staging
+        if st.buf is None or st.device != device:
             import torch
 
-            self._staging.buf = torch.empty(self.agent.config.tcp_staging_bytes, dtype=torch.uint8, pin_memory=True)
-        return self._staging.buf
+            half = max(1 << 20, self.agent.config.tcp_staging_bytes // 2)
+            st.buf = [torch.empty(half, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            st.views = [memoryview(b.numpy()) for b in st.buf]
+            st.stream = torch.cuda.Stream(device=device)
+            st.events = [torch.cuda.Event(), torch.cuda.Event()]
+            st.device = device
+        return st.buf, st.views, st.stream, st.events
 
     def _send_region(self, s: socket.socket, reg: MemoryRegion, off: int, n: int) -> None:
         if reg.host_view is not None:
             s.sendall(reg.host_view[off:off + n])
             return
-        stage = self._stage()
-        view = memoryview(stage.numpy())
-        step = stage.numel()
-        for p in range(0, n, step):
-            c = min(step, n - p)
-            stage[:c].copy_(reg.tensor[off + p:off + p + c])  # device -> pinned; synchronous
-            s.sendall(view[:c])
+        import torch
+
+        bufs, views, stream, events = self._stage(reg.device)
+        step = bufs[0].numel()
+        chunks = [(p, min(step, n - p)) for p in range(0, n, step)]
+        src = reg.tensor
+        with torch.cuda.device(reg.device), torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.default_stream(reg.device))  # after the producer's queued work
+
+            def fetch(k: int) -> None:
+                p, c = chunks[k]
+                bufs[k % 2][:c].copy_(src[off + p:off + p + c], non_blocking=True)  # device -> pinned
+                events[k % 2].record(stream)
+
+            fetch(0)
+            for k, (_, c) in enumerate(chunks):
+                if k + 1 < len(chunks):
+                    fetch(k + 1)  # its buffer was sent (synchronously) in the previous iteration
+                events[k % 2].synchronize()
+                s.sendall(views[k % 2][:c])
 
     def _recv_region(self, s: socket.socket, reg: MemoryRegion, off: int, n: int) -> None:
         if reg.host_view is not None:
             recv_into_exact(s, reg.host_view[off:off + n])
             return
-        stage = self._stage()
-        view = memoryview(stage.numpy())
-        step = stage.numel()
-        for p in range(0, n, step):
-            c = min(step, n - p)
-            recv_into_exact(s, view[:c])
-            reg.tensor[off + p:off + p + c].copy_(stage[:c])  # pinned -> device; synchronous before reuse
+        import torch
+
+        bufs, views, stream, events = self._stage(reg.device)
+        step = bufs[0].numel()
+        dst = reg.tensor
+        with torch.cuda.device(reg.device), torch.cuda.stream(stream):
+            for k, p in enumerate(range(0, n, step)):
+                c = min(step, n - p)
+                if k >= 2:
+                    events[k % 2].synchronize()  # the copy that last read this buffer is done
+                recv_into_exact(s, views[k % 2][:c])
+                dst[off + p:off + p + c].copy_(bufs[k % 2][:c], non_blocking=True)  # pinned -> device
+                events[k % 2].record(stream)
+            stream.synchronize()  # landed before the response (and the notification) goes out
 
     # ---- server side -------------------------------------------------------------------------------------------
     def serve(self, s: socket.socket, peer_name: str) -> None:
