@@ -190,8 +190,6 @@ async def assert_pools_whole(session: aiohttp.ClientSession, urls: list[str], ti
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"pools not whole: {dict(zip(urls, loads))}")
-        if os.environ.get("DBG_POOLS"):
-            print("DBG", time.monotonic(), [(ld["num_free_blocks"], ld["num_total_blocks"], ld["num_running"], ld.get("num_remote"), ld.get("pd")) for ld in loads], flush=True)
         await asyncio.sleep(0.2)
 
 
@@ -303,14 +301,12 @@ def test_killed_prefill_leads_to_retry_or_local_prefill(cluster, expected):
     async def main():
         url = cluster.urls["r_2p2d"]
         cluster.procs["p0"].kill()
-        t0 = time.monotonic()
         async with aiohttp.ClientSession() as s:
             for i, p in enumerate(PROMPTS):  # right after the kill: the router may still name p0 first
                 assert await complete(s, url, f"{i} " + p, stream=bool(i % 2)) is not None
-            print("DBG first loop", time.monotonic() - t0, flush=True)
             for p in PROMPTS:
                 assert await complete(s, url, p, stream=False) == expected[p]
-            print("DBG second loop", time.monotonic() - t0, flush=True)
-            await assert_pools_whole(s, [cluster.urls[n] for n in ("p1", "d0")], timeout=30)
+            # a reservation whose prefill peer died mid-order is quarantined until its lease (30 s) runs out
+            await assert_pools_whole(s, [cluster.urls[n] for n in ("p1", "d0")], timeout=45)
 
     run(main())
