@@ -138,9 +138,19 @@ class AsyncLLM:
             if not co.new_token_ids and not co.finished:
                 return
         out = st.state.process(co)
+        if out.finished and co.request_id in self.pd_timings:
+            out.pd_timings = self._public_timings(self.pd_timings.pop(co.request_id))
         st.queue.put_nowait(out)
         if out.finished and not co.finished:  # a stop string ended it: stop the core too
             self._send(("abort", co.request_id))
+
+    @staticmethod
+    def _public_timings(t: dict) -> dict:
+        keys = ("queue_s", "prefill_s", "handover_s", "first_token_s", "prefill_url", "fallback", "fallback_reason",
+                "num_cached_tokens", "push_s", "prefill_http_s")
+        out = {k: t.get(k) for k in keys if k in t}
+        out.setdefault("fallback", None)
+        return out
 
     def _on_dead(self, why: str) -> None:
         if self._dead:
@@ -215,6 +225,7 @@ class AsyncLLM:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self.pd_timings.pop(request_id, None)
             if alias:
                 self.aliases.pop(alias, None)
             if not finished and not self._dead:

@@ -29,3 +29,4 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    pd_timings: dict | None = None  # disaggregated requests, on the last output: queue/prefill/handover/first token
