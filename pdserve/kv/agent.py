@@ -50,13 +50,23 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Notification:
     """Sent by the initiator after a transfer completed. op 'write': the bytes are in our memory now;
-    op 'read': the peer finished reading our memory (the blocks may be released)."""
+    op 'read': the peer finished reading our memory (the blocks may be released); op 'notify': no data.
+
+    `error` is set when the initiator reports that the transfer carrying this payload FAILED (its bytes must not be
+    used); `wait_notification` raises for such notifications, callbacks see them and must check `error`.
+    """
 
     peer: str
     xfer_id: int
     op: str
     payload: bytes
     recv_ns: int  # time.perf_counter_ns() at arrival (CLOCK_MONOTONIC: comparable across processes on Linux)
+    error: str | None = None
+
+    def raise_if_failed(self) -> Notification:
+        if self.error is not None:
+            raise KVTransferError(f"{self.op} {self.xfer_id} from peer {self.peer} failed: {self.error}")
+        return self
 
     def unpack(self) -> Any:
         """The payload decoded as msgpack (the convention for {"request_id": ..., ...} payloads)."""
@@ -371,6 +381,9 @@ class KVAgent:
                 if t == "notif":
                     self._deliver(Notification(peer.name, int(msg["x"]), str(msg["op"]), bytes(msg["p"]),
                                                time.perf_counter_ns()))
+                elif t == "failed":
+                    self._deliver(Notification(peer.name, int(msg["x"]), str(msg["op"]), bytes(msg["p"]),
+                                               time.perf_counter_ns(), error=str(msg.get("why", "unknown"))))
                 elif t == "regions":
                     peer.set_regions(msg["regions"])
                     peer.hello.update(msg.get("extra") or {})
@@ -436,7 +449,10 @@ class KVAgent:
         for i, (peer, pred, fut) in enumerate(self._waiters):
             if fut.done() or (peer is not None and peer != n.peer) or (pred is not None and not pred(n)):
                 continue
-            fut.set_result(n)
+            if n.error is not None:
+                fut.set_exception(KVTransferError(f"{n.op} {n.xfer_id} from peer {n.peer} failed: {n.error}"))
+            else:
+                fut.set_result(n)
             del self._waiters[i]
             return
         if not self._callbacks:
@@ -454,11 +470,12 @@ class KVAgent:
     async def wait_notification(self, peer: str | None = None, predicate: Callable[[Notification], bool] | None = None,
                                 timeout: float | None = None) -> Notification:
         """The next notification (from `peer`, matching `predicate`); raises TransferTimeoutError after `timeout`
-        seconds (default: the transfer timeout) and PeerDisconnectedError if that peer goes away first."""
+        seconds (default: the transfer timeout), PeerDisconnectedError if that peer goes away first, and
+        KVTransferError if the initiator reports that the matching transfer failed."""
         for i, n in enumerate(self._queue):
             if (peer is None or n.peer == peer) and (predicate is None or predicate(n)):
                 del self._queue[i]
-                return n
+                return n.raise_if_failed()
         if peer is not None and peer not in self._peers:
             raise PeerDisconnectedError(f"not connected to peer {peer!r}")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -539,14 +556,28 @@ class KVAgent:
             tr = self.pick_transport(p, x, transport)
             tname = tr.name
             try:
-                delivered = await tr.transfer(op, p, x, payload, xid, deadline, wait_event)
-            except KVTransferError:
+                try:
+                    delivered = await tr.transfer(op, p, x, payload, xid, deadline, wait_event)
+                except KVTransferError:
+                    raise
+                except Exception as e:
+                    raise KVTransferError(f"{op} {xid} to {p.describe()} via {tr.name} failed: "
+                                          f"{type(e).__name__}: {e}") from e
+            except KVTransferError as e:
+                if payload is not None:  # the receiver may be waiting for this payload: tell it, best effort
+                    await self._report_failure(p, xid, op, payload, str(e))
                 raise
-            except Exception as e:
-                raise KVTransferError(f"{op} {xid} to {p.describe()} via {tr.name} failed: {type(e).__name__}: {e}") from e
         if payload is not None and not delivered:
             await p.send({"t": "notif", "x": xid, "op": op, "p": payload})
         return XferResult(xid, p.name, op, tname, x.total_bytes, len(xfers), len(x), time.perf_counter() - t0)
+
+    async def _report_failure(self, p: Peer, xid: int, op: str, payload: bytes, why: str) -> None:
+        if not p.alive:
+            return
+        try:
+            await asyncio.wait_for(p.send({"t": "failed", "x": xid, "op": op, "p": payload, "why": why}), 1.0)
+        except (KVTransferError, asyncio.TimeoutError):
+            pass
 
     async def notify(self, peer: str, payload: bytes | dict[str, Any]) -> None:
         """A notification with no data (e.g. 'nothing to send, recompute')."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from kv_helpers import BB, NB, local_agent, spawn_peer
 
-from pdserve.kv import InvalidDescriptorError, PeerUnreachableError, XferList, block_xfers
+from pdserve.kv import InvalidDescriptorError, KVTransferError, PeerUnreachableError, XferList, block_xfers
 
 
 @pytest.fixture
@@ -124,8 +124,11 @@ def test_descriptor_outside_a_region_is_rejected_on_both_sides():
             await a.read(peer, XferList.build(ra, size - 1, rb, 0, 2))
         # a sender with a stale (too large) idea of the remote region: the receiver must refuse, not write
         a.peer(peer).regions[rb].size = size * 2
+        waiter = asyncio.create_task(b.wait_notification(peer=a.name, timeout=10))
         with pytest.raises(InvalidDescriptorError, match="rejected by peer"):
-            await a.write(peer, XferList.build(ra, 0, rb, size - 8, 16))
+            await a.write(peer, XferList.build(ra, 0, rb, size - 8, 16), notif={"request_id": "bad"})
+        with pytest.raises(KVTransferError, match="write .* from peer .* failed: .*outside region"):
+            await waiter  # the receiver waiting for that payload learns that it will not come
         with pytest.raises(InvalidDescriptorError, match="rejected by peer"):
             await a.read(peer, XferList.build(ra, 0, rb, size + 64, 16))
         assert not pb.data.any()
