@@ -198,7 +198,7 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
     return 0
 
 
-def _run_loop(coro) -> int:
+def run_loop(coro):
     """asyncio.run, on uvloop where it is installed (the GPU image has it): fewer microseconds per token."""
     try:
         import uvloop
@@ -220,6 +220,6 @@ def run(args: argparse.Namespace, extra_routes: ExtraRoutes | None = None) -> in
         print(f"pdserve: invalid configuration: {e}", file=sys.stderr)
         return 2
     try:
-        return _run_loop(serve(config, extra_routes, args.access_log))
+        return run_loop(serve(config, extra_routes, args.access_log))
     except KeyboardInterrupt:
         return 0
