@@ -8,7 +8,7 @@ between processes (cuda_ipc within a host, tcp anywhere, nixl when installed), w
 `ThreadedAgent` offers the same from synchronous code (the event loop runs in a daemon thread).
 """
 
-from pdserve.kv.agent import KVAgent, Notification, XferResult
+from pdserve.kv.agent import KVAgent, XferResult
 from pdserve.kv.config import AgentConfig
 from pdserve.kv.descs import XferList, block_xfers
 from pdserve.kv.errors import (
@@ -20,6 +20,7 @@ from pdserve.kv.errors import (
     TransferTimeoutError,
     TransportUnavailableError,
 )
+from pdserve.kv.notify import Notification
 from pdserve.kv.threaded import ThreadedAgent
 
 __all__ = [

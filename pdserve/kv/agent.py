@@ -13,19 +13,14 @@ dead at once and fails whoever waits on it, and registered regions stay valid wh
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import secrets
 import socket
-import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import msgpack
 
 from pdserve.kv.config import AgentConfig
 from pdserve.kv.descs import XferList, block_xfers, distinct, validate
@@ -33,44 +28,19 @@ from pdserve.kv.errors import (
     KVTransferError,
     PeerDisconnectedError,
     PeerUnreachableError,
-    TransferTimeoutError,
     TransportUnavailableError,
 )
+from pdserve.kv.listener import Listener
 from pdserve.kv.metadata import make_metadata
+from pdserve.kv.notify import Notification, Notifications, encode_notif
 from pdserve.kv.peer import Peer
 from pdserve.kv.regions import MemoryRegion, RegionTable, host_id
 from pdserve.kv.transports import build_transports
 from pdserve.kv.transports.base import Transport
 from pdserve.kv.transports.tcp import split_address
-from pdserve.kv.wire import PREAMBLE_CTRL, PREAMBLE_DATA, pack_ctrl, read_ctrl, recv_exact
+from pdserve.kv.wire import PREAMBLE_CTRL, pack_ctrl, read_ctrl
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Notification:
-    """Sent by the initiator after a transfer completed. op 'write': the bytes are in our memory now;
-    op 'read': the peer finished reading our memory (the blocks may be released); op 'notify': no data.
-
-    `error` is set when the initiator reports that the transfer carrying this payload FAILED (its bytes must not be
-    used); `wait_notification` raises for such notifications, callbacks see them and must check `error`.
-    """
-
-    peer: str
-    xfer_id: int
-    op: str
-    payload: bytes
-    recv_ns: int  # time.perf_counter_ns() at arrival (CLOCK_MONOTONIC: comparable across processes on Linux)
-    error: str | None = None
-
-    def raise_if_failed(self) -> Notification:
-        if self.error is not None:
-            raise KVTransferError(f"{self.op} {self.xfer_id} from peer {self.peer} failed: {self.error}")
-        return self
-
-    def unpack(self) -> Any:
-        """The payload decoded as msgpack (the convention for {"request_id": ..., ...} payloads)."""
-        return msgpack.unpackb(self.payload, raw=False)
 
 
 @dataclass(frozen=True)
@@ -85,14 +55,6 @@ class XferResult:
     seconds: float
 
 
-def encode_notif(notif: bytes | dict[str, Any] | None) -> bytes | None:
-    if notif is None or isinstance(notif, bytes):
-        return notif
-    if isinstance(notif, (bytearray, memoryview)):
-        return bytes(notif)
-    return msgpack.packb(notif, use_bin_type=True)
-
-
 class KVAgent:
     def __init__(self, config: AgentConfig | None = None, **overrides: Any) -> None:
         if config is not None and overrides:
@@ -104,12 +66,10 @@ class KVAgent:
         self.transports: dict[str, Transport] = build_transports(self)
         self._peers: dict[str, Peer] = {}
         self._ids = itertools.count(1)
-        self._queue: collections.deque[Notification] = collections.deque()
-        self._waiters: list[tuple[str | None, Callable[[Notification], bool] | None, asyncio.Future]] = []
-        self._callbacks: list[Callable[[Notification], None]] = []
+        self._notes = Notifications(self.config.max_queued_notifications)
         self._lost_callbacks: list[Callable[[str, str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._listen: socket.socket | None = None
+        self._listen: Listener | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self._address = ""
@@ -178,20 +138,14 @@ class KVAgent:
             return self._address
         self._loop = asyncio.get_running_loop()
         cfg = self.config
-        ls = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
-        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            ls.bind((cfg.host, cfg.port))
-        except OSError as e:
-            ls.close()
-            raise KVTransferError(f"KV agent cannot listen on {cfg.host}:{cfg.port}: {e}") from e
-        ls.listen(256)
-        ls.settimeout(1.0)
-        self._listen = ls
+        loop = self._loop
+        self._listen = Listener(
+            cfg.host, cfg.port, cfg.connect_timeout_s,
+            on_control=lambda s: asyncio.run_coroutine_threadsafe(self._serve_ctrl(s), loop),
+            on_data=lambda s, peer: self.transports["tcp"].serve(s, peer))  # type: ignore[attr-defined]
         host = cfg.advertise_host or (cfg.host if cfg.host not in ("0.0.0.0", "::", "") else _my_ip())
-        port = ls.getsockname()[1]
+        port = self._listen.port
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        threading.Thread(target=self._accept_loop, name=f"kv-accept-{self.name}", daemon=True).start()
         if self._meta is not None:
             await self._meta.publish(self.name, {"address": self._address, "host_id": self.host_id})
         return self._address
@@ -208,16 +162,10 @@ class KVAgent:
             self._peer_lost(p, "local agent closed")
             p.writer.close()
         if self._listen is not None:
-            try:
-                self._listen.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._listen.close()
         for t in self.transports.values():
             await t.close()
-        for w in self._waiters:
-            if not w[2].done():
-                w[2].set_exception(PeerDisconnectedError("agent closed"))
+        self._notes.close()
         for task in list(self._tasks):
             task.cancel()
         if self._meta is not None:
@@ -237,40 +185,6 @@ class KVAgent:
         return task
 
     # ---- accepting -----------------------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        ls = self._listen
-        while not self._closed and ls is not None:
-            try:
-                s, _ = ls.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            threading.Thread(target=self._route, args=(s,), daemon=True, name="kv-conn").start()
-
-    def _route(self, s: socket.socket) -> None:
-        """Read the preamble: data connections are served in this thread, control ones go to the event loop."""
-        try:
-            s.settimeout(self.config.connect_timeout_s)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pre = recv_exact(s, len(PREAMBLE_CTRL))
-            if pre == PREAMBLE_DATA:
-                (n,) = struct.unpack("<H", recv_exact(s, 2))
-                peer_name = recv_exact(s, n).decode()
-                self.transports["tcp"].serve(s, peer_name)  # type: ignore[attr-defined]
-                return
-            if pre != PREAMBLE_CTRL or self._loop is None:
-                s.close()
-                return
-            s.settimeout(None)
-            s.setblocking(False)
-            asyncio.run_coroutine_threadsafe(self._serve_ctrl(s), self._loop)
-        except (OSError, ConnectionError) as e:
-            log.debug("dropped an incoming connection: %s", e)
-            s.close()
-
     async def _serve_ctrl(self, s: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=s)
         try:
@@ -414,9 +328,7 @@ class KVAgent:
         peer.writer.close()
         for t in self.transports.values():
             t.on_peer_lost(peer)
-        for name, _, fut in self._waiters:
-            if name == peer.name and not fut.done():
-                fut.set_exception(PeerDisconnectedError(f"{peer.describe()} disconnected: {reason}"))
+        self._notes.fail_peer(peer.name, f"{peer.describe()} disconnected: {reason}")
         for cb in list(self._lost_callbacks):
             try:
                 cb(peer.name, reason)
@@ -429,7 +341,7 @@ class KVAgent:
     def on_notification(self, cb: Callable[[Notification], None]) -> None:
         """Call `cb` (on the agent's event loop) for every notification. With a callback registered, notifications
         that no `wait_notification` claims are not queued."""
-        self._callbacks.append(cb)
+        self._notes.add_callback(cb)
 
     def on_peer_lost(self, cb: Callable[[str, str], None]) -> None:
         """Call `cb(peer_name, reason)` when a peer disconnects (so held blocks can be released)."""
@@ -441,54 +353,23 @@ class KVAgent:
             self._loop.call_soon_threadsafe(self._deliver, n)
 
     def _deliver(self, n: Notification) -> None:
-        for cb in list(self._callbacks):
-            try:
-                cb(n)
-            except Exception:
-                log.exception("notification callback failed")
-        for i, (peer, pred, fut) in enumerate(self._waiters):
-            if fut.done() or (peer is not None and peer != n.peer) or (pred is not None and not pred(n)):
-                continue
-            if n.error is not None:
-                fut.set_exception(KVTransferError(f"{n.op} {n.xfer_id} from peer {n.peer} failed: {n.error}"))
-            else:
-                fut.set_result(n)
-            del self._waiters[i]
-            return
-        if not self._callbacks:
-            if len(self._queue) >= self.config.max_queued_notifications:
-                dropped = self._queue.popleft()
-                log.warning("notification queue full: dropped %s from %s", dropped.xfer_id, dropped.peer)
-            self._queue.append(n)
+        self._notes.deliver(n)
 
     def poll_notifications(self) -> list[Notification]:
-        """Take every queued notification (non-blocking)."""
-        out = list(self._queue)
-        self._queue.clear()
-        return out
+        """Take every queued notification (non-blocking); check `.error` on each."""
+        return self._notes.poll()
 
     async def wait_notification(self, peer: str | None = None, predicate: Callable[[Notification], bool] | None = None,
                                 timeout: float | None = None) -> Notification:
         """The next notification (from `peer`, matching `predicate`); raises TransferTimeoutError after `timeout`
         seconds (default: the transfer timeout), PeerDisconnectedError if that peer goes away first, and
         KVTransferError if the initiator reports that the matching transfer failed."""
-        for i, n in enumerate(self._queue):
-            if (peer is None or n.peer == peer) and (predicate is None or predicate(n)):
-                del self._queue[i]
-                return n.raise_if_failed()
+        n = self._notes.take_queued(peer, predicate)
+        if n is not None:
+            return n
         if peer is not None and peer not in self._peers:
             raise PeerDisconnectedError(f"not connected to peer {peer!r}")
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        entry = (peer, predicate, fut)
-        self._waiters.append(entry)
-        timeout = timeout if timeout is not None else self.config.transfer_timeout_s
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise TransferTimeoutError(f"no notification from {peer or 'any peer'} within {timeout:g} s") from None
-        finally:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
+        return await self._notes.wait(peer, predicate, timeout if timeout is not None else self.config.transfer_timeout_s)
 
     # ---- transfers ---------------------------------------------------------------------------------------------
     async def write(self, peer: str, xfers: XferList, notif: bytes | dict[str, Any] | None = None, *,

@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.kv.agent import KVAgent, Notification
+from pdserve.kv.agent import KVAgent
 from pdserve.kv.config import AgentConfig
 from pdserve.kv.descs import block_xfers
+from pdserve.kv.notify import Notification
 from pdserve.kv.transports.tcp import split_address, tune_socket
 from pdserve.kv.wire import recv_into_exact
 

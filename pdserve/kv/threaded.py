@@ -13,10 +13,11 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pdserve.kv.agent import KVAgent, Notification, XferResult
+from pdserve.kv.agent import KVAgent, XferResult
 from pdserve.kv.config import AgentConfig
 from pdserve.kv.descs import XferList
 from pdserve.kv.errors import TransferTimeoutError
+from pdserve.kv.notify import Notification
 
 
 class ThreadedAgent:
