@@ -193,7 +193,7 @@ async def measure(args: argparse.Namespace, dep: Deployment) -> dict[str, Any]:
             summary["pd_timings_missing"] = len(samples["pd_direct"]) - len(timings)
             if summary["pd_timings_missing"]:
                 print(f"WARNING: {summary['pd_timings_missing']} pd_direct answers carried no pd_timings: the decode "
-                      "instance did not run the handover", file=sys.stderr, flush=True)
+                      "instance did not report them (no handover, or its server does not add pd_timings)", file=sys.stderr, flush=True)
             summary["errors"] = {p: e[:5] for p, e in errors.items() if e}
             summary["num_errors"] = {p: len(e) for p, e in errors.items() if e}
             results[str(n)] = summary
