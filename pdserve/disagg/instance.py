@@ -73,6 +73,9 @@ class DecodeDriver:
             t["fallback"] = "local"
             t["fallback_reason"] = ev.get("reason")
 
+    async def _is_down(self, url: str) -> bool:
+        return await _probe_down(self.session, url)
+
     def on_abort(self, rid: str) -> None:
         url = self.current.get(rid)
         if url is not None and self.session is not None:
@@ -123,8 +126,12 @@ class DecodeDriver:
                 except aiohttp.ClientConnectorError as e:
                     why, peer_done = f"{url} is unreachable: {e}", True
                 except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as e:
-                    why, peer_done = f"{url} failed: {type(e).__name__}: {e}", False
-                    break  # it may still be writing: do not hand the same blocks to another peer
+                    why = f"{url} failed: {type(e).__name__}: {e}"
+                    # a peer whose server no longer accepts connections has died: nothing of it writes any more
+                    peer_done = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
+                        await self._is_down(url)
+                    if not peer_done:
+                        break  # it may still be writing: do not hand the same blocks to another peer
                 log.warning("remote prefill of %s failed (attempt %d): %s", rid, attempt + 1, why)
             if rid in self.llm._streams:
                 await self.llm.call("prefill_failed", rid, why, True, peer_done)
@@ -140,6 +147,17 @@ class DecodeDriver:
                     await self.llm.call("release", rid)
                 except Exception:
                     log.debug("release of %s failed", rid, exc_info=True)
+
+
+async def _probe_down(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            await r.read()
+        return False
+    except aiohttp.ClientConnectorError:
+        return True
+    except (asyncio.TimeoutError, aiohttp.ClientError):
+        return False
 
 
 def _params_dict(p: SamplingParams) -> dict:

@@ -172,6 +172,8 @@ async def generate(
         if last.finish_reason == "abort":
             raise P.APIError("The request was aborted by the engine", 503, "server_error", code="aborted")
         body = fmt.response(outs, P.usage(tracker.prompt_tokens, tracker.output_tokens, tracker.cached_tokens))
+        if last.pd_timings is not None:
+            body["pd_timings"] = last.pd_timings
         return web.json_response(body, headers={"X-Request-Id": fmt.rid}, dumps=_dumps)
     except asyncio.CancelledError:
         if not deadline.expired:
@@ -246,7 +248,10 @@ async def stream(
                 else:
                     buf += event(fmt.finish_chunk(out.finish_reason))
                     if req.include_usage:
-                        buf += P.sse(P.usage_chunk(fmt.rid, fmt.created, fmt.model, fmt.chunk_object, usage()))
+                        chunk = P.usage_chunk(fmt.rid, fmt.created, fmt.model, fmt.chunk_object, usage())
+                        if out.pd_timings is not None:  # for the router, which strips it before the client
+                            chunk["pd_timings"] = out.pd_timings
+                        buf += P.sse(chunk)
                 buf += P.SSE_DONE
                 await resp.write(buf)
                 break
