@@ -17,15 +17,14 @@ def _serve_parser(sub) -> None:
     p.add_argument("--decode", type=int, default=0, metavar="Y", help="number of decode instances (with --prefill)")
     p.add_argument("--router-port", type=int, default=None,
                    help="with --prefill/--decode: the router's port (default --port); instances take the next ones")
+    from pdserve.router.launcher import add_arguments as add_launcher_arguments
+
+    add_launcher_arguments(p)  # --both, --startup-timeout, --log-dir, --policy and the router's tunables
     p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args) -> int:
-    if args.prefill or args.decode:
-        if not (args.prefill >= 1 and args.decode >= 1):
-            print("pdserve serve: --prefill and --decode must both be at least 1 for a disaggregated deployment",
-                  file=sys.stderr)
-            return 2
+    if args.prefill or args.decode or getattr(args, "both", 0):
         from pdserve.router.launcher import run as run_launcher
 
         return run_launcher(args)
