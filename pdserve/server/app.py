@@ -19,7 +19,7 @@ from aiohttp import web
 
 from pdserve import __version__
 from pdserve.config import ServerConfig
-from pdserve.protocol import APIError, error_body
+from pdserve.protocol import APIError, error_body, model_not_found
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("pdserve.server")
@@ -109,9 +109,8 @@ async def version(request: web.Request) -> web.Response:
     return json_response({"version": __version__})
 
 
-async def models(request: web.Request) -> web.Response:
-    s = state(request)
-    card = {
+def model_card(s: ServerState) -> dict:
+    return {
         "id": s.model_name,
         "object": "model",
         "created": s.created,
@@ -120,7 +119,18 @@ async def models(request: web.Request) -> web.Response:
         "parent": None,
         "max_model_len": s.llm.max_model_len,
     }
-    return json_response({"object": "list", "data": [card]})
+
+
+async def models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [model_card(state(request))]})
+
+
+async def model(request: web.Request) -> web.Response:
+    s = state(request)
+    name = request.match_info["model"]
+    if name not in (s.model_name, s.config.engine.model):
+        raise model_not_found(name)
+    return json_response(model_card(s))
 
 
 async def load(request: web.Request) -> web.Response:
@@ -155,6 +165,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", openai_routes.completions)

@@ -63,6 +63,10 @@ def test_info_routes():
         async with s.get(url + "/v1/models") as r:
             data = (await r.json())["data"]
             assert [m["id"] for m in data] == ["scripted"] and data[0]["max_model_len"] == llm.max_model_len
+        async with s.get(url + "/v1/models/scripted") as r:
+            assert (await r.json())["id"] == "scripted"
+        async with s.get(url + "/v1/models/other") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
         async with s.get(url + "/load") as r:
             load = await r.json()
             assert load["num_total_blocks"] == llm.stats()["num_total_blocks"] and load["role"] == "both"

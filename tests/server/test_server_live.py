@@ -63,6 +63,7 @@ def pool_is_whole(server: LiveServer, timeout_s: float = 30.0) -> dict:
 
 def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == [server.model]
+    assert client.models.retrieve(server.model).id == server.model
     with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
         assert r.status == 200
     assert server.get_json("/version")["version"]
