@@ -161,7 +161,11 @@ async def generate(
             return resp
         outs = [first]
         while not finished:
-            out = await agen.__anext__()
+            try:
+                out = await agen.__anext__()
+            except (EngineDead, StopAsyncIteration) as e:  # the engine died under the request
+                outcome = "error"
+                raise P.APIError(f"The engine stopped during the request: {e}", 503, "server_error") from None
             tracker.on_output(out)
             outs.append(out)
             finished = out.finished

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.engine.errors import PromptTooLong, QueueFull
+from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 
 VOCAB = 256
@@ -38,7 +38,7 @@ class ByteTokenizer:
 
 
 class ScriptedLLM:
-    """Generates WORD's letters one token per step; `mode` forces failures: queue_full, error_after, stall."""
+    """Generates WORD's letters one token per step; `mode` forces failures: queue_full, error_after, die_after, stall."""
 
     def __init__(self, max_model_len: int = 128, step_s: float = 0.0):
         self.tokenizer = ByteTokenizer()
@@ -82,6 +82,8 @@ class ScriptedLLM:
                 if self.mode == "stall":
                     await asyncio.sleep(3600)
                 await asyncio.sleep(self.step_s)
+                if self.mode == "die_after" and i == 2:
+                    raise EngineDead("the engine process stopped (EOFError)")
                 if self.mode == "error_after" and i == 2:
                     self.open.discard(request_id)
                     yield RequestOutput(request_id, [], "", True, "error", error="device fell over")

@@ -205,6 +205,13 @@ def test_engine_error_is_reported_not_leaked():
         async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 8, "stream": True}) as r:
             events = await sse_events(r)
         assert events[-1] == "[DONE]" and "device fell over" in events[-2]["error"]["message"]
+        llm.mode = "die_after"
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 8}) as r:
+            assert "engine stopped" in (await expect_error(r, 503))["message"]
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 8, "stream": True}) as r:
+            events = await sse_events(r)
+        assert events[-1] == "[DONE]" and "EngineDead" in events[-2]["error"]["message"]
+        assert not llm.open
 
     serve(t)
 
