@@ -22,6 +22,9 @@ from pdserve.config import EngineConfig, ServerConfig
 
 log = logging.getLogger("pdserve.server")
 
+# Hundreds of clients connect at once in a benchmark burst; aiohttp's default backlog (128) would make the rest
+# retry their SYN a second later.
+LISTEN_BACKLOG = 2048
 SHUTDOWN_GRACE_S = 10.0  # in-flight requests get this long after SIGINT/SIGTERM before they are cancelled
 
 
@@ -179,7 +182,7 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port)
+        site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
         await site.start()
     except OSError as e:
         print(f"pdserve: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr, flush=True)
