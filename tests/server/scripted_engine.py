@@ -22,8 +22,10 @@ class ByteTokenizer:
 
     vocab_size = VOCAB
     eos_token_ids = [0]
+    delay_s = 0.0  # a blocking pause per encode, standing in for a long prompt's tokenization
 
     def encode(self, text: str) -> list[int]:
+        time.sleep(self.delay_s)
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -283,3 +283,20 @@ def test_metrics_after_traffic():
             assert f"pdserve:{name}{{{label}}}" in values
 
     serve(t)
+
+
+def test_tokenization_does_not_block_the_event_loop():
+    async def t(s, url, llm):
+        llm.tokenizer.delay_s = 1.0
+        slow = asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}))
+        await asyncio.sleep(0.1)  # the slow request is now tokenizing
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with s.get(url + "/health") as r:
+            assert r.status == 200
+        assert loop.time() - t0 < 0.5, "a request waited for another request's tokenization"
+        assert not slow.done()
+        async with await slow as r:
+            assert r.status == 200
+
+    serve(t)
