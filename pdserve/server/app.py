@@ -75,8 +75,11 @@ async def error_middleware(request: web.Request, handler: Callable) -> web.Strea
     try:
         return await handler(request)
     except APIError as e:
-        if request.path.startswith("/v1/"):
-            state(request).metrics.outcome("rejected" if e.status == 503 else "invalid")
+        if request.path.startswith("/v1/"):  # failures after admission are counted by the request's tracker
+            if e.status < 500:
+                state(request).metrics.outcome("invalid")
+            elif e.code in ("queue_full", "engine_dead"):
+                state(request).metrics.outcome("rejected")
         return error_response(e)
     except web.HTTPException as e:
         if e.status < 400:

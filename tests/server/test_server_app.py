@@ -193,6 +193,9 @@ def test_error_statuses():
         async with s.post(post, json={"prompt": "x"}) as r:
             await expect_error(r, 503)
             assert r.headers["Retry-After"] == "2"
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+        assert 'pdserve:requests_total{model_name="scripted",outcome="rejected"} 1.0' in text.splitlines()
 
     serve(t)
 
@@ -247,6 +250,11 @@ def test_request_timeout_gives_504_and_frees_the_request():
         async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
             assert (await expect_error(r, 504))["code"] == "timeout"
         assert not llm.open
+
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+        outcomes = [line for line in text.splitlines() if line.startswith("pdserve:requests_total{")]
+        assert outcomes == ['pdserve:requests_total{model_name="scripted",outcome="timeout"} 1.0']
 
     serve(t, timeout_s=0.3)
 
