@@ -176,7 +176,7 @@ async def generate(
         if last.finish_reason == "abort":
             raise P.APIError("The request was aborted by the engine", 503, "server_error", code="aborted")
         body = fmt.response(outs, P.usage(tracker.prompt_tokens, tracker.output_tokens, tracker.cached_tokens))
-        if last.pd_timings is not None:
+        if getattr(last, "pd_timings", None) is not None:
             body["pd_timings"] = last.pd_timings
         return web.json_response(body, headers={"X-Request-Id": fmt.rid}, dumps=_dumps)
     except asyncio.CancelledError:
@@ -253,7 +253,7 @@ async def stream(
                     buf += event(fmt.finish_chunk(out.finish_reason))
                     if req.include_usage:
                         chunk = P.usage_chunk(fmt.rid, fmt.created, fmt.model, fmt.chunk_object, usage())
-                        if out.pd_timings is not None:  # for the router, which strips it before the client
+                        if getattr(out, "pd_timings", None) is not None:  # the router strips it
                             chunk["pd_timings"] = out.pd_timings
                         buf += P.sse(chunk)
                 buf += P.SSE_DONE
