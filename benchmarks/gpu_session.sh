@@ -2,7 +2,7 @@
 # One lease, several stages: the GPU measurements of every issue, packed so each device call returns one
 # archive. Run from the repository root on the lent machine:
 #   PDSERVE_GIT_COMMIT=<sha> OUT=$OUT bash benchmarks/gpu_session.sh STAGE
-# STAGE: tests_engine_transfer (2 GPUs) | server_pd (2 GPUs) | search (1 GPU)
+# STAGE: tests_engine_transfer (2 GPUs) | server_pd (2 GPUs) | server_search or search (1 GPU)
 # Every stage writes its JSON files and logs into $OUT/<stage>/ and packs them as $OUT/<stage>.tgz.
 set -uo pipefail
 STAGE=${1:?stage}
@@ -16,7 +16,7 @@ trap pack EXIT
 case $STAGE in
   tests_engine_transfer)
     echo "== GPU tests"
-    timeout 240 python -m pytest -q -m gpu tests 2>&1 | tee "$W/gpu_tests.txt" | tail -15
+    timeout 240 python -m pytest -q -m gpu --continue-on-collection-errors tests 2>&1 | tee "$W/gpu_tests.txt" | tail -15
     echo "== engine (dummy qwen3-8b, GPU 0)"
     CUDA_VISIBLE_DEVICES=0 timeout 300 python benchmarks/engine/bench_engine.py --out "$W/engine_qwen3-8b.json" \
       2>&1 | tee "$W/engine.txt" | grep -v INFO | tail -14
@@ -25,6 +25,8 @@ case $STAGE in
       | tee "$W/transfer.txt" | tail -30
     ;;
   server_pd)
+    echo "== GPU tests"
+    timeout 200 python -m pytest -q -m gpu --continue-on-collection-errors tests 2>&1 | tee "$W/gpu_tests.txt" | tail -6
     echo "== server decode step vs engine step (GPU 0)"
     CUDA_VISIBLE_DEVICES=0 timeout 330 python benchmarks/server/decode_step.py --model qwen3-8b --load-format dummy \
       --batch 256 --out "$W/decode_step_qwen3-8b.json" 2>&1 | tee "$W/decode_step.txt" | grep -v INFO | tail -12
@@ -33,6 +35,11 @@ case $STAGE in
       --prompt-lens 1024 8192 32768 --num-requests 12 --out "$W/pd_handover.json" 2>&1 | tee "$W/pd_handover.txt" \
       | grep -v INFO | tail -20
     ;;
+  server_search)
+    echo "== server decode step vs engine step (GPU 0)"
+    CUDA_VISIBLE_DEVICES=0 timeout 240 python benchmarks/server/decode_step.py --model qwen3-8b --load-format dummy \
+      --batch 256 --out "$W/decode_step_qwen3-8b.json" 2>&1 | tee "$W/decode_step.txt" | grep -v INFO | tail -12
+    ;&
   search)
     echo "== SLO search (dummy qwen3-8b, GPU 0)"
     CUDA_VISIBLE_DEVICES=0 python -m pdserve.cli serve --model qwen3-8b --load-format dummy --port 8000 \

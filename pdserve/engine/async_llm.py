@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -103,30 +104,44 @@ class AsyncLLM:
                 self._proc.kill()
                 raise TimeoutError(f"the engine did not start within {self.start_timeout_s:.0f} s")
         self.max_model_len = self.info["max_model_len"]
-        self._loop.add_reader(parent.fileno(), self._on_readable)
+        # a blocking reader thread, not loop.add_reader: uvloop makes a watched fd non-blocking, and a message
+        # larger than the pipe's buffer (hundreds of streams' outputs) would then arrive torn
+        self._reader = threading.Thread(target=self._read_pipe, name="pdserve-engine-reader", daemon=True)
+        self._reader.start()
 
     # ---- engine pipe
-    def _on_readable(self) -> None:
+    def _read_pipe(self) -> None:
+        conn, loop = self._conn, self._loop
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError) as e:
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(self._on_dead, f"the engine process stopped ({type(e).__name__})")
+                return
+            if loop.is_closed():
+                return
+            loop.call_soon_threadsafe(self._on_message, msg)
+            if msg[0] == "bye":
+                return
+
+    def _on_message(self, msg) -> None:
         try:
-            while self._conn.poll():
-                msg = self._conn.recv()
-                kind = msg[0]
-                if kind == "outputs":
-                    _, outs, stats, _ts = msg
-                    self._stats = stats
-                    self._adds_since_stats = 0
-                    self.last_output_time = time.time()
-                    for co in outs:
-                        self._dispatch(co)
-                elif kind == "reply":
-                    _, cid, ok, result = msg
-                    fut = self._calls.pop(cid, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
-                elif kind == "bye":
-                    pass
-        except (EOFError, OSError) as e:
-            self._on_dead(f"the engine process stopped ({type(e).__name__})")
+            kind = msg[0]
+            if kind == "outputs":
+                _, outs, stats, _ts = msg
+                self._stats = stats
+                self._adds_since_stats = 0
+                self.last_output_time = time.time()
+                for co in outs:
+                    self._dispatch(co)
+            elif kind == "reply":
+                _, cid, ok, result = msg
+                fut = self._calls.pop(cid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
+        except Exception:
+            log.exception("handling an engine message failed")
 
     def _dispatch(self, co) -> None:
         st = self._streams.get(co.request_id)
@@ -156,11 +171,6 @@ class AsyncLLM:
         if self._dead:
             return
         self._dead = why
-        if self._loop is not None and self._conn is not None:
-            try:
-                self._loop.remove_reader(self._conn.fileno())
-            except Exception:
-                pass
         for st in self._streams.values():
             st.queue.put_nowait(EngineDead(why))
         for fut in self._calls.values():
@@ -262,8 +272,8 @@ class AsyncLLM:
         if self._proc is None:
             return
         if not self._dead:
+            self._dead = "shut down"
             try:
-                self._loop.remove_reader(self._conn.fileno())
                 self._conn.send(("shutdown",))
             except Exception:
                 pass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 
 
 def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection, role_options: dict | None = None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it shuts us down cleanly
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
