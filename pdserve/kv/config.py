@@ -30,6 +30,8 @@ class AgentConfig:
     tcp_socket_buffer: int = 4 << 20
     tcp_staging_bytes: int = 8 << 20  # pinned staging chunk for GPU memory over tcp
     cuda_copy: str = "auto"  # auto | batch (cuMemcpyBatchAsync) | kernel (Triton) | percopy (one copy per run)
+    # batched copies split over this many streams, so several copy engines work at once
+    cuda_streams: int = field(default_factory=lambda: int(os.environ.get("PDSERVE_KV_CUDA_STREAMS", "2")))
     metadata: str = "p2p"  # p2p | etcd
     etcd_url: str = "http://127.0.0.1:2379"
     etcd_prefix: str = "/pdserve/kv/agents/"
@@ -46,5 +48,7 @@ class AgentConfig:
         for k in ("connect_timeout_s", "io_timeout_s", "transfer_timeout_s"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be positive")
+        if self.cuda_streams < 1:
+            raise ValueError("cuda_streams must be at least 1")
         if self.tcp_connections < 1:
             raise ValueError("tcp_connections must be at least 1")

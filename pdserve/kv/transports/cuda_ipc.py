@@ -60,7 +60,7 @@ class CudaIpcTransport(Transport):
     def __init__(self, agent: Any) -> None:
         super().__init__(agent)
         self._copier: Any = None
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[tuple[int, int], Any] = {}
         self._peer_ok: set[tuple[int, int]] = set()
         self._uuids: dict[str, int] | None = None
         self._sync = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-cuda-sync")
@@ -156,13 +156,21 @@ class CudaIpcTransport(Transport):
             return f"remote region(s) {missing} are not CUDA memory mapped by IPC"
         return None
 
-    def _stream(self, dev: int) -> Any:
+    def _stream(self, dev: int, k: int = 0) -> Any:
         import torch
 
-        s = self._streams.get(dev)
+        s = self._streams.get((dev, k))
         if s is None:
-            s = self._streams[dev] = torch.cuda.Stream(device=dev)
+            s = self._streams[(dev, k)] = torch.cuda.Stream(device=dev)
         return s
+
+    def _split(self, x: XferList) -> list[XferList]:
+        """Big batched transfers go out on several streams (each a cuMemcpyBatchAsync), so the copy engines share
+        the work; small ones stay on one stream, where a second launch would only add latency."""
+        n = min(self.agent.config.cuda_streams, len(x))
+        if n <= 1 or self.copier.name != "batch" or int(x.length.sum()) < (64 << 20):
+            return [x]
+        return [x.take(np.arange(k, len(x), n)) for k in range(n)]
 
     # ---- moving bytes ------------------------------------------------------------------------------------------
     async def transfer(self, op: str, peer: Peer, xfers: XferList, notif: bytes | None, xfer_id: int,
@@ -175,16 +183,18 @@ class CudaIpcTransport(Transport):
         devs = {r: regions.get(r).device for r in distinct(xfers.local_region)}
         for dev in sorted(set(devs.values())):
             x = xfers if len(devs) == 1 else xfers.take(np.isin(xfers.local_region, [r for r, d in devs.items() if d == dev]))
-            stream = self._stream(dev)
+            parts = self._split(x)
             with torch.cuda.device(dev):
-                if wait_event is not None:
-                    stream.wait_event(wait_event)
-                else:
-                    stream.wait_stream(torch.cuda.default_stream(dev))
-                self._enqueue_with_fallback(op, x, mapped, dev, stream)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            events.append(ev)
+                for k, part in enumerate(parts):
+                    stream = self._stream(dev, k)
+                    if wait_event is not None:
+                        stream.wait_event(wait_event)
+                    else:
+                        stream.wait_stream(torch.cuda.default_stream(dev))
+                    self._enqueue_with_fallback(op, part, mapped, dev, stream)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events.append(ev)
         for ev in events:
             await self._wait(ev, deadline, peer, xfer_id, op)
         return False
