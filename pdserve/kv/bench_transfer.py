@@ -14,7 +14,6 @@ import multiprocessing as mp
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 from typing import Any
@@ -52,12 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _git_commit() -> str | None:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    from pdserve.bench.record import _git_commit as commit  # one definition (honours PDSERVE_GIT_COMMIT)
+
+    return commit()
 
 
 def machine_info() -> dict[str, Any]:

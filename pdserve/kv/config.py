@@ -31,7 +31,7 @@ class AgentConfig:
     tcp_staging_bytes: int = 8 << 20  # pinned staging chunk for GPU memory over tcp
     cuda_copy: str = "auto"  # auto | batch (cuMemcpyBatchAsync) | kernel (Triton) | percopy (one copy per run)
     # batched copies split over this many streams, so several copy engines work at once
-    cuda_streams: int = field(default_factory=lambda: int(os.environ.get("PDSERVE_KV_CUDA_STREAMS", "2")))
+    cuda_streams: int = field(default_factory=lambda: int(os.environ.get("PDSERVE_KV_CUDA_STREAMS", "4")))
     metadata: str = "p2p"  # p2p | etcd
     etcd_url: str = "http://127.0.0.1:2379"
     etcd_prefix: str = "/pdserve/kv/agents/"

@@ -1,0 +1,120 @@
+"""Print the markdown tables of docs/benchmarks.md from the recorded JSON results (so no number there is typed
+by hand):  python benchmarks/summarize.py > /tmp/tables.md"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+B = Path(__file__).parent
+
+
+def load(rel: str) -> dict:
+    p = B / rel
+    if p.suffix == ".gz":
+        return json.loads(gzip.decompress(p.read_bytes()))
+    return json.loads(p.read_text())
+
+
+def engine() -> None:
+    e = load("engine/results/engine_qwen3-8b.json")
+    c = e["ceilings"]
+    print(f"Engine, dummy qwen3-8b (bf16), {c['gpu']}, commit {e['git_commit']}, `{e['command']}`. Ceilings measured "
+          f"in the same run: HBM copy {c['hbm_copy_gbps'] / 1000:.2f} TB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} "
+          "TFLOP/s. Backend: " + e["engine"]["backend"] + ", decode steps replayed as CUDA graphs.\n")
+    print("| prefill | tokens/s | TFLOP/s | of matmul ceiling |\n|---|---|---|---|")
+    for r in e["results"]["prefill"]:
+        print(f"| {r['n_seqs']} x {r['prompt_len']} tokens | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+              f"{r['fraction_of_matmul_ceiling']:.0%} |")
+    print("\n| decode batch (context 1024) | step ms (median) | floor ms (weights + KV at HBM copy rate) | "
+          "of HBM ceiling |\n|---|---|---|---|")
+    for r in e["results"]["decode"]:
+        print(f"| {r['batch']} | {r['step_ms_median']:.2f} | {r['floor_ms']:.2f} | {r['fraction_of_hbm_ceiling']:.0%} |")
+
+
+def transfer() -> None:
+    print("\n| transfer (8192 tokens of qwen3-8b KV, 512 random 16-token blocks, 1.21 GB) | op | median ms | p99 ms | "
+          "GB/s | peer-copy ceiling GB/s (same run) | of ceiling |\n|---|---|---|---|---|---|---|")
+    rows = [("pdserve cuda_ipc, 4 streams (default)", "cuda_ipc_streams4.json"),
+            ("pdserve cuda_ipc, 2 streams", "cuda_ipc_streams2.json"),
+            ("pdserve cuda_ipc, 1 stream", "cuda_ipc_streams1.json"),
+            ("pdserve cuda_ipc, one copy per block", "cuda_ipc_percopy.json"),
+            ("NIXL 1.5.1 (UCX) through the same agent", "nixl.json"),
+            ("pdserve tcp (GPU memory staged)", "tcp_gpu.json")]
+    for name, f in rows:
+        t = load(f"transfer/results_2xh200/{f}")
+        for op in ("write", "read"):
+            r = t["results"].get(op)
+            if not r:
+                continue
+            ceil = r.get("ceiling_GBps")
+            print(f"| {name} | {op} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} | {r['GBps']:.1f} | "
+                  f"{ceil:.1f} | {r.get('fraction_of_ceiling', float('nan')):.0%} |" if ceil else
+                  f"| {name} | {op} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} | {r['GBps']:.1f} | - | - |")
+    print("\n| single 16-token block (2.25 MiB) | median us, call -> receiver notified | p99 us |\n|---|---|---|")
+    for name, f in rows[:1] + rows[4:5]:
+        r = load(f"transfer/results_2xh200/{f}")["results"]["single_block_write"]
+        print(f"| {name} | {r['e2e_median_us']:.0f} | {r['e2e_p99_us']:.0f} |")
+    t = load("transfer/results_cpu/tcp_cpu.json")
+    print("\n| tcp on CPU (this 2-core VM) | op | GB/s | raw socket stream GB/s (same processes, same run) | ratio |"
+          "\n|---|---|---|---|---|")
+    for op in ("write", "read"):
+        r = t["results"][op]
+        print(f"| pdserve tcp | {op} | {r['GBps']:.2f} | {r['ceiling_GBps']:.2f} | {r['GBps'] / r['ceiling_GBps']:.0%} |")
+
+
+def handover() -> None:
+    p = load("router/results_2xh200/pd_handover.json")
+    print("\n| prompt tokens | handover p50 / p99 ms (prefill done -> KV landed, decode admitted) | prefill p50 ms | "
+          "TTFT via router p50 / p99 ms | TTFT prefill instance alone p50 / p99 ms | router - alone p50 ms |"
+          "\n|---|---|---|---|---|---|")
+    for n, r in p["results"].items():
+        h, pr, tr, ta = r["handover_s"], r["prefill_s"], r["ttft_router_s"], r["ttft_prefill_alone_s"]
+        print(f"| {n} | {h['p50'] * 1e3:.1f} / {h['p99'] * 1e3:.1f} | {pr['p50'] * 1e3:.1f} | "
+              f"{tr['p50'] * 1e3:.1f} / {tr['p99'] * 1e3:.1f} | {ta['p50'] * 1e3:.1f} / {ta['p99'] * 1e3:.1f} | "
+              f"{(tr['p50'] - ta['p50']) * 1e3:+.1f} |")
+
+
+def server() -> None:
+    d = load("server/results/decode_step_qwen3-8b.json")
+    print(f"\n| decode step, {d['args']['batch']} concurrent streams, dummy qwen3-8b, {d['gpu']} | ms |\n|---|---|")
+    print(f"| engine alone (inline, no server) | {d['engine']['step_s_median'] * 1e3:.2f} |")
+    print(f"| as seen by the clients through the server | {d['server']['client_step_s'] * 1e3:.2f} |")
+    print(f"| engine process inside the server | {d['server']['engine_step_in_server_s'] * 1e3:.2f} |")
+    print(f"| ratio client / engine (target <= {d['target_ratio']}) | {d['ratio_client_over_engine']:.3f} |")
+
+
+def search() -> None:
+    for label, f in (("steady (30 x rate requests per trial, at most 30 s of arrivals)",
+                      "serve/results_h200/search_steady.json.gz"),
+                     ("short (5 x rate requests per trial, at most 15 s of arrivals)",
+                      "serve/results_h200/burst_search.json.gz")):
+        s = load(f)
+        se = s["searches"][0]
+        print(f"\nSLO search `{se['slo']}`, {label}, commit {s['git_commit']}: `{s['command']}`\n")
+        print("| rate req/s | sent | result | p90 TTFT ms | p90 TPOT ms | output tok/s | goodput req/s |"
+              "\n|---|---|---|---|---|---|---|")
+        for t in se["trials"]:
+            run = s["runs"][t["run_index"]]
+            m = run["metrics"]
+            vals = list(t["values"].values())
+            print(f"| {t['rate']:g} | {run['num_sent']} | {'pass' if t['passed'] else 'FAIL'} | {_fmt(vals[0])} | "
+                  f"{_fmt(vals[1])} | {_fmt(m.get('output_throughput'))} | {_fmt(t.get('goodput'))} |")
+        print(f"\nmaximum rate meeting the SLO: **{se['max_rate']:g} req/s** (first failing rate {se['min_failed_rate']:g}); "
+              f"goodput at that rate {se['goodput']:.2f} req/s")
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    x = float(x)
+    return "inf" if x == float("inf") else f"{x:,.1f}"
+
+
+if __name__ == "__main__":
+    engine()
+    transfer()
+    handover()
+    server()
+    search()
