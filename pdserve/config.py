@@ -46,6 +46,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens must be at least block_size ({self.block_size})")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: the KV cache uses the "
+                             "model's dtype (auto)")
         if self.kv_role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both; got {self.kv_role!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
