@@ -36,6 +36,7 @@ class EngineConfig:
     kv_host: str = "127.0.0.1"  # where the KV agent listens (0.0.0.0 across hosts)
     kv_port: int = 0
     kv_lease_s: float = 30.0  # longest a block may be held or reserved for a peer
+    kv_fallback: str = "recompute"  # decode side, when the handover fails: recompute the prefill locally, or fail
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -49,6 +50,8 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: the KV cache uses the "
                              "model's dtype (auto)")
+        if self.kv_fallback not in ("recompute", "fail"):
+            raise ValueError(f"kv_fallback must be recompute or fail; got {self.kv_fallback!r}")
         if self.kv_role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both; got {self.kv_role!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):

@@ -72,11 +72,12 @@ class ConnectorStats:
 
 
 class PDConnector:
-    def __init__(self, core: EngineCore, role: str, agent, wake, lease_s: float = 30.0):
+    def __init__(self, core: EngineCore, role: str, agent, wake, lease_s: float = 30.0, recompute: bool = True):
         self.role = role
         self.agent = agent
         self.wake = wake
         self.lease_s = lease_s
+        self.recompute = recompute  # a failed handover: recompute the prefill here (True) or fail the request
         self.region_id = agent.register(core.runner.kv_cache, name="kv")
         self.block_bytes = core.block_bytes
         self.block_size = core.config.block_size
@@ -226,7 +227,8 @@ class PDConnector:
                 del self.quarantine[rid]
         for rid, res in list(self.reservations.items()):
             if now > res.deadline:
-                outs.extend(self._fail_reservation(core, rid, "the KV handover did not complete within its lease"))
+                outs.extend(self._fail_reservation(core, rid, "the KV handover did not complete within its lease",
+                                                   self.recompute))
         for ex in list(self.exports.values()):
             if now > ex.deadline and not ex.future.done():
                 ex.future.cancel()
@@ -322,7 +324,7 @@ class PDConnector:
 
     # ---- calls from the server process (AsyncLLM.call)
     def prefill_failed(self, core: EngineCore, rid: str, why: str, local_fallback: bool, peer_done: bool) -> bool:
-        outs = self._fail_reservation(core, rid, why, local_fallback, peer_done)
+        outs = self._fail_reservation(core, rid, why, local_fallback and self.recompute, peer_done)
         for o in outs:
             self._events.put(("emit", o))
         self.wake()
@@ -384,6 +386,7 @@ def attach_connector(core: EngineCore, role_options: dict, wake) -> PDConnector:
     kv_opts = dict(role_options.get("kv") or {})
     agent = ThreadedAgent(AgentConfig(**kv_opts))
     conn = PDConnector(core, role_options.get("role", "both"), agent, wake,
-                       lease_s=float(role_options.get("lease_s", 30.0)))
+                       lease_s=float(role_options.get("lease_s", 30.0)),
+                       recompute=role_options.get("fallback", "recompute") == "recompute")
     core.connector = conn
     return conn

@@ -103,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     k.add_argument("--kv-port", type=int, default=_default(E, "kv_port"), help="KV agent port (0: any free port)")
     k.add_argument("--kv-lease", type=float, default=_default(E, "kv_lease_s"),
                    help="seconds a block may stay held or reserved for a peer before it is reclaimed")
+    k.add_argument("--kv-fallback", default=_default(E, "kv_fallback"), choices=["recompute", "fail"],
+                   help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -135,6 +137,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         kv_host=args.kv_host,
         kv_port=args.kv_port,
         kv_lease_s=args.kv_lease,
+        kv_fallback=args.kv_fallback,
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {args.port}")
