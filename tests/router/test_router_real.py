@@ -266,6 +266,62 @@ def test_aborts_mid_stream_and_mid_handover_leave_pools_whole(cluster, expected)
     run(main())
 
 
+async def _one_of_many(session: aiohttp.ClientSession, url: str, i: int, rng) -> str:
+    """One streamed request that the client may abandon at a random point; returns how it ended."""
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven"]
+    prompt = " ".join(rng.choice(words) for _ in range(rng.randint(2, 24)))
+    abort_after = rng.choice([None, None, 0, 1, 2])  # chunks to read before walking away (0: mid-handover)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True}
+    try:
+        async with session.post(url + "/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=120)) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return f"http_{resp.status}"
+            n = 0
+            async for line in resp.content:
+                if abort_after is not None and n >= abort_after:
+                    return "aborted"  # leaving the context manager closes the connection
+                if line.startswith(b"data: "):
+                    if line.strip() == b"data: [DONE]":
+                        return "completed"
+                    if b'"error"' in line:
+                        return "error_event"
+                    n += 1
+            return "cut_without_done"
+    except asyncio.TimeoutError:
+        return "timeout"
+
+
+def test_500_requests_with_random_aborts_lose_none_and_leak_nothing(cluster):
+    """Through 2P2D: every request completes, errors visibly, or was abandoned by its client; none hangs or
+    vanishes, and afterwards every KV pool is whole (no block held, reserved or quarantined)."""
+    cluster.require_pd()
+    import random
+
+    async def go():
+        rng = random.Random(5)
+        sem = asyncio.Semaphore(32)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def guarded(i):
+                async with sem:
+                    return await _one_of_many(s, cluster.urls["r_2p2d"], i, rng)
+
+            outcomes = await asyncio.gather(*(guarded(i) for i in range(500)))
+            urls = [cluster.urls[k] for k in ("p0", "p1", "d0", "d1")]
+            await assert_pools_whole(s, urls, timeout=60)
+            for u in urls:
+                pd = (await load(s, u)).get("pd") or {}
+                assert not pd.get("quarantine_blocks"), (u, pd)
+        return outcomes
+
+    outcomes = run(go(), timeout=900)
+    counts = {k: outcomes.count(k) for k in set(outcomes)}
+    assert len(outcomes) == 500
+    assert set(counts) <= {"completed", "aborted"}, counts  # nothing lost, nothing cut, nothing timed out
+    assert counts.get("completed", 0) > 200 and counts.get("aborted", 0) > 100, counts
+
+
 def test_killed_decode_errors_promptly_and_survivor_serves(cluster, expected):
     cluster.require_pd()
 
