@@ -37,6 +37,7 @@ class EngineConfig:
     kv_port: int = 0
     kv_lease_s: float = 30.0  # longest a block may be held or reserved for a peer
     kv_fallback: str = "recompute"  # decode side, when the handover fails: recompute the prefill locally, or fail
+    kv_layerwise: str = "auto"  # prefill side: push each layer's KV as soon as it is computed (auto: over tcp)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -50,6 +51,8 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: the KV cache uses the "
                              "model's dtype (auto)")
+        if self.kv_layerwise not in ("auto", "on", "off"):
+            raise ValueError(f"kv_layerwise must be auto, on or off; got {self.kv_layerwise!r}")
         if self.kv_fallback not in ("recompute", "fail"):
             raise ValueError(f"kv_fallback must be recompute or fail; got {self.kv_fallback!r}")
         if self.kv_role not in ("prefill", "decode", "both"):

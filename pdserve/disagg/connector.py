@@ -15,16 +15,20 @@ decodes on KV whose transfer did not complete.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from pdserve.engine.engine_core import CoreOutput, EngineCore
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv.descs import XferList
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,7 @@ class Quarantine:
 @dataclass
 class ConnectorStats:
     exports: int = 0
+    layerwise_exports: int = 0
     export_failures: int = 0
     imports: int = 0
     fallbacks: int = 0
@@ -72,17 +77,26 @@ class ConnectorStats:
 
 
 class PDConnector:
-    def __init__(self, core: EngineCore, role: str, agent, wake, lease_s: float = 30.0, recompute: bool = True):
+    def __init__(self, core: EngineCore, role: str, agent, wake, lease_s: float = 30.0, recompute: bool = True,
+                 layerwise: bool = False):
         self.role = role
         self.agent = agent
         self.wake = wake
         self.lease_s = lease_s
         self.recompute = recompute  # a failed handover: recompute the prefill here (True) or fail the request
+        # push each layer's KV as soon as it is computed (pays where the copy is slow, e.g. tcp): the transfer
+        # of layer l overlaps the compute of layers l+1..L and only the last layer's bytes remain after prefill
+        self.layerwise = layerwise
+        shape = core.runner.kv_cache.shape  # [blocks, layers, 2, block_size, heads, dim]
+        self.num_layers = shape[1]
+        self.layer_bytes = core.block_bytes // self.num_layers
+        self._connects: dict[str, object] = {}  # agent address -> future of the connection (peer name)
+        self.layer_futs: dict[str, list] = {}
         self.region_id = agent.register(core.runner.kv_cache, name="kv")
         self.block_bytes = core.block_bytes
         self.block_size = core.config.block_size
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # from the agent thread
-        self._peers: dict[str, object] = {}  # agent address -> connect future (resolves to the peer name)
+        self._peers: dict[str, str] = {}  # agent address -> connected peer name
         self.exports: dict[str, HeldExport] = {}
         self.reservations: dict[str, Reservation] = {}
         self.pending_reserve: deque[Reservation] = deque()
@@ -114,6 +128,7 @@ class PDConnector:
         if "export" in pd:
             req = core.make_request(rid, ids, params)
             req.kv_export = pd["export"]
+            self._connect_early(pd["export"]["agent"])
             core.requests[rid] = req
             core.scheduler.add(req)
             return
@@ -172,12 +187,79 @@ class PDConnector:
         notif = {"request_id": dest["request_id"], "first_token": out.new_token_ids[0],
                  "logprob": list(lp) if lp else None, "t_prefill_done": t_done,
                  "num_blocks": len(dst)}
-        fut = self.agent.submit(self._push(dest["agent"], src, dst, dest.get("region", "kv"), notif))
+        layer_futs = self.layer_futs.pop(req.request_id, None)
+        if layer_futs is not None and len(layer_futs) == self.num_layers:
+            fut = self.agent.submit(self._finish_layerwise(dest["agent"], layer_futs, notif))
+            self.stats.layerwise_exports += 1
+        else:
+            fut = self.agent.submit(self._push(dest["agent"], src, dst, dest.get("region", "kv"), notif))
         fut.add_done_callback(lambda f, rid=req.request_id: self._on_export_done(rid, f))
         self.exports[req.request_id] = HeldExport(req, fut, out, t_done, t_done + self.lease_s)
         out.finished = False  # the request ends when the push does
         out.finish_reason = None
         self.stats.exports += 1
+
+    def _connect_early(self, address: str) -> None:
+        """Dial the decode peer while the prompt is still being computed (once per peer; reused after)."""
+        f = self._connects.get(address)
+        if f is None or (f.done() and f.exception() is not None):
+            self._connects[address] = self.agent.submit(self._peer_for(address))
+
+    async def _peer_for(self, address: str) -> str:
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = await self.agent.agent.connect(address)
+            self._peers[address] = peer
+        return peer
+
+    def layer_hook(self, core: EngineCore, batch):
+        """A per-layer callback for this step when it completes the prefill of export requests whose peer is
+        connected, or None. Each call pushes that layer's slice of every such request's blocks."""
+        if not self.layerwise:
+            return None
+        todo = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            dest = req.kv_export
+            if dest is None or req.num_computed_tokens + n != req.num_tokens:
+                continue
+            f = self._connects.get(dest["agent"])
+            if f is None or not f.done() or f.exception() is not None:
+                continue  # not connected yet: this request is pushed whole after its prefill
+            peer = f.result()
+            nb = (req.num_prompt_tokens + self.block_size - 1) // self.block_size
+            start = int(dest.get("start_block", 0))
+            src = np.asarray(req.block_ids[start:nb], dtype=np.int64)
+            dst = np.asarray(dest["block_ids"], dtype=np.int64)
+            if src.size == 0 or src.size != dst.size:
+                continue
+            rr = self.agent.agent.peer(peer).region_id(dest.get("region", "kv"))
+            self.layer_futs[req.request_id] = []
+            todo.append((req.request_id, peer, src * self.block_bytes, dst * self.block_bytes, rr))
+        if not todo:
+            return None
+        cuda = core.device.type == "cuda"
+
+        def after_layer(layer: int) -> None:
+            ev = None
+            if cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+            off = layer * self.layer_bytes
+            for rid, peer, src_off, dst_off, rr in todo:
+                xl = XferList.build(self.region_id, src_off + off, rr, dst_off + off, self.layer_bytes)
+                self.layer_futs[rid].append(self.agent.submit(
+                    self.agent.agent.write(peer, xl, None, wait_event=ev, coalesce=False)))
+
+        return after_layer
+
+    async def _finish_layerwise(self, address: str, futs: list, notif: dict) -> dict:
+        """Every layer landed: only now does the decode side hear of it (with the first token)."""
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+        peer = await self._peer_for(address)
+        await self.agent.agent.notify(peer, notif)
+        return {"seconds": time.perf_counter() - t0, "nbytes": sum(r.nbytes for r in results),
+                "transport": (results[0].transport if results else "none") + "/layerwise"}
 
     async def _push(self, address: str, src: list[int], dst: list[int], region: str, notif: dict):
         peer = self._peers.get(address)
@@ -248,6 +330,8 @@ class PDConnector:
             self.stats.export_failures += 1
         if ex.aborted:
             return []
+        if isinstance(res, dict):  # layer-by-layer push
+            res = SimpleNamespace(**res)
         timings = {"t_prefill_done": ex.t_prefill_done, "t_push_done": time.time(),
                    "push_s": res.seconds if res is not None else None,
                    "bytes": res.nbytes if res is not None else 0,
@@ -263,6 +347,8 @@ class PDConnector:
         q = self.quarantine.pop(rid, None)
         if q is not None:  # the push we gave up on did finish: its blocks are safe to reuse now
             core.kv.pool.release(q.block_ids)
+        if getattr(n, "error", None) is not None:  # the sender reports the push failed: never decode on it
+            return self._fail_reservation(core, rid, f"the KV push failed: {n.error}", self.recompute, True)
         res = self.reservations.pop(rid, None)
         if res is None:
             return []
@@ -340,7 +426,8 @@ class PDConnector:
 
     def connector_stats(self, core: EngineCore) -> dict:
         h = sorted(self.stats.handover_s[-1000:])
-        return {"exports": self.stats.exports, "export_failures": self.stats.export_failures,
+        return {"exports": self.stats.exports, "layerwise_exports": self.stats.layerwise_exports,
+                "export_failures": self.stats.export_failures,
                 "imports": self.stats.imports, "fallbacks": self.stats.fallbacks,
                 "quarantine_blocks": sum(len(q.block_ids) for q in self.quarantine.values()),
                 "handover_p50_s": h[len(h) // 2] if h else None}
@@ -387,6 +474,16 @@ def attach_connector(core: EngineCore, role_options: dict, wake) -> PDConnector:
     agent = ThreadedAgent(AgentConfig(**kv_opts))
     conn = PDConnector(core, role_options.get("role", "both"), agent, wake,
                        lease_s=float(role_options.get("lease_s", 30.0)),
-                       recompute=role_options.get("fallback", "recompute") == "recompute")
+                       recompute=role_options.get("fallback", "recompute") == "recompute",
+                       layerwise=_layerwise(role_options, core))
     core.connector = conn
     return conn
+
+
+def _layerwise(role_options: dict, core: EngineCore) -> bool:
+    """`auto`: push layer by layer where copies are slow enough to be worth overlapping with compute (tcp)."""
+    mode = role_options.get("layerwise", "auto")
+    if mode in ("on", "off"):
+        return mode == "on"
+    transport = (role_options.get("kv") or {}).get("transport", "auto")
+    return transport == "tcp" or (transport == "auto" and core.device.type == "cpu")

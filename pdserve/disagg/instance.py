@@ -27,10 +27,10 @@ ABORT_ROUTE = "/internal/pd/abort"
 
 
 def role_options(role: str, kv_host: str = "127.0.0.1", kv_port: int = 0, transport: str = "auto",
-                 lease_s: float = 30.0, fallback: str = "recompute") -> dict:
+                 lease_s: float = 30.0, fallback: str = "recompute", layerwise: str = "auto") -> dict:
     if role == "both":
         return {"role": "both"}
-    return {"role": role, "lease_s": lease_s, "fallback": fallback,
+    return {"role": role, "lease_s": lease_s, "fallback": fallback, "layerwise": layerwise,
             "kv": {"host": kv_host, "port": kv_port, "transport": transport}}
 
 

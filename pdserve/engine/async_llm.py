@@ -41,7 +41,7 @@ class AsyncLLM:
             from pdserve.disagg.instance import role_options as make_options
 
             role_options = make_options(config.kv_role, config.kv_host, config.kv_port, config.kv_transport,
-                                        config.kv_lease_s, config.kv_fallback)
+                                        config.kv_lease_s, config.kv_fallback, config.kv_layerwise)
         self.role_options = role_options
         self.start_timeout_s = start_timeout_s
         self.tokenizer = None

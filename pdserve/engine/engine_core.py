@@ -160,7 +160,8 @@ class EngineCore:
                                           num_prompt_tokens=req.num_prompt_tokens))
         if not batch:
             return outputs
-        sampled_reqs, result = self.runner.execute(batch)
+        hook = self.connector.layer_hook(self, batch) if self.connector is not None else None
+        sampled_reqs, result = self.runner.execute(batch, hook)
         self.num_steps += 1
         now = time.time()
         for req, n in zip(batch.requests, batch.num_new_tokens):

@@ -19,6 +19,7 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, Hk, D]
     backend: object
+    after_layer: object = None  # called with the layer index once that layer's KV is written (layer-wise push)
 
 
 _CTX: ForwardContext | None = None

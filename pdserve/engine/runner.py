@@ -159,8 +159,8 @@ class ModelRunner:
             n == 1 for n in batch.num_new_tokens)
 
     @torch.inference_mode()
-    def forward_logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Request]]:
-        if self._use_graph(batch):
+    def forward_logits(self, batch: ScheduledBatch, after_layer=None) -> tuple[torch.Tensor | None, list[Request]]:
+        if after_layer is None and self._use_graph(batch):
             hidden = self._graph_forward(batch)
             reqs = [r for r in batch.requests if r.num_computed_tokens + 1 == r.num_tokens]
             if len(reqs) != len(batch.requests):
@@ -168,7 +168,7 @@ class ModelRunner:
                 hidden = hidden[torch.tensor(keep, device=hidden.device)]
             return self.model.compute_logits(hidden), reqs
         ids, pos, meta, sample_idx, sample_reqs = self.prepare(batch)
-        with forward_context(ForwardContext(meta, self.kv_cache, self.backend)):
+        with forward_context(ForwardContext(meta, self.kv_cache, self.backend, after_layer)):
             hidden = self.model(ids, pos)
         if not sample_reqs:
             return None, []
@@ -176,8 +176,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[idx]), sample_reqs
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], SampleResult | None]:
-        logits, reqs = self.forward_logits(batch)
+    def execute(self, batch: ScheduledBatch, after_layer=None) -> tuple[list[Request], SampleResult | None]:
+        logits, reqs = self.forward_logits(batch, after_layer) if after_layer is not None else \
+            self.forward_logits(batch)
         if logits is None:
             return [], None
         return reqs, sample(logits, reqs)

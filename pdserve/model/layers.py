@@ -137,4 +137,6 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         kv_layer = ctx.kv_cache[:, self.layer_idx]
         o = ctx.backend.forward(q, k, v, kv_layer, ctx.meta, self.scale, self.sliding_window, self.softcap)
+        if ctx.after_layer is not None:
+            ctx.after_layer(self.layer_idx)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

@@ -105,6 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds a block may stay held or reserved for a peer before it is reclaimed")
     k.add_argument("--kv-fallback", default=_default(E, "kv_fallback"), choices=["recompute", "fail"],
                    help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
+    k.add_argument("--kv-layerwise", default=_default(E, "kv_layerwise"), choices=["auto", "on", "off"],
+                   help="prefill role: push each layer's KV while later layers compute (auto: when the transport is tcp)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -138,6 +140,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         kv_port=args.kv_port,
         kv_lease_s=args.kv_lease,
         kv_fallback=args.kv_fallback,
+        kv_layerwise=args.kv_layerwise,
     )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {args.port}")

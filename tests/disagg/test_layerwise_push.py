@@ -1,0 +1,52 @@
+"""Prefill pushing KV layer by layer (overlapping the transfer with the remaining layers' compute) must hand over
+exactly what a whole-block push does: the decode instance's greedy continuation equals its own local answer."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+from live_server import LiveServer
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of " * 6]
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_layerwise_and_whole_pushes_give_the_local_answer(mode):
+    common = ("--max-model-len", "512", "--num-gpu-blocks", "96", "--kv-transport", "tcp")
+    p = LiveServer("--role", "prefill", "--kv-layerwise", mode, *common)
+    d = LiveServer("--role", "decode", *common)
+    try:
+        for prompt in PROMPTS:
+            body = {"model": d.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            local = post(d.url, body)["choices"][0]["text"]
+            for _ in range(2):  # the first may race the connection set-up and go whole; the second is layer-wise
+                out = post(d.url, {**body, "pd": {"prefill_urls": [p.url], "request_id": "x"}})
+                assert out["choices"][0]["text"] == local
+                assert out["pd_timings"]["fallback"] is None
+        stats = p.get_json("/load")["pd"]
+        assert stats["exports"] == 2 * len(PROMPTS) and stats["export_failures"] == 0
+        if mode == "on":
+            assert stats["layerwise_exports"] >= len(PROMPTS)
+        else:
+            assert stats["layerwise_exports"] == 0
+        deadline = time.monotonic() + 15
+        while True:
+            loads = [s.get_json("/load") for s in (p, d)]
+            if all(ld["num_free_blocks"] == ld["num_total_blocks"] and ld["num_running"] == 0 for ld in loads):
+                break
+            assert time.monotonic() < deadline, loads
+            time.sleep(0.2)
+    finally:
+        p.stop()
+        d.stop()
