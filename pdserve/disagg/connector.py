@@ -396,6 +396,7 @@ class PDConnector:
             self.quarantine[rid] = Quarantine(req.block_ids, time.time() + self.lease_s, rid)
             self.stats.quarantined_blocks += len(req.block_ids)
             req.block_ids = []
+            req.num_registered_blocks = 0
         req.num_computed_tokens = 0
         req.kv_import = None
         if local_fallback:
@@ -443,6 +444,7 @@ class PDConnector:
             core.scheduler.remote.pop(rid, None)
             self.quarantine[rid] = Quarantine(list(req.block_ids), time.time() + self.lease_s, rid)
             req.block_ids = []
+            req.num_registered_blocks = 0
             req.status = RequestStatus.FINISHED
             del res
             return True

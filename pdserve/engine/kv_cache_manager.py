@@ -55,6 +55,7 @@ class KVCacheManager:
         if prefix_blocks:
             self.pool.touch(prefix_blocks)
             req.block_ids = list(prefix_blocks)
+            req.num_registered_blocks = 0
         need = self.blocks_needed(req, req.num_computed_tokens + num_new_tokens if not prefix_blocks else
                                   len(prefix_blocks) * self.block_size + num_new_tokens)
         if need:
@@ -65,15 +66,19 @@ class KVCacheManager:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.pool.enable_prefix_caching:
             return
-        self._extend_hashes(req, req.num_computed_tokens)
         n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
-        for i in range(n_full):
+        if n_full <= req.num_registered_blocks:  # the common decode step: no block filled up
+            return
+        self._extend_hashes(req, req.num_computed_tokens)
+        for i in range(req.num_registered_blocks, n_full):
             self.pool.cache_block(req.block_ids[i], req.block_hashes[i])
+        req.num_registered_blocks = n_full
 
     def free(self, req: Request) -> None:
         if req.block_ids:
             self.pool.release(req.block_ids)
             req.block_ids = []
+        req.num_registered_blocks = 0
 
     def reset_for_recompute(self, req: Request) -> None:
         self.free(req)

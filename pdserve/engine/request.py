@@ -29,6 +29,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hash chain over full blocks of token_ids
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_cached_tokens: int = -1  # prompt tokens that were prefix-cache hits (set at first scheduling)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
