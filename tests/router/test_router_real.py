@@ -266,6 +266,24 @@ def test_aborts_mid_stream_and_mid_handover_leave_pools_whole(cluster, expected)
     run(main())
 
 
+def test_router_phase_metrics_come_from_the_decode_instance(cluster, expected):
+    """pd_timings reported by the decode instance feed the router's per-phase histograms (and never reach clients)."""
+    cluster.require_pd()
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            for stream in (False, True):
+                assert await complete(s, cluster.urls["r_1p1d"], PROMPTS[0], stream=stream) == expected[PROMPTS[0]]
+            async with s.get(cluster.urls["r_1p1d"] + "/metrics") as resp:
+                return await resp.text()
+
+    text = run(go())
+    for phase in ("queue", "prefill", "handover", "first_token"):
+        pattern = 'pdserve:router_phase_seconds_count{mode="pd",phase="' + phase + '"} '
+        m = re.search(re.escape(pattern) + r"(\S+)", text)
+        assert m and float(m.group(1)) >= 2, (phase, text[:2000])
+
+
 async def _one_of_many(session: aiohttp.ClientSession, url: str, i: int, rng) -> str:
     """One streamed request that the client may abandon at a random point; returns how it ended."""
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven"]
