@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     specs = [{"num_blocks": pl["pool_blocks"], "block_bytes": pl["block_bytes"], "backend": args.backend,
               "device": d, "agent": {**agent_cfg, "name": f"bench-{r}-{os.getpid()}"}} for r, d in zip("AB", devices)]
-    out: dict[str, Any] = {"machine": machine_info(), "command": [sys.executable, *sys.argv], "args": vars(args),
+    out: dict[str, Any] = {"machine": machine_info(), "command": [sys.executable, *sys.argv], "args": {k: v for k, v in vars(args).items() if not callable(v)},
                            "git_commit": _git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "workload": {k: v for k, v in pl.items() if k not in ("src", "dst", "devices")} | {
                                "layout": args.layout, "tokens": args.tokens, "block_size": args.block_size,
