@@ -177,8 +177,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, after_layer=None) -> tuple[list[Request], SampleResult | None]:
-        logits, reqs = self.forward_logits(batch, after_layer) if after_layer is not None else \
-            self.forward_logits(batch)
+        logits, reqs = self.forward_logits(batch, after_layer)
         if logits is None:
             return [], None
         return reqs, sample(logits, reqs)

@@ -19,8 +19,8 @@ def capture_logits(core: EngineCore):
     captured: dict[str, list[tuple[int, torch.Tensor]]] = defaultdict(list)
     orig = core.runner.forward_logits
 
-    def wrapped(batch):
-        logits, reqs = orig(batch)
+    def wrapped(batch, after_layer=None):
+        logits, reqs = orig(batch, after_layer)
         for r, row in zip(reqs, logits if logits is not None else []):
             captured[r.request_id].append((r.num_tokens, row.detach().float().clone()))
         return logits, reqs

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import re
 import time
 from typing import Any
 
@@ -25,6 +27,23 @@ async def wait_until(predicate: Any, timeout: float = 3.0, interval: float = 0.0
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached within the timeout")
         await asyncio.sleep(interval)
+
+
+def wait_line(lines: queue.Queue, pattern: str, timeout: float, seen: list[str]) -> re.Match:
+    """The first line from a process's output queue (None = it ended) matching `pattern`, within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r}; output so far:\n{''.join(seen)}")
 
 
 class Deployment:

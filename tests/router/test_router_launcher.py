@@ -10,9 +10,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
+
+from router_harness import wait_line
 
 FAKE = Path(__file__).with_name("fake_instance.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,20 +25,6 @@ def _reader(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def _wait_line(lines: queue.Queue, pattern: str, timeout: float, seen: list[str]) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line)
-        m = re.search(pattern, line)
-        if m:
-            return m
-    raise AssertionError(f"no line matching {pattern!r}; output so far:\n{''.join(seen)}")
 
 
 def _alive(pid: int) -> bool:
@@ -61,7 +48,7 @@ def test_launcher_serves_and_stops_every_child(tmp_path):
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
     seen: list[str] = []
     try:
-        m = _wait_line(lines, r"ready: send OpenAI requests to (http://\S+)/v1", 60, seen)
+        m = wait_line(lines, r"ready: send OpenAI requests to (http://\S+)/v1", 60, seen)
         url = m.group(1)
         pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)", "".join(seen))]
         assert len(pids) == 3 and all(_alive(p) for p in pids)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from router_harness import wait_line
 
 pytestmark = pytest.mark.slow
 
@@ -60,21 +61,12 @@ def _start(cmd: list[str], pattern: str, timeout: float) -> tuple[subprocess.Pop
         lines.put(None)
 
     threading.Thread(target=reader, daemon=True).start()
-    seen = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=max(0.05, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line)
-        m = re.search(pattern, line)
-        if m:
-            return proc, m.group(1)
-    proc.kill()
-    raise RuntimeError(f"{cmd} did not start:\n{''.join(seen[-30:])}")
+    seen: list[str] = []
+    try:
+        return proc, wait_line(lines, pattern, timeout, seen).group(1)
+    except AssertionError:
+        proc.kill()
+        raise RuntimeError(f"{cmd} did not start:\n{''.join(seen[-30:])}") from None
 
 
 def start_instance(role: str) -> tuple[subprocess.Popen, str]:

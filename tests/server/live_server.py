@@ -22,6 +22,17 @@ START_TIMEOUT_S = 300.0  # first start converts the GGUF tokenizer (~15 s) and a
 STOP_TIMEOUT_S = 60.0
 
 
+def parse_sse(raw: str) -> list:
+    """A whole SSE body: every event must be `data: <json or [DONE]>` followed by a blank line."""
+    assert raw.endswith("\n\n")
+    events = []
+    for block in raw[:-2].split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
 class LiveServer:
     def __init__(self, *args: str, start_timeout_s: float = START_TIMEOUT_S):
         cmd = [sys.executable, "-m", "pdserve.server", "--port", "0", "--device", "cpu", *args]

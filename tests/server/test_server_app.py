@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from live_server import parse_sse
 from scripted_engine import WORD, ScriptedLLM
 
 from pdserve.config import EngineConfig, ServerConfig
@@ -38,13 +38,7 @@ def serve(test: Callable[[aiohttp.ClientSession, str, ScriptedLLM], Awaitable[No
 async def sse_events(resp: aiohttp.ClientResponse) -> list:
     """Parse a whole SSE body: every event must be `data: <json or [DONE]>` followed by a blank line."""
     raw = (await resp.read()).decode()
-    assert raw.endswith("\n\n")
-    events = []
-    for block in raw[:-2].split("\n\n"):
-        assert block.startswith("data: "), block
-        payload = block[len("data: ") :]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
+    return parse_sse(raw)
 
 
 async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:

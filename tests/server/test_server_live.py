@@ -14,7 +14,7 @@ import urllib.request
 
 import aiohttp
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, parse_sse
 
 openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU image
 
@@ -225,13 +225,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, model: str, promp
         assert r.status == 200, await r.text()
         assert r.headers["Content-Type"].startswith("text/event-stream")
         raw = (await r.read()).decode()
-    assert raw.endswith("\n\n")
-    events = []
-    for block in raw[:-2].split("\n\n"):
-        assert block.startswith("data: "), block
-        payload = block[len("data: ") :]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
+    return parse_sse(raw)
 
 
 def test_64_concurrent_streams_all_complete(server, tokenizer):
