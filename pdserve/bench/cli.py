@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -28,6 +27,7 @@ from pdserve.bench.runner import DATASETS, Bench, BenchError, WorkloadConfig, st
 from pdserve.bench.search import SearchConfig
 from pdserve.bench.slo import goodput_limits, parse_slo
 from pdserve.bench.tokenizer import load_tokenizer
+from pdserve.envs import openai_api_key
 
 
 def _rate(text: str) -> float:
@@ -60,7 +60,7 @@ def _add_common(p: argparse.ArgumentParser, rate: bool = True) -> None:
     g.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
     g.add_argument("--tokenizer", default=None,
                    help="HF directory, tokenizer.json or .gguf (default: --model when it names one)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--api-key", default=openai_api_key())
     g.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly the output length")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")

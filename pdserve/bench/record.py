@@ -17,12 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdserve.envs import git_commit_override
+
 SCHEMA = "pdserve.bench/1"
 
 
 def _git_commit() -> str | None:
-    if os.environ.get("PDSERVE_GIT_COMMIT"):  # set when the tree was copied without .git (GPU machines)
-        return os.environ["PDSERVE_GIT_COMMIT"]
+    if git_commit_override():  # set when the tree was copied without .git (GPU machines)
+        return git_commit_override()
     try:
         here = Path(__file__).resolve().parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)

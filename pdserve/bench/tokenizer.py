@@ -14,12 +14,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.envs import cache_dir
+
 DEFAULT_MODEL_NAMES = ("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf")
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
-    return Path(base) / "bench_tokenizers"
+    return cache_dir() / "bench_tokenizers"
 
 
 @dataclass

@@ -309,7 +309,8 @@ def gguf_tokenizer_dir(gguf_path: str | os.PathLike) -> Path:
     directory and renamed, under a lock, so two processes starting together convert once and never see half a
     directory.
     """
-    from pdserve.model.default_model import FileLock, cache_dir
+    from pdserve.envs import cache_dir
+    from pdserve.model.default_model import FileLock
 
     path = Path(gguf_path).resolve()
     st = path.stat()

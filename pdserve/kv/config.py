@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pdserve.envs import kv_cuda_streams
+
 TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl")
 CUDA_COPY_METHODS = ("auto", "batch", "kernel", "percopy")
 
@@ -31,7 +33,7 @@ class AgentConfig:
     tcp_staging_bytes: int = 8 << 20  # pinned staging chunk for GPU memory over tcp
     cuda_copy: str = "auto"  # auto | batch (cuMemcpyBatchAsync) | kernel (Triton) | percopy (one copy per run)
     # batched copies split over this many streams, so several copy engines work at once
-    cuda_streams: int = field(default_factory=lambda: int(os.environ.get("PDSERVE_KV_CUDA_STREAMS", "4")))
+    cuda_streams: int = field(default_factory=kv_cuda_streams)
     metadata: str = "p2p"  # p2p | etcd
     etcd_url: str = "http://127.0.0.1:2379"
     etcd_prefix: str = "/pdserve/kv/agents/"

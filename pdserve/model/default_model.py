@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve.envs import cache_dir
+
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME, "default"})
 
@@ -30,12 +32,6 @@ _CHUNK_READ = 4 * 1024 * 1024
 def is_default_model(model: str | None) -> bool:
     """True when `model` names the embedded default model (None, "default" or "gemma-3-270m")."""
     return model is None or model in DEFAULT_MODEL_ALIASES
-
-
-def cache_dir() -> Path:
-    """The pdserve cache directory: `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
-    env = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
 
 
 def resolve_model_path(model: str | None) -> str:

@@ -44,7 +44,8 @@ def tokenizer_path_for(source, cfg=None) -> str:
     """Where the tokenizer of a model source lives; shipped shapes get the word-level one."""
     if source.kind != "shipped":
         return str(source.path)
-    from pdserve.model.loader import cache_dir, load_config
+    from pdserve.envs import cache_dir
+    from pdserve.model.loader import load_config
 
     if cfg is None:
         cfg, _ = load_config(source)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pdserve.envs import cache_dir
 from pdserve.model import get_model_class
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,6 @@ class ModelSource:
     kind: str  # "hf_dir" | "gguf" | "shipped"
     path: Path  # directory, .gguf file, or shipped config.json
     name: str  # what the user asked for
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
 
 
 def shipped_config_names() -> list[str]:

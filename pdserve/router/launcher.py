@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.envs import cuda_visible_devices
 from pdserve.router.config import RouterConfig
 from pdserve.router.main import add_tunable_arguments, build_config
 
@@ -140,7 +141,7 @@ def visible_gpus(device: str | None) -> list[str]:
     """GPU ids this process may hand out; empty on a CPU-only host or when instances are told to use the CPU."""
     if device and device.startswith("cpu"):
         return []
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    env = cuda_visible_devices()
     if env is not None:
         return [g.strip() for g in env.split(",") if g.strip()]
     try:

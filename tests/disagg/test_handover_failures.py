@@ -9,7 +9,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from live_server import LiveServer
+
+from tests.server.live_server import LiveServer
 
 DEAD = "http://127.0.0.1:1"  # nothing listens on port 1
 ARGS = ("--role", "decode", "--max-model-len", "512", "--num-gpu-blocks", "64", "--kv-transport", "tcp")

@@ -8,7 +8,8 @@ import time
 import urllib.request
 
 import pytest
-from live_server import LiveServer
+
+from tests.server.live_server import LiveServer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of " * 6]
 

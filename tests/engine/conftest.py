@@ -1,5 +1,6 @@
 import pytest
-from tiny_models import write_tiny_model
+
+from tests.engine.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,8 @@ def test_same_seed_same_text_and_different_seed_differs(core_factory):
 
 def test_top_k_one_is_greedy_and_top_k_bounds_support(core_factory, tiny_model_dirs):
     import torch
-    from tiny_models import hf_model
+
+    from tests.engine.tiny_models import hf_model
 
     core = core_factory("llama")
     prompt = [3, 4, 5, 6]

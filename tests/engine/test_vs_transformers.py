@@ -8,11 +8,11 @@ from collections import defaultdict
 
 import pytest
 import torch
-from tiny_models import hf_model
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.sampling_params import SamplingParams
+from tests.engine.tiny_models import hf_model
 
 
 def capture_logits(core: EngineCore):

@@ -9,8 +9,6 @@ import time
 
 import numpy as np
 import pytest
-from kv_helpers import BIG, big_peer, local_agent, spawn_peer
-from kv_helpers import xfer as _x
 
 from pdserve.kv import (
     AgentConfig,
@@ -20,6 +18,8 @@ from pdserve.kv import (
     RegionError,
     TransferTimeoutError,
 )
+from tests.kv.kv_helpers import BIG, big_peer, local_agent, spawn_peer
+from tests.kv.kv_helpers import xfer as _x
 
 
 def big_agent(io_timeout: float) -> tuple[KVAgent, np.ndarray, int]:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kv_helpers import BB, NB
 
 from pdserve.kv import AgentConfig, KVAgent, XferList
 from pdserve.kv.bench_worker import Pool
+from tests.kv.kv_helpers import BB, NB
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import socket
 
 import numpy as np
 import pytest
-from kv_helpers import BB, NB, local_agent, spawn_peer
 
 from pdserve.kv import InvalidDescriptorError, KVTransferError, PeerUnreachableError, XferList, block_xfers
+from tests.kv.kv_helpers import BB, NB, local_agent, spawn_peer
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ import time
 
 import numpy as np
 import pytest
-from kv_helpers import BB, NB
 
 from pdserve.kv import AgentConfig, PeerDisconnectedError, ThreadedAgent, TransferTimeoutError
 from pdserve.kv.bench_worker import Pool
+from tests.kv.kv_helpers import BB, NB
 
 
 @pytest.mark.timeout(60)

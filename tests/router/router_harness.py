@@ -10,10 +10,10 @@ import time
 from typing import Any
 
 import aiohttp
-from fake_instance import FakeInstance
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.proxy import Router, bound_port, start_router
+from tests.router.fake_instance import FakeInstance
 
 
 def run(coro: Any, timeout: float = 60.0) -> Any:

@@ -13,7 +13,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
-from router_harness import wait_line
+from tests.router.router_harness import wait_line
 
 FAKE = Path(__file__).with_name("fake_instance.py")
 ROOT = Path(__file__).resolve().parents[2]

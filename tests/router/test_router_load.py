@@ -6,7 +6,8 @@ import asyncio
 import random
 
 import aiohttp
-from router_harness import Deployment, metric_value, run, wait_until
+
+from tests.router.router_harness import Deployment, metric_value, run, wait_until
 
 N_REQUESTS = 500
 CONCURRENCY = 64

@@ -6,7 +6,8 @@ import asyncio
 import time
 
 import aiohttp
-from router_harness import Deployment, metric_value, run, wait_until
+
+from tests.router.router_harness import Deployment, metric_value, run, wait_until
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 12  # ~540 chars, ~135 estimated tokens
 

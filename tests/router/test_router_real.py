@@ -28,7 +28,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from router_harness import wait_line
+
+from tests.router.router_harness import wait_line
 
 pytestmark = pytest.mark.slow
 

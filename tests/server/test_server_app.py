@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from live_server import parse_sse
-from scripted_engine import WORD, ScriptedLLM
 
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.server.app import create_app
+from tests.server.live_server import parse_sse
+from tests.server.scripted_engine import WORD, ScriptedLLM
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,8 @@ import urllib.request
 
 import aiohttp
 import pytest
-from live_server import LiveServer, parse_sse
+
+from tests.server.live_server import LiveServer, parse_sse
 
 openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU image
 

@@ -6,7 +6,8 @@ import asyncio
 
 import aiohttp
 import pytest
-from live_server import LiveServer
+
+from tests.server.live_server import LiveServer
 
 pytestmark = pytest.mark.timeout(600)
 

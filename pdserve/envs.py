@@ -1,0 +1,38 @@
+"""Every environment variable pdserve reads, in one module, each with its default and meaning.
+
+Flags and config dataclasses are the main way to configure pdserve; environment variables cover what must reach
+processes started by others (CUDA_VISIBLE_DEVICES-style) or secrets that should not appear on a command line.
+Read them through these functions (at call time, so tests can monkeypatch the environment).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """`PDSERVE_CACHE_DIR`: where converted models, tokenizers and the default model's files are cached
+    (default `~/.cache/pdserve`)."""
+    env = os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
+
+
+def kv_cuda_streams(default: int = 4) -> int:
+    """`PDSERVE_KV_CUDA_STREAMS`: streams a batched cuda_ipc copy is split over (measured best on 2xH200: 4)."""
+    return int(os.environ.get("PDSERVE_KV_CUDA_STREAMS", str(default)))
+
+
+def git_commit_override() -> str | None:
+    """`PDSERVE_GIT_COMMIT`: the commit benchmark records name when the tree was copied without `.git`."""
+    return os.environ.get("PDSERVE_GIT_COMMIT") or None
+
+
+def openai_api_key() -> str | None:
+    """`OPENAI_API_KEY`: the key `pdserve bench` sends when none is given (as OpenAI's clients do)."""
+    return os.environ.get("OPENAI_API_KEY") or None
+
+
+def cuda_visible_devices() -> str | None:
+    """`CUDA_VISIBLE_DEVICES`: the GPUs this process may use (the launcher splits them among instances)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
