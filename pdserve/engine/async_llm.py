@@ -1,48 +1,74 @@
 """The asyncio face of the engine for the server: the core runs in its own process, this side tokenizes,
 detokenizes and streams, so the HTTP event loop never waits on a GPU step and a step never waits on HTTP.
 
-Every output arrives through one pipe read by the event loop's reader callback (no polling thread, no sleeps).
+Interface: `generate` (a request's output stream; `kv=ImportParams` for a decode instance's remote prefill),
+`export` (prefill role: compute a prompt and push its KV to a decode instance), `abort`, the control calls of the
+decode side (`remote_prefill_failed`, `remote_prefill_done`), and two subscriptions for layers built on top:
+`add_event_listener` (the engine's PD events) and `add_output_hook` (see or annotate each output before its stream
+gets it). Nothing else reaches into it.
+
+Every message arrives through one pipe read by a blocking reader thread and handed to the event loop (no polling).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pdserve.config import EngineConfig
 from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
+from pdserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Bye,
+    CoreOutput,
+    EngineFailed,
+    EngineReady,
+    ExportFinished,
+    ExportParams,
+    ImportParams,
+    KVDestination,
+    PDEvent,
+    RemotePrefillDone,
+    RemotePrefillFailed,
+    Shutdown,
+    StepOutputs,
+)
 from pdserve.engine.output_processor import RequestState
 from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDead", "PromptTooLong", "QueueFull"]
+__all__ = ["AsyncLLM", "EngineDead", "PromptTooLong", "QueueFull", "RequestInfo"]
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the client side knows of a running request (read-only for layers on top)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv: ImportParams | None
+    arrival_time: float
 
 
 @dataclass
 class _Stream:
+    info: RequestInfo
     state: RequestState
     queue: asyncio.Queue
-    pd: dict | None = None
-    prompt_token_ids: list[int] | None = None
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, role_options: dict | None = None, start_timeout_s: float = 900.0):
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 900.0):
         self.config = config
-        if role_options is None:
-            from pdserve.disagg.instance import role_options as make_options
-
-            role_options = make_options(config.kv_role, config.kv_host, config.kv_port, config.kv_transport,
-                                        config.kv_lease_s, config.kv_fallback, config.kv_layerwise)
-        self.role_options = role_options
         self.start_timeout_s = start_timeout_s
         self.tokenizer = None
         self.max_model_len: int = 0
@@ -50,54 +76,47 @@ class AsyncLLM:
         self._proc: mp.Process | None = None
         self._conn = None
         self._streams: dict[str, _Stream] = {}
+        self._exports: dict[str, asyncio.Future] = {}
         self._stats: dict = {}
         self._adds_since_stats = 0
         self._dead: str | None = None
-        self._calls: dict[int, asyncio.Future] = {}
-        self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._event_listeners: list[Callable[[PDEvent], None]] = []
+        self._output_hooks: list[Callable[[str, RequestOutput], None]] = []
+        self._closed_listeners: list[Callable[[str], None]] = []
         self.last_output_time = 0.0
-        # disaggregation hooks (pdserve.disagg.instance installs them): control events of PD requests go here,
-        # not into the client's stream
-        self.pd_event_handler = None  # (request_id, event dict, stream) -> None
-        self.pd_abort_handler = None  # (request_id) -> None
-        self.pd_timings: dict[str, dict] = {}
-        self.aliases: dict[str, str] = {}  # router request id -> engine request id
 
     @property
     def model_name(self) -> str:
         return self.config.name
 
     async def start(self) -> None:
+        from pdserve.engine.engine_proc import run_engine_process
         from pdserve.engine.tokenizer import Tokenizer
+        from pdserve.model.dummy_tokenizer import tokenizer_path_for
         from pdserve.model.loader import resolve_model
 
         self._loop = asyncio.get_running_loop()
         src = await asyncio.to_thread(resolve_model, self.config.model)
-        from pdserve.model.dummy_tokenizer import tokenizer_path_for
-
         tok_path = self.config.tokenizer or await asyncio.to_thread(tokenizer_path_for, src)
         self.tokenizer = await asyncio.to_thread(Tokenizer.load, tok_path)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        from pdserve.engine.engine_proc import run_engine_process
-
         self._proc = ctx.Process(target=run_engine_process, name="pdserve-engine", daemon=True,
-                                 args=(self.config, set(self.tokenizer.eos_token_ids), child, self.role_options))
+                                 args=(self.config, set(self.tokenizer.eos_token_ids), child))
         self._proc.start()
         child.close()
         self._conn = parent
         deadline = time.monotonic() + self.start_timeout_s
         while True:
-            ready = await asyncio.to_thread(parent.poll, 0.5)
-            if ready:
+            if await asyncio.to_thread(parent.poll, 0.5):
                 msg = parent.recv()
-                if msg[0] == "ready":
-                    self.info = msg[1]
+                if isinstance(msg, EngineReady):
+                    self.info = msg.info
                     break
-                if msg[0] == "failed":
+                if isinstance(msg, EngineFailed):
                     self._proc.join(5)
-                    raise RuntimeError(f"the engine failed to start: {msg[1]}")
+                    raise RuntimeError(f"the engine failed to start: {msg.message}")
             if not self._proc.is_alive():
                 raise RuntimeError(f"the engine process exited during start-up (exit code {self._proc.exitcode})")
             if time.monotonic() > deadline:
@@ -108,6 +127,26 @@ class AsyncLLM:
         # larger than the pipe's buffer (hundreds of streams' outputs) would then arrive torn
         self._reader = threading.Thread(target=self._read_pipe, name="pdserve-engine-reader", daemon=True)
         self._reader.start()
+
+    # ---- subscriptions
+    def add_event_listener(self, callback: Callable[[PDEvent], None]) -> None:
+        """`callback(event)` on the event loop for every PD event (KVReserved, KVAdmitted, KVFallback, ...)."""
+        self._event_listeners.append(callback)
+
+    def add_output_hook(self, hook: Callable[[str, RequestOutput], None]) -> None:
+        """`hook(request_id, output)` on the event loop for every output before its stream gets it."""
+        self._output_hooks.append(hook)
+
+    def add_closed_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(request_id)` when a stream is closed before its request finished (client gone, timeout)."""
+        self._closed_listeners.append(callback)
+
+    def request_info(self, request_id: str) -> RequestInfo | None:
+        st = self._streams.get(request_id)
+        return st.info if st is not None else None
+
+    def request_ids(self) -> list[str]:
+        return list(self._streams)
 
     # ---- engine pipe
     def _read_pipe(self) -> None:
@@ -122,50 +161,51 @@ class AsyncLLM:
             if loop.is_closed():
                 return
             loop.call_soon_threadsafe(self._on_message, msg)
-            if msg[0] == "bye":
+            if isinstance(msg, Bye):
                 return
 
     def _on_message(self, msg) -> None:
+        if not isinstance(msg, StepOutputs):
+            return
         try:
-            kind = msg[0]
-            if kind == "outputs":
-                _, outs, stats, _ts = msg
-                self._stats = stats
+            if msg.stats is not None:
+                self._stats = msg.stats
                 self._adds_since_stats = 0
-                self.last_output_time = time.time()
-                for co in outs:
-                    self._dispatch(co)
-            elif kind == "reply":
-                _, cid, ok, result = msg
-                fut = self._calls.pop(cid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
+            self.last_output_time = time.time()
+            for ev in msg.events:
+                self._on_event(ev)
+            for co in msg.outputs:
+                self._dispatch(co)
         except Exception:
             log.exception("handling an engine message failed")
 
+    def _on_event(self, ev: PDEvent) -> None:
+        if isinstance(ev, ExportFinished):
+            fut = self._exports.pop(ev.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(ev)
+        for cb in self._event_listeners:
+            try:
+                cb(ev)
+            except Exception:
+                log.exception("a PD event listener failed on %s", type(ev).__name__)
+
     def _dispatch(self, co) -> None:
+        fut = self._exports.get(co.request_id)
+        if fut is not None:  # an export request that failed before its push (e.g. a bad prompt)
+            if co.finished and not fut.done():
+                self._exports.pop(co.request_id, None)
+                fut.set_result(ExportFinished(co.request_id, None, str(co.stop_reason)))
+            return
         st = self._streams.get(co.request_id)
         if st is None:
             return
-        ev = (co.extra or {}).get("pd_event")
-        if ev is not None and self.pd_event_handler is not None:
-            self.pd_event_handler(co.request_id, co.extra, st)
-            if not co.new_token_ids and not co.finished:
-                return
         out = st.state.process(co)
-        if out.finished and co.request_id in self.pd_timings:
-            out.pd_timings = self._public_timings(self.pd_timings.pop(co.request_id))
+        for hook in self._output_hooks:
+            hook(co.request_id, out)
         st.queue.put_nowait(out)
         if out.finished and not co.finished:  # a stop string ended it: stop the core too
-            self._send(("abort", co.request_id))
-
-    @staticmethod
-    def _public_timings(t: dict) -> dict:
-        keys = ("queue_s", "prefill_s", "handover_s", "first_token_s", "prefill_url", "fallback", "fallback_reason",
-                "num_cached_tokens", "push_s", "prefill_http_s")
-        out = {k: t.get(k) for k in keys if k in t}
-        out.setdefault("fallback", None)
-        return out
+            self._send(AbortRequest(co.request_id))
 
     def _on_dead(self, why: str) -> None:
         if self._dead:
@@ -173,7 +213,7 @@ class AsyncLLM:
         self._dead = why
         for st in self._streams.values():
             st.queue.put_nowait(EngineDead(why))
-        for fut in self._calls.values():
+        for fut in self._exports.values():
             if not fut.done():
                 fut.set_exception(EngineDead(why))
 
@@ -185,17 +225,6 @@ class AsyncLLM:
         except (BrokenPipeError, OSError) as e:
             self._on_dead(f"the engine process stopped ({type(e).__name__})")
             raise EngineDead(self._dead) from e
-
-    async def call(self, name: str, *args, timeout: float = 30.0):
-        """Run a connector method in the engine process (disaggregation control messages)."""
-        cid = next(self._call_ids)
-        fut = self._loop.create_future()
-        self._calls[cid] = fut
-        self._send(("call", cid, name, args))
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        finally:
-            self._calls.pop(cid, None)
 
     # ---- requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -209,25 +238,23 @@ class AsyncLLM:
             raise QueueFull(waiting, self.config.max_waiting)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       pd: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv: ImportParams | None = None) -> AsyncIterator[RequestOutput]:
         if self._dead:
             raise EngineDead(self._dead)
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._exports:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
-        state = RequestState(request_id, prompt_token_ids, params, self.tokenizer)
-        stream = _Stream(state, asyncio.Queue(), pd, list(prompt_token_ids))
+        info = RequestInfo(request_id, list(prompt_token_ids), params, kv, time.time())
+        stream = _Stream(info, RequestState(request_id, prompt_token_ids, params, self.tokenizer, info.arrival_time),
+                         asyncio.Queue())
         self._streams[request_id] = stream
-        alias = (pd or {}).get("request_id")
-        if alias:
-            self.aliases[alias] = request_id
         finished = False
         try:
-            self._send(("add", request_id, list(prompt_token_ids), params, pd))
+            self._send(AddRequest(request_id, info.prompt_token_ids, params, kv))
             self._adds_since_stats += 1
             while True:
                 out = await stream.queue.get()
-                if isinstance(out, Exception):
+                if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
                 yield out
@@ -235,23 +262,56 @@ class AsyncLLM:
                     return
         finally:
             self._streams.pop(request_id, None)
-            self.pd_timings.pop(request_id, None)
-            if alias:
-                self.aliases.pop(alias, None)
             if not finished and not self._dead:
                 try:
-                    self._send(("abort", request_id))
+                    self._send(AbortRequest(request_id))
                 except EngineDead:
                     pass
-                if pd and self.pd_abort_handler is not None:
-                    self.pd_abort_handler(request_id)
+                for cb in self._closed_listeners:
+                    cb(request_id)
+
+    async def export(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     dest: KVDestination, timeout_s: float) -> ExportFinished:
+        """Prefill role: compute the prompt and push its KV (and the first token) to `dest`; returns when the push
+        ended (check `.error`). Cancelling the call aborts the request."""
+        if self._dead:
+            raise EngineDead(self._dead)
+        if request_id in self._streams or request_id in self._exports:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        fut = self._loop.create_future()
+        self._exports[request_id] = fut
+        done = False
+        try:
+            self._send(AddRequest(request_id, list(prompt_token_ids), params, ExportParams(dest)))
+            self._adds_since_stats += 1
+            result = await asyncio.wait_for(fut, timeout_s)
+            done = True
+            return result
+        finally:
+            self._exports.pop(request_id, None)
+            if not done and not self._dead:
+                try:
+                    self._send(AbortRequest(request_id))
+                except EngineDead:
+                    pass
 
     async def abort(self, request_id: str) -> None:
         st = self._streams.pop(request_id, None)
         if not self._dead:
-            self._send(("abort", request_id))
-        if st is not None:
-            st.queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+            self._send(AbortRequest(request_id))
+        if st is not None:  # the stream ends normally, with finish_reason "abort"
+            st.queue.put_nowait(st.state.process(CoreOutput(request_id, [], True, "abort")))
+            for cb in self._closed_listeners:
+                cb(request_id)
+
+    def remote_prefill_failed(self, request_id: str, reason: str, peer_done: bool) -> None:
+        """Decode role: no prefill candidate delivered the KV (the engine recomputes or fails, by configuration)."""
+        self._send(RemotePrefillFailed(request_id, reason, peer_done))
+
+    def remote_prefill_done(self, request_id: str) -> None:
+        """Decode role: the prefill peer of an aborted request answered: its quarantined blocks may be reused."""
+        self._send(RemotePrefillDone(request_id))
 
     def stats(self) -> dict:
         s = dict(self._stats)
@@ -274,7 +334,7 @@ class AsyncLLM:
         if not self._dead:
             self._dead = "shut down"
             try:
-                self._conn.send(("shutdown",))
+                self._conn.send(Shutdown())
             except Exception:
                 pass
         await asyncio.to_thread(self._proc.join, timeout_s)

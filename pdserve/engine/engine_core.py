@@ -1,38 +1,40 @@
-"""The engine core: owns the model, the KV pool and the scheduler, and advances every request one step at a
-time. Synchronous on purpose: it runs in its own process (or inline for offline use and tests)."""
+"""The engine core: owns the model, the KV pool and the scheduler, and advances every request one step at a time.
+Synchronous on purpose: it runs in its own process (or inline for offline use and tests).
+
+A step: take what the KV connector reports (disaggregated instances), schedule, run the model, update the
+requests. The scheduler makes every state change; the connector is only asked questions and handed pushes.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.errors import PromptTooLong
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.kv_connector import KVConnector, KVPool, make_connector
+from pdserve.engine.messages import (
+    CoreOutput,
+    ExportFinished,
+    ExportParams,
+    ImportParams,
+    KVAdmitted,
+    KVFallback,
+    KVParams,
+    PDEvent,
+)
+from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner, block_bytes
 from pdserve.engine.scheduler import Scheduler
 from pdserve.model.loader import build_model, choose_dtype, load_config, resolve_model
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list | None = None  # per new token: (chosen logprob, [(id, logprob), ...])
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-    extra: dict | None = None  # disaggregation: e.g. handover timings
 
 
 def pick_device(name: str) -> torch.device:
@@ -57,8 +59,32 @@ def eos_ids_from_config(cfg, tokenizer_eos: set[int] | None = None) -> frozenset
     return frozenset(ids)
 
 
+def skip_first_draw(req: Request, vocab_size: int, device: torch.device) -> None:
+    """Decode side: the prefill peer sampled the first token with this request's seeded generator; advance ours by
+    the same one draw so later tokens are those of a colocated run."""
+    if req.generator is not None and not req.params.greedy:
+        torch.empty(vocab_size, device=device).exponential_(generator=req.generator)
+
+
+@dataclass
+class HandoverStats:
+    """Counters of the KV handover on this instance (for /load and /metrics)."""
+
+    imports: int = 0
+    fallbacks: int = 0
+    exports: int = 0
+    export_failures: int = 0
+    handover_s: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        h = sorted(self.handover_s[-1000:])
+        return {"imports": self.imports, "fallbacks": self.fallbacks, "exports": self.exports,
+                "export_failures": self.export_failures, "handover_p50_s": h[len(h) // 2] if h else None}
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None):
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int] | None = None,
+                 wake: Callable[[], None] | None = None, kv_agent: object | None = None):
         self.config = config
         t0 = time.time()
         self.device = pick_device(config.device)
@@ -82,12 +108,17 @@ class EngineCore:
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.requests: dict[str, Request] = {}
+        kvt = config.kv_transfer
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   kvt.lease_s)
         self.num_steps = 0
-        self.connector = None  # disaggregation hooks (pdserve.disagg), attached by the instance
-        log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each)",
-                 time.time() - t0, config.model, self.device, self.dtype, num_blocks, config.block_size, bb / 2**20)
+        self._events: list[PDEvent] = []
+        self.handover = HandoverStats()
+        pool = KVPool(self.runner.kv_cache, config.block_size, bb, num_blocks, self.hf_config.vocab_size, self.device)
+        self.connector: KVConnector | None = make_connector(kvt, pool, wake or (lambda: None), kv_agent)
+        log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each), role %s",
+                 time.time() - t0, config.model, self.device, self.dtype, num_blocks, config.block_size, bb / 2**20,
+                 kvt.role)
 
     def _size_pool(self, bb: int) -> int:
         if self.device.type == "cpu":
@@ -113,8 +144,6 @@ class EngineCore:
             raise PromptTooLong(num_tokens, self.max_model_len, params.max_tokens)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.hf_config.vocab_size
         bad = [t for t in prompt_token_ids if not (0 <= t < vocab)]
         if bad:
@@ -125,23 +154,44 @@ class EngineCore:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return req
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv: KVParams | None = None) -> Request:
+        """A new request; `kv` makes it an export (prefill role) or import (decode role) request."""
+        if kv is not None and (self.connector is None or
+                               (isinstance(kv, ExportParams)) != (self.connector.role == "prefill")):
+            role = self.connector.role if self.connector is not None else "both"
+            raise ValueError(f"this instance has role {role}: it cannot take a request with {type(kv).__name__}")
         req = self.make_request(request_id, prompt_token_ids, params)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        req.kv = kv
+        if isinstance(kv, ImportParams):
+            self.scheduler.add_remote(req)
+        else:
+            self.scheduler.add(req)
+            if kv is not None:
+                self.connector.on_added(req)
         return req
 
     def abort_request(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
+        req = self.scheduler.abort(request_id)
         if req is None:
             return False
-        if self.connector is not None and self.connector.on_abort(self, req):
-            return True  # the connector owns blocks a peer may be reading or writing
-        self.scheduler.finish(req, "abort")
+        if self.connector is not None:
+            self.connector.forget(request_id)
+            if req.kv_export is not None and req.is_finished:  # aborted before its push: nothing will write
+                self._events.append(ExportFinished(request_id, None, "the request was aborted before its KV push"))
         return True
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        return self.scheduler.has_work()
+
+    def needs_step(self) -> bool:
+        """A step would compute something, or take a peer's report, or watch a peer's deadline."""
+        return self.scheduler.has_work() or (self.connector is not None and (
+            self.connector.has_events() or self.scheduler.has_remote() or bool(self.kv.quarantine)))
+
+    def take_events(self) -> list[PDEvent]:
+        events, self._events = self._events, []
+        return events
 
     def check_whole(self) -> None:
         """Raise unless no request holds a block (tests)."""
@@ -149,64 +199,94 @@ class EngineCore:
 
     # ---- one step
     def step(self) -> list[CoreOutput]:
-        outputs: list[CoreOutput] = []
-        if self.connector is not None:
-            outputs.extend(self.connector.before_step(self))
+        outputs = self._take_kv_reports() if self.connector is not None else []
         batch = self.scheduler.schedule()
-        for req in batch.preempted:
-            if req.status == RequestStatus.FINISHED:  # could never fit
-                self.requests.pop(req.request_id, None)
-                outputs.append(CoreOutput(req.request_id, [], True, "error", req.stop_reason,
-                                          num_prompt_tokens=req.num_prompt_tokens))
-        if not batch:
-            return outputs
-        hook = self.connector.layer_hook(self, batch) if self.connector is not None else None
-        sampled_reqs, result = self.runner.execute(batch, hook)
-        self.num_steps += 1
-        now = time.time()
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-        sampled = {id(r): i for i, r in enumerate(sampled_reqs)}
-        for req in batch.requests:
-            i = sampled.get(id(req))
-            self.kv.cache_computed(req)
-            if i is None:
+        hook = self.connector.layer_hook(batch) if (batch and self.connector is not None) else None
+        sampled, result = self.runner.execute(batch, hook) if batch else ([], None)
+        self.num_steps += bool(batch)
+        new, exports = self.scheduler.update(batch, sampled, result.token_ids if result else [],
+                                             result.logprobs if result else [], time.time())
+        for ex in exports:
+            self.connector.start_export(ex)
+            self.handover.exports += 1
+        return outputs + new
+
+    # ---- disaggregation: what the connector reports, applied through the scheduler
+    def _take_kv_reports(self) -> list[CoreOutput]:
+        c, s, now = self.connector, self.scheduler, time.time()
+        outputs: list[CoreOutput] = []
+        for a in c.take_arrivals():
+            self.kv.release_quarantine(a.request_id)  # a push we gave up on did finish: its blocks are free now
+            if a.error is not None:  # never decode on KV whose push failed
+                outputs += self._remote_failed(a.request_id, f"the KV push failed: {a.error}", peer_done=True)
                 continue
-            tok = result.token_ids[i]
-            req.append_token(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            done = req.check_stop(self.max_model_len)
-            lp = [result.logprobs[i]] if req.params.logprobs is not None else None
-            out = CoreOutput(req.request_id, [tok], done, req.finish_reason if done else None,
-                             req.stop_reason if done else None, lp, req.num_prompt_tokens,
-                             max(req.num_cached_tokens, 0), req.first_scheduled_time)
-            if self.connector is not None and req.kv_export is not None:
-                self.connector.after_prefill(self, req, out)  # holds the blocks and pushes them; ends it later
-                outputs.append(out)
+            req = s.admit_remote(a.request_id, a.first_token, now)
+            if req is None:
                 continue
-            if done:
-                self.requests.pop(req.request_id, None)
-                if req.status != RequestStatus.FINISHED:
-                    self.scheduler.finish(req)
-            outputs.append(out)
+            c.forget(a.request_id)
+            skip_first_draw(req, self.hf_config.vocab_size, self.device)
+            handover = now - a.t_prefill_done
+            self.handover.imports += 1
+            self.handover.handover_s.append(handover)
+            self._events.append(KVAdmitted(req.request_id, a.t_prefill_done, now, handover))
+            done = req.is_finished
+            lp = [a.logprob] if (a.logprob is not None and req.params.logprobs is not None) else None
+            outputs.append(CoreOutput(req.request_id, [a.first_token], done, req.finish_reason if done else None,
+                                      req.stop_reason if done else None, lp, req.num_prompt_tokens,
+                                      max(req.num_cached_tokens, 0), req.t_reserved))
+        for r in c.take_finished_exports():
+            req = s.end_export(r.request_id)
+            if req is None:
+                continue
+            if r.error is not None:
+                self.handover.export_failures += 1
+            self._events.append(ExportFinished(r.request_id, req.output_token_ids[0] if r.error is None else None,
+                                               r.error, req.first_token_time, r.push_s, r.nbytes, r.transport,
+                                               req.first_scheduled_time))
+        for rid in s.expired_exports(now):
+            c.cancel_export(rid)
+        reserved, failed = s.reserve_remote(now)
+        for req in reserved:
+            self._events.append(c.reserved(req))
+        outputs += [CoreOutput(r.request_id, [], True, "error", r.stop_reason, num_prompt_tokens=r.num_prompt_tokens)
+                    for r in failed]
+        for rid in s.expired_reservations(now):
+            outputs += self._remote_failed(rid, "the KV handover did not complete within its lease", peer_done=False)
+        self.kv.expire_quarantine(now)
         return outputs
 
+    def _remote_failed(self, request_id: str, reason: str, peer_done: bool) -> list[CoreOutput]:
+        recompute = self.config.kv_transfer.recompute_on_failure
+        req = self.scheduler.fail_remote(request_id, recompute, peer_done, reason)
+        if req is None:
+            return []
+        self.connector.forget(request_id)
+        if recompute:
+            self.handover.fallbacks += 1
+            self._events.append(KVFallback(request_id, reason))
+            return []
+        return [CoreOutput(request_id, [], True, "error", reason, num_prompt_tokens=req.num_prompt_tokens)]
+
+    def remote_prefill_failed(self, request_id: str, reason: str, peer_done: bool) -> list[CoreOutput]:
+        """The server's order to prefill instances failed (message RemotePrefillFailed)."""
+        return self._remote_failed(request_id, reason, peer_done)
+
+    def remote_prefill_done(self, request_id: str) -> None:
+        """The prefill peer answered for an aborted request: the blocks it was writing are free (RemotePrefillDone)."""
+        self.kv.release_quarantine(request_id)
+
     def stats(self) -> dict:
-        s = self.scheduler
         pool = self.kv.pool
-        return {
-            "num_running": len(s.running),
-            "num_waiting": len(s.waiting),
-            "num_remote": len(s.remote),
-            "running_tokens": sum(r.num_tokens for r in s.running),
-            "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+        out = {
+            **self.scheduler.stats(),
             "kv_usage": pool.usage(),
             "num_free_blocks": pool.num_free,
             "num_total_blocks": pool.num_blocks,
             "prefix_cache_queries": pool.queries,
             "prefix_cache_hits": pool.hits,
             "num_steps": self.num_steps,
-            "num_preemptions": s.num_preemptions,
-            **({"pd": self.connector.connector_stats(self)} if self.connector is not None else {}),
         }
+        if self.connector is not None:
+            out["pd"] = {**self.handover.as_dict(), **self.connector.stats(),
+                         "quarantine_blocks": self.kv.num_quarantined_blocks}
+        return out

@@ -1,35 +1,109 @@
-"""The engine core's own process: a loop that takes adds and aborts from a pipe, steps the core while it has work,
-and sends every step's outputs back. It sleeps only in `wait()` on its pipes, so a new request, an abort or a KV
-arrival (the disaggregation connector writes to the wake pipe) gets it going at once."""
+"""The engine core's own process: a loop that takes typed messages from a pipe, steps the core while it has work,
+and sends every step's outputs and PD events back. It sleeps only in `wait()` on its pipes, so a new request, an
+abort or a KV arrival (the KV connector writes to the wake pipe) gets it going at once; with nothing to compute it
+still wakes every second to watch the deadlines of blocks held for peers."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
-import time
 import traceback
 from multiprocessing.connection import Connection, wait
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine_core import CoreOutput, EngineCore
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Bye,
+    CoreOutput,
+    EngineFailed,
+    EngineReady,
+    RemotePrefillDone,
+    RemotePrefillFailed,
+    Shutdown,
+    StepOutputs,
+)
 
 log = logging.getLogger(__name__)
 
+IDLE_WAKE_S = 1.0  # with nothing to compute: how often the loop wakes to check leases and quarantine deadlines
 
-def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection, role_options: dict | None = None) -> None:
+
+class _Stop(Exception):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, conn: Connection, wake_fd: int):
+        self.core = core
+        self.conn = conn
+        self.wake_fd = wake_fd
+        self.pending: list[CoreOutput] = []
+        self.last_stats: dict | None = None
+        self.handlers = {AddRequest: self.on_add, AbortRequest: self.on_abort, RemotePrefillFailed: self.on_failed,
+                         RemotePrefillDone: self.on_done, Shutdown: self.on_shutdown}
+
+    def on_add(self, m: AddRequest) -> None:
+        try:
+            self.core.add_request(m.request_id, m.prompt_token_ids, m.params, m.kv)
+        except Exception as e:  # a bad request ends that request only
+            self.pending.append(CoreOutput(m.request_id, [], True, "error", f"{type(e).__name__}: {e}"))
+
+    def on_abort(self, m: AbortRequest) -> None:
+        self.core.abort_request(m.request_id)
+
+    def on_failed(self, m: RemotePrefillFailed) -> None:
+        self.pending += self.core.remote_prefill_failed(m.request_id, m.reason, m.peer_done)
+
+    def on_done(self, m: RemotePrefillDone) -> None:
+        self.core.remote_prefill_done(m.request_id)
+
+    def on_shutdown(self, m: Shutdown) -> None:
+        raise _Stop
+
+    def run(self) -> None:
+        wake = _FdWaitable(self.wake_fd)
+        while True:
+            ready = wait([self.conn, wake], timeout=0 if self.core.has_work() else IDLE_WAKE_S)
+            if wake in ready:
+                _drain(self.wake_fd)
+            while self.conn.poll():
+                msg = self.conn.recv()
+                handler = self.handlers.get(type(msg))
+                if handler is None:
+                    log.error("unknown message %r from the server process: ignored", type(msg).__name__)
+                    continue
+                handler(msg)
+            self.step()
+            stats = self.core.stats()
+            out = StepOutputs(self.pending, self.core.take_events(), stats if stats != self.last_stats else None)
+            self.pending = []
+            if out or out.stats is not None:
+                self.conn.send(out)
+                self.last_stats = stats
+
+    def step(self) -> None:
+        if not self.core.needs_step():
+            return
+        try:
+            self.pending += self.core.step()
+        except Exception as e:  # a failed step must not kill the instance silently: fail what ran, say why
+            log.exception("engine step failed")
+            for rid in list(self.core.scheduler.requests):
+                self.core.abort_request(rid)
+                self.pending.append(CoreOutput(rid, [], True, "error", f"engine step failed: {type(e).__name__}: {e}"))
+
+
+def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it shuts us down cleanly
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s engine: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
     try:
-        core = EngineCore(config, eos_token_ids=eos_ids)
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        if role_options and role_options.get("role", "both") != "both":
-            from pdserve.disagg.connector import attach_connector
-
-            attach_connector(core, role_options, wake=lambda: os.write(wake_w, b"x"))
-        info = {
+        core = EngineCore(config, eos_token_ids=eos_ids, wake=lambda: os.write(wake_w, b"x"))
+        conn.send(EngineReady({
             "max_model_len": core.max_model_len,
             "num_blocks": core.kv.pool.num_blocks,
             "block_size": config.block_size,
@@ -37,69 +111,28 @@ def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection
             "dtype": str(core.dtype).replace("torch.", ""),
             "vocab_size": core.hf_config.vocab_size,
             "kv": core.connector.describe() if core.connector is not None else None,
-        }
-        conn.send(("ready", info))
+        }))
     except BaseException as e:  # report start-up failures to the parent instead of dying silently
-        conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        conn.send(EngineFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
-    wake_conn = _FdWaitable(wake_r)
-    last_stats = None
-    while True:
-        busy = core.has_work()
-        ready = wait([conn, wake_conn], timeout=0 if busy else 1.0)
-        if wake_conn in ready:
-            try:
-                while os.read(wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
-        outputs: list[CoreOutput] = []
-        try:
-            while conn.poll():
-                msg = conn.recv()
-                kind = msg[0]
-                if kind == "add":
-                    _, rid, ids, params, pd = msg
-                    try:
-                        if pd and core.connector is not None:
-                            core.connector.add_request(core, rid, ids, params, pd)
-                        else:
-                            core.add_request(rid, ids, params)
-                    except Exception as e:  # bad request: report it as that request's end
-                        outputs.append(CoreOutput(rid, [], True, "error", f"{type(e).__name__}: {e}"))
-                elif kind == "abort":
-                    core.abort_request(msg[1])
-                elif kind == "call":  # connector RPCs from the server process (e.g. a prefill order)
-                    _, call_id, name, args = msg
-                    try:
-                        result = getattr(core.connector, name)(core, *args)
-                        conn.send(("reply", call_id, True, result))
-                    except Exception as e:
-                        conn.send(("reply", call_id, False, f"{type(e).__name__}: {e}"))
-                elif kind == "shutdown":
-                    if core.connector is not None:
-                        core.connector.close()
-                    conn.send(("bye",))
-                    return
-        except (EOFError, OSError):
-            if core.connector is not None:
-                core.connector.close()
-            return  # the server process went away
-        try:
-            if core.has_work() or (core.connector is not None and core.connector.has_events()):
-                outputs.extend(core.step())
-        except Exception as e:  # a failed step must not kill the instance silently: fail what ran, say why
-            log.exception("engine step failed")
-            for rid in list(core.requests):
-                core.abort_request(rid)
-                outputs.append(CoreOutput(rid, [], True, "error", f"engine step failed: {type(e).__name__}: {e}"))
-        stats = core.stats()
-        if outputs or stats != last_stats:
-            try:
-                conn.send(("outputs", outputs, stats, time.time()))
-            except (BrokenPipeError, OSError):
-                return
-            last_stats = stats
+    try:
+        EngineLoop(core, conn, wake_r).run()
+        conn.send(Bye())
+    except _Stop:
+        conn.send(Bye())
+    except (EOFError, OSError):
+        pass  # the server process went away
+    finally:
+        if core.connector is not None:
+            core.connector.close()
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 class _FdWaitable:

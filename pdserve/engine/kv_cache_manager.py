@@ -1,16 +1,26 @@
 """Maps requests to blocks: prefix-cache lookups at admission, growing a request's block list as it runs,
-registering full blocks in the prefix cache, and freeing everything a request holds."""
+registering full blocks in the prefix cache, freeing everything a request holds, and quarantining blocks a
+remote peer may still write into (out of circulation until the peer is done or the lease ends)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.engine.block_pool import BlockPool, hash_block
 from pdserve.engine.request import Request
+
+
+@dataclass
+class Quarantine:
+    block_ids: list[int]
+    deadline: float
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.quarantine: dict[str, Quarantine] = {}  # request id -> blocks a peer may still write
 
     def _extend_hashes(self, req: Request, upto_tokens: int) -> None:
         bs = self.block_size
@@ -83,3 +93,34 @@ class KVCacheManager:
     def reset_for_recompute(self, req: Request) -> None:
         self.free(req)
         req.num_computed_tokens = 0
+
+    # ---- blocks a remote peer may still write into
+    def quarantine_request(self, req: Request, deadline: float) -> None:
+        """Take the request's blocks out of circulation until `release_quarantine` or the deadline; the request
+        itself holds no blocks afterwards (it may start over on fresh ones)."""
+        if req.block_ids:
+            q = self.quarantine.get(req.request_id)
+            if q is None:
+                self.quarantine[req.request_id] = Quarantine(list(req.block_ids), deadline)
+            else:
+                q.block_ids.extend(req.block_ids)
+                q.deadline = max(q.deadline, deadline)
+        req.block_ids = []
+        req.num_registered_blocks = 0
+
+    def release_quarantine(self, request_id: str) -> bool:
+        q = self.quarantine.pop(request_id, None)
+        if q is None:
+            return False
+        self.pool.release(q.block_ids)
+        return True
+
+    def expire_quarantine(self, now: float) -> int:
+        expired = [rid for rid, q in self.quarantine.items() if now > q.deadline]
+        for rid in expired:
+            self.release_quarantine(rid)
+        return len(expired)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(q.block_ids) for q in self.quarantine.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.engine_core import CoreOutput
+from pdserve.engine.messages import CoreOutput
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.sampling_params import SamplingParams
 

@@ -8,13 +8,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.messages import ExportParams, ImportParams, KVParams
 from pdserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # decode side: blocks reserved, KV in flight from a prefill peer
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # decode side: KV to come from a prefill peer
+    ADMITTED = "admitted"  # decode side: the peer's KV landed; waiting for a batch slot
+    EXPORTING = "exporting"  # prefill side: computed; its blocks are held while the KV is pushed
     FINISHED = "finished"
 
 
@@ -38,12 +41,30 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # disaggregation: set by the KV connector
-    kv_export: dict | None = None  # prefill side: where to push the KV once computed
-    kv_import: dict | None = None  # decode side: the KV arrives from a peer
+    # disaggregation (the scheduler owns these states; see Scheduler.add_remote / start_export)
+    kv: KVParams | None = None
+    kv_deadline: float | None = None  # lease of the reservation (decode) or of the push (prefill)
+    t_reserved: float | None = None  # decode side: when its blocks were reserved
+    export_aborted: bool = False  # prefill side: aborted during the push; freed when the push stops
+
+    @property
+    def kv_export(self) -> ExportParams | None:
+        return self.kv if isinstance(self.kv, ExportParams) else None
+
+    @property
+    def kv_import(self) -> ImportParams | None:
+        return self.kv if isinstance(self.kv, ImportParams) else None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def prompt_key(self) -> int:
+        """Equal for equal prompts (the scheduler lets one of several identical prompts prefill for all)."""
+        key = self.__dict__.get("_prompt_key")
+        if key is None:
+            key = self.__dict__["_prompt_key"] = hash(tuple(self.prompt_token_ids))
+        return key
 
     @property
     def num_prompt_tokens(self) -> int:

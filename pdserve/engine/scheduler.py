@@ -1,6 +1,16 @@
-"""Continuous batching: every step fills a token budget with running requests first (decodes and unfinished
-prefill chunks), then admits waiting requests FCFS, chunking long prompts; when blocks run out the newest
-running request is preempted and later recomputed."""
+"""Continuous batching, and the one owner of every request's state.
+
+Every step fills a token budget with running requests first (decodes and unfinished prefill chunks), then admits
+waiting requests FCFS, chunking long prompts; when blocks run out the newest running request is preempted and
+later recomputed. Disaggregated requests have two more states, also changed only here:
+
+- decode side, `WAITING_FOR_REMOTE_KV`: `add_remote` queues the request; `reserve_remote` gives it blocks (after a
+  prefix-cache lookup, so only missing blocks travel); `admit_remote` marks the prompt computed when the peer's KV
+  landed and the request joins the batch (`ADMITTED` until a batch slot is free); `fail_remote` sends it back to
+  the waiting queue (recompute here) or ends it; blocks a peer may still write into go to quarantine.
+- prefill side, `EXPORTING`: when an export request's first token is sampled, `update` takes it out of the batch
+  and keeps its blocks while the KV is pushed; `end_export` frees them.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.messages import CoreOutput
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -17,6 +28,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # prompts that can never fit the pool: ended with an error
 
     @property
     def total_tokens(self) -> int:
@@ -26,27 +38,62 @@ class ScheduledBatch:
         return bool(self.requests)
 
 
+@dataclass
+class ExportStart:
+    """A prefill-side request whose first token was just sampled: its KV is to be pushed now."""
+
+    req: Request
+    first_token: int
+    logprob: tuple | None
+    t_prefill_done: float
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 long_prefill_token_threshold: int | None = None):
+                 lease_s: float = 30.0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.lease_s = lease_s  # how long blocks may stay reserved for, or held by, a remote peer
+        self.requests: dict[str, Request] = {}  # every unfinished request, whatever its state
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.remote: dict[str, Request] = {}  # decode side: requests whose KV is in flight
+        self.remote: dict[str, Request] = {}  # decode side: KV to come from a peer (unreserved or reserved)
+        self._to_reserve: deque[Request] = deque()  # remote requests without blocks yet, in arrival order
+        self._admitted: deque[Request] = deque()  # remote requests whose KV landed, waiting for a batch slot
+        self.exporting: dict[str, Request] = {}  # prefill side: blocks held while pushed
         self.num_preemptions = 0
 
+    # ---- questions
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.remote)
+        return len(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether a step would compute something."""
+        return bool(self.running or self.waiting or self._admitted)
+
+    def has_remote(self) -> bool:
+        """Whether any request waits on a peer (deadlines to watch even when nothing computes)."""
+        return bool(self.remote or self.exporting)
+
+    def get(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # ---- local requests
     def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        while self._admitted and len(self.running) < self.max_num_seqs:
+            req = self._admitted.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
         budget = self.max_num_batched_tokens
         preempted_any = False
         i = 0
@@ -71,25 +118,33 @@ class Scheduler:
                 continue
             # req itself was preempted: the running list shrank to before it
         if not preempted_any:
+            # identical prompts (n > 1 siblings, repeated prompts) share one prefill: a request whose prompt is being
+            # prefilled by another waits for it, then takes its full blocks from the prefix cache
+            sharing = self.kv.pool.enable_prefix_caching
+            leaders = {r.prompt_key for r in self.running if r.num_computed_tokens < self._shareable(r)} \
+                if sharing else set()
+            followers: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+                req = self.waiting.popleft()
+                fresh = req.num_computed_tokens == 0 and not req.block_ids
+                if fresh and req.prompt_key in leaders:
+                    followers.append(req)
+                    continue
                 prefix_blocks: list[int] = []
                 num_cached = 0
-                if req.num_computed_tokens == 0 and not req.block_ids:
+                if fresh:
                     prefix_blocks, num_cached = self.kv.find_cached_prefix(req)
                 n = min(req.num_tokens - num_cached, budget)
                 if not self.kv.allocate(req, n, prefix_blocks):
-                    if not self.running and not batch.requests:
+                    if not batch.requests and not self._blocks_will_free():
                         # nothing will ever free a block: the prompt cannot fit the pool
-                        self.waiting.popleft()
-                        req.status = RequestStatus.FINISHED
-                        req.finish_reason = "error"
-                        req.stop_reason = (f"prompt of {req.num_tokens} tokens needs more KV blocks than the pool "
-                                           f"has ({self.kv.pool.num_blocks} of {self.kv.block_size} tokens)")
-                        batch.preempted.append(req)
+                        self._end(req, "error", self._too_big(req))
+                        batch.failed.append(req)
                         continue
+                    self.waiting.appendleft(req)
                     break
-                self.waiting.popleft()
+                if sharing and num_cached < self._shareable(req):
+                    leaders.add(req.prompt_key)  # siblings take its blocks from the cache once they are computed
                 req.num_computed_tokens = num_cached
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_cached
@@ -100,7 +155,23 @@ class Scheduler:
                 batch.requests.append(req)
                 batch.num_new_tokens.append(n)
                 budget -= n
+            self.waiting.extendleft(reversed(followers))
         return batch
+
+    def _shareable(self, req: Request) -> int:
+        """Prompt tokens a sibling can take from the prefix cache once computed: the full blocks, less the last
+        token (its logits are always computed)."""
+        return (req.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+
+    def _blocks_will_free(self) -> bool:
+        """Whether some block held now is released later without new requests (running, remote, exporting and
+        quarantined ones all end by themselves)."""
+        return bool(self.running or self._admitted or self.exporting or self.kv.quarantine) or any(
+            r.block_ids for r in self.remote.values())
+
+    def _too_big(self, req: Request) -> str:
+        return (f"prompt of {req.num_tokens} tokens needs more KV blocks than the pool has "
+                f"({self.kv.pool.num_blocks} of {self.kv.block_size} tokens)")
 
     def _preempt(self, req: Request) -> None:
         self.kv.reset_for_recompute(req)
@@ -109,18 +180,180 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: str | None = None) -> None:
-        """Take a request out of whichever queue holds it and free its blocks."""
-        if req.status == RequestStatus.RUNNING:
+    def update(self, batch: ScheduledBatch, sampled: list[Request], token_ids: list[int], logprobs: list,
+               now: float) -> tuple[list[CoreOutput], list[ExportStart]]:
+        """After a step: count the computed tokens, append the sampled ones, apply the token-level stop rules, end
+        finished requests; export requests leave the batch with their first token (their push starts)."""
+        outputs = [CoreOutput(r.request_id, [], True, "error", r.stop_reason, num_prompt_tokens=r.num_prompt_tokens)
+                   for r in batch.failed]
+        exports: list[ExportStart] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            self.kv.cache_computed(req)
+        for req, tok, lp in zip(sampled, token_ids, logprobs):
+            req.append_token(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.kv_export is not None:
+                self._start_export(req, now)
+                exports.append(ExportStart(req, tok, lp, now))
+                continue
+            done = req.check_stop(self.max_model_len)
+            outputs.append(CoreOutput(req.request_id, [tok], done, req.finish_reason if done else None,
+                                      req.stop_reason if done else None,
+                                      [lp] if req.params.logprobs is not None else None, req.num_prompt_tokens,
+                                      max(req.num_cached_tokens, 0), req.first_scheduled_time))
+            if done:
+                self._end(req)
+        return outputs, exports
+
+    def abort(self, request_id: str) -> Request | None:
+        """Take a request out of whichever state holds it. Blocks a peer may still write into are quarantined;
+        blocks a push may still read from stay held until `end_export`."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status == RequestStatus.EXPORTING:
+            req.export_aborted = True  # freed when the push has stopped touching the blocks
+            return req
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV and req.t_reserved is not None:
+            self.remote.pop(request_id, None)
+            self.kv.quarantine_request(req, time.time() + self.lease_s)
+        self._end(req, "abort")
+        return req
+
+    def _end(self, req: Request, reason: str | None = None, message: str | None = None) -> None:
+        """Out of every queue, blocks freed, finished."""
+        st = req.status
+        if st == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status == RequestStatus.WAITING:
+        elif st == RequestStatus.WAITING:
             try:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+        elif st == RequestStatus.WAITING_FOR_REMOTE_KV:
             self.remote.pop(req.request_id, None)
+            try:
+                self._to_reserve.remove(req)
+            except ValueError:
+                pass
+        elif st == RequestStatus.ADMITTED:
+            self._admitted.remove(req)
+        elif st == RequestStatus.EXPORTING:
+            self.exporting.pop(req.request_id, None)
         self.kv.free(req)
+        self.requests.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         if reason is not None:
             req.finish_reason = reason
+        if message is not None:
+            req.stop_reason = message
+
+    # ---- decode side: requests whose prompt KV comes from a prefill peer
+    def add_remote(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote[req.request_id] = req
+        self._to_reserve.append(req)
+
+    def reserve_remote(self, now: float) -> tuple[list[Request], list[Request]]:
+        """Give waiting remote requests their blocks, in arrival order, while the pool has room. Returns the newly
+        reserved requests and those that can never fit (ended with an error)."""
+        reserved: list[Request] = []
+        failed: list[Request] = []
+        while self._to_reserve:
+            req = self._to_reserve[0]
+            if (req.num_prompt_tokens + self.kv.block_size - 1) // self.kv.block_size > self.kv.pool.num_blocks:
+                self._end(req, "error", self._too_big(req))
+                failed.append(req)
+                continue
+            prefix_blocks, num_cached = self.kv.find_cached_prefix(req)
+            if not self.kv.allocate(req, req.num_prompt_tokens - num_cached, prefix_blocks):
+                break
+            self._to_reserve.popleft()
+            req.num_cached_tokens = num_cached
+            req.t_reserved = now
+            req.kv_deadline = now + self.lease_s
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            reserved.append(req)
+        return reserved, failed
+
+    def admit_remote(self, request_id: str, first_token: int, now: float) -> Request | None:
+        """The peer's KV for the whole prompt landed: the prompt counts as computed, the first token is appended,
+        and the request decodes from the next free batch slot. None when the request is not (or no longer)
+        waiting for that KV."""
+        req = self.remote.get(request_id)
+        if req is None or req.t_reserved is None:
+            return None
+        del self.remote[request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed(req)  # the received full blocks serve later prefix hits too
+        req.append_token(first_token)
+        req.first_token_time = now
+        req.kv_deadline = None
+        if req.check_stop(self.max_model_len):
+            self._end(req)
+            return req
+        req.status = RequestStatus.ADMITTED
+        self._admitted.append(req)
+        return req
+
+    def fail_remote(self, request_id: str, recompute: bool, peer_done: bool, reason: str) -> Request | None:
+        """The handover failed. Blocks a peer may still write into go to quarantine (`peer_done` False); the
+        request is then recomputed here from its prompt (`recompute`) or ended with `reason`."""
+        req = self.remote.pop(request_id, None)
+        if req is None:
+            return None
+        if req.t_reserved is None:
+            self._to_reserve.remove(req)
+        elif peer_done:
+            self.kv.free(req)
+        else:
+            self.kv.quarantine_request(req, time.time() + self.lease_s)
+        req.num_computed_tokens = 0
+        req.kv = None
+        req.kv_deadline = None
+        req.t_reserved = None
+        if not recompute:
+            self._end(req, "error", reason)
+            return req
+        req.status = RequestStatus.WAITING
+        req.num_cached_tokens = -1
+        self.waiting.appendleft(req)
+        return req
+
+    def expired_reservations(self, now: float) -> list[str]:
+        return [rid for rid, r in self.remote.items() if r.kv_deadline is not None and now > r.kv_deadline]
+
+    # ---- prefill side: requests whose KV is pushed to a decode instance
+    def _start_export(self, req: Request, now: float) -> None:
+        self.running.remove(req)
+        req.status = RequestStatus.EXPORTING
+        req.kv_deadline = now + self.lease_s
+        self.exporting[req.request_id] = req
+
+    def end_export(self, request_id: str) -> Request | None:
+        """The push ended (landed, failed or cancelled): nothing reads these blocks any more."""
+        req = self.exporting.get(request_id)
+        if req is None:
+            return None
+        self._end(req, "abort" if req.export_aborted else None)
+        return req
+
+    def expired_exports(self, now: float) -> list[str]:
+        return [rid for rid, r in self.exporting.items() if r.kv_deadline is not None and now > r.kv_deadline]
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.running) + len(self._admitted),
+            "num_waiting": len(self.waiting),
+            "num_remote": len(self.remote),
+            "num_exporting": len(self.exporting),
+            "running_tokens": sum(r.num_tokens for r in self.running),
+            "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
+            "num_preemptions": self.num_preemptions,
+        }

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pdserve.config import KV_TRANSPORTS as TRANSPORTS
 from pdserve.envs import kv_cuda_streams
 
-TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl")
 CUDA_COPY_METHODS = ("auto", "batch", "kernel", "percopy")
 
 

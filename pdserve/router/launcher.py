@@ -1,8 +1,8 @@
 """`pdserve serve --prefill X --decode Y`: a local XpYd deployment in one command.
 
 Starts X prefill and Y decode (and optionally colocated) instances as child processes, one GPU each on a CUDA host
-(CUDA_VISIBLE_DEVICES), waits until every one answers /health, runs the router in this process, prints where to
-send requests, and on SIGINT/SIGTERM stops the router and every child (their whole process groups; children also
+(`--device cuda:N`, all GPUs left visible so cuda_ipc can map peers' pools), waits until every one answers /health,
+runs the router in this process, prints where to send requests, and on SIGINT/SIGTERM stops the router and every child (their whole process groups; children also
 get SIGTERM from the kernel if this process dies without cleaning up), so nothing is left running.
 
 Instance flags (`--model`, `--max-model-len`, ...) are the instance server's own, mirrored here and passed to every
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ log = logging.getLogger("pdserve.serve")
 
 LAUNCHER_FLAGS = {"--prefill", "--decode", "--both", "--host", "--port", "--role", "-h", "--help"}
 STOP_GRACE_S = 15.0  # children get this long after SIGTERM before SIGKILL
+RESTART_BACKOFF_S = 1.0  # first restart of a dead instance after this long; doubles for each restart after
+RESTART_BACKOFF_MAX_S = 60.0
 
 
 @dataclass
@@ -48,16 +50,20 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     gpu: str | None = None
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
+    next_restart: float = 0.0  # monotonic time before which a dead child is not restarted (backoff)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-
-def _instance_parser() -> argparse.ArgumentParser:
-    from pdserve.server.main import add_arguments as add_instance_arguments
-
-    return add_instance_arguments(argparse.ArgumentParser(add_help=False))
+    def start(self) -> None:
+        """(Re)start the process; its output is appended to its log."""
+        with open(self.log_path, "ab") as fh:
+            self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
 
 
 def _add(container: Any, parser: argparse.ArgumentParser, *flags: str, **kw: Any) -> None:
@@ -83,17 +89,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, parser, "--log-dir", default=None, help="instance logs (default: a new temporary directory)")
     _add(g, parser, "--instance-command", default=f"{shlex.quote(sys.executable)} -m pdserve.server",
          help="command that starts one instance; --role/--port/--host and the instance flags are appended")
+    _add(g, parser, "--no-restart", action="store_true",
+         help="leave an instance that died down (default: restart it, with backoff)")
     _add(g, parser, "--allow-gpu-sharing", action="store_true",
          help="more instances than GPUs: share GPUs round-robin instead of refusing")
     _add(g, parser, "--router-config", default=None, metavar="FILE.yaml", help="router settings (pools are ignored)")
     _add(g, parser, "--policy", default=None, help="router: the same policy for every pool")
     r = parser.add_argument_group("router")
     add_tunable_arguments(r, skip=LAUNCHER_FLAGS | set(parser._option_string_actions))
-    inst = parser.add_argument_group("instance (passed to every instance)")
-    for action in _instance_parser()._actions:
-        if not action.option_strings or set(action.option_strings) & (LAUNCHER_FLAGS | set(parser._option_string_actions)):
-            continue
-        inst._add_action(action)
+    from pdserve.server.main import add_arguments as add_instance_arguments
+
+    add_instance_arguments(parser, skip=LAUNCHER_FLAGS)  # passed to every instance
     return parser
 
 
@@ -113,28 +119,15 @@ def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def instance_argv(args: argparse.Namespace) -> list[str]:
-    """The instance flags the user set (those differing from the instance defaults), as argv."""
-    out: list[str] = []
-    for action in _instance_parser()._actions:
-        if not action.option_strings or set(action.option_strings) & LAUNCHER_FLAGS:
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            out.append(flag if value else "--no-" + flag.removeprefix("--"))
-        elif isinstance(action, argparse._StoreTrueAction):
-            if value:
-                out.append(flag)
-        elif isinstance(action, argparse._StoreFalseAction):
-            if not value:
-                out.append(flag)
-        elif isinstance(value, list):
-            out += [flag, *map(str, value)]
-        elif value is not None:
-            out += [flag, str(value)]
-    return out
+    """The instance flags the user set, as argv, built from the instance config they make (role, host and port are
+    the launcher's own for each instance)."""
+    from pdserve.config import KVTransferConfig, ServerConfig
+    from pdserve.server.main import build_config as build_instance_config
+    from pdserve.server.main import config_argv
+
+    ns = argparse.Namespace(**{**vars(args), "role": KVTransferConfig.role, "host": ServerConfig.host,
+                               "port": ServerConfig.port})
+    return config_argv(build_instance_config(ns))
 
 
 def visible_gpus(device: str | None) -> list[str]:
@@ -192,17 +185,21 @@ def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
         for k, (role, name) in enumerate(plan):
             port = base_port + k if base_port else free_port()
             env = dict(os.environ)
-            gpu = gpus[k % len(gpus)] if gpus else None
-            if gpu is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpu
+            slot = k % len(gpus) if gpus else None
+            gpu = gpus[slot] if slot is not None else None
+            device: list[str] = []
+            if slot is not None:
+                # every GPU stays visible and the instance is told which one is its own: peers on other GPUs of the
+                # host can then map its KV pool (cuda_ipc), which a CUDA_VISIBLE_DEVICES of one GPU would forbid
+                device = ["--device", f"cuda:{slot}"]
             else:  # CPU processes: split the cores instead of every process spinning on all of them
                 env.setdefault("OMP_NUM_THREADS", str(threads))
-            cmd = [*base, "--role", role, "--host", "127.0.0.1", "--port", str(port), *extra]
+            cmd = [*base, "--role", role, "--host", "127.0.0.1", "--port", str(port), *extra, *device]
             log_path = log_dir / f"{name}.log"
-            with open(log_path, "wb") as fh:
-                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
-            children.append(Child(name, role, port, proc, log_path, gpu))
+            log_path.write_bytes(b"")
+            child = Child(name, role, port, None, log_path, gpu, cmd, env)  # type: ignore[arg-type]
+            child.start()
+            children.append(child)
     except BaseException:
         stop_children(children)
         raise
@@ -261,17 +258,28 @@ def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> None:
             child.proc.wait(timeout=5)
 
 
-async def _watch(children: list[Child], stop: asyncio.Event) -> None:
-    """Report instances that die while serving (the router's health checks route around them)."""
-    reported: set[str] = set()
+async def _watch(children: list[Child], stop: asyncio.Event, restart: bool = True) -> None:
+    """Restart instances that die while serving, with exponential backoff (the router's health checks route around
+    them meanwhile and take them back once they answer again)."""
     while not stop.is_set():
+        now = time.monotonic()
         for child in children:
-            if child.name not in reported and child.proc.poll() is not None:
-                reported.add(child.name)
+            if child.proc.poll() is None:
+                continue
+            if child.next_restart == 0.0:
+                delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** child.restarts)
+                child.next_restart = now + delay
                 print(f"pdserve serve: instance {child.name} exited with code {child.proc.returncode}; "
-                      f"see {child.log_path}", file=sys.stderr, flush=True)
+                      + (f"restarting it in {delay:.0f} s" if restart else "not restarting it")
+                      + f" (log {child.log_path})", file=sys.stderr, flush=True)
+            elif restart and now >= child.next_restart:
+                child.restarts += 1
+                child.next_restart = 0.0
+                child.start()
+                print(f"pdserve serve: restarted {child.name} (pid {child.proc.pid}, restart {child.restarts})",
+                      flush=True)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=1.0)
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -286,7 +294,8 @@ async def serve(args: argparse.Namespace) -> int:
     children = spawn_children(args, log_dir)
     for c in children:
         where = f"GPU {c.gpu}" if c.gpu is not None else "CPU"
-        print(f"pdserve serve: started {c.name} (pid {c.proc.pid}, {where}) on {c.url}, log {c.log_path}", flush=True)
+        print(f"pdserve serve: started {c.name} (pid {c.proc.pid}, {where}) on {c.url}, log {c.log_path}: "
+              f"{shlex.join(c.cmd)}", flush=True)
     runner = None
     try:
         await wait_healthy(children, args.startup_timeout, stop)
@@ -297,7 +306,7 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"pdserve serve: ready: send OpenAI requests to http://{config.host}:{port}/v1 "
               f"({args.prefill} prefill, {args.decode} decode, {args.both} colocated); Ctrl-C stops everything",
               flush=True)
-        await _watch(children, stop)
+        await _watch(children, stop, not args.no_restart)
         return 0
     except RuntimeError as e:
         print(f"pdserve serve: {e}", file=sys.stderr, flush=True)

@@ -18,7 +18,20 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.config import EngineConfig, ServerConfig
+from pdserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    KV_FALLBACKS,
+    KV_LAYERWISE,
+    KV_TRANSPORTS,
+    LOAD_FORMATS,
+    LOG_LEVELS,
+    ROLES,
+    EngineConfig,
+    KVTransferConfig,
+    ServerConfig,
+)
 
 log = logging.getLogger("pdserve.server")
 
@@ -33,122 +46,123 @@ def _default(cls: type, name: str) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every instance flag to `parser` (also used by `pdserve serve` and `pdserve instance`)."""
-    E, S = EngineConfig, ServerConfig
-    m = parser.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default=_default(E, "model"),
-        help="model directory, GGUF file or registered name (default: %(default)s, the embedded Gemma 3 270M)",
-    )
-    m.add_argument("--tokenizer", default=None, help="tokenizer path when it differs from the model's")
-    m.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
-    m.add_argument(
-        "--load-format",
-        default=_default(E, "load_format"),
-        choices=["auto", "safetensors", "gguf", "dummy"],
-        help="dummy: random weights in the model's shape (benchmarks)",
-    )
-    m.add_argument("--dtype", default=_default(E, "dtype"), choices=["auto", "float32", "bfloat16", "float16"])
+class _Group:
+    """An argument group that leaves out flags the parser already has or the caller reserved for itself."""
+
+    def __init__(self, parser: argparse.ArgumentParser, title: str, skip: set[str]):
+        self.parser, self.group, self.skip = parser, parser.add_argument_group(title), skip
+
+    def add_argument(self, *flags: str, **kw: Any) -> None:
+        if set(flags) & self.skip or any(f in self.parser._option_string_actions for f in flags):
+            return
+        self.group.add_argument(*flags, **kw)
+
+
+def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[str] = frozenset()
+                  ) -> argparse.ArgumentParser:
+    """Add every instance flag to `parser` (`pdserve serve`, `pdserve instance`, and mirrored by the launcher),
+    except those in `skip` or already defined. Defaults and choices come from the config dataclasses and constants."""
+    E, S, K = EngineConfig, ServerConfig, KVTransferConfig
+    skip = set(skip)
+    m = _Group(parser, "model", skip)
+    m.add_argument("--model", default=_default(E, "model"),
+                   help="model directory, GGUF file or registered name (default: %(default)s, the embedded Gemma 3 270M)")
+    m.add_argument("--tokenizer", default=_default(E, "tokenizer"), help="tokenizer path when it differs from the model's")
+    m.add_argument("--served-model-name", default=_default(E, "served_model_name"),
+                   help="the name clients send as `model` (default: --model)")
+    m.add_argument("--load-format", default=_default(E, "load_format"), choices=LOAD_FORMATS,
+                   help="dummy: random weights in the model's shape (benchmarks)")
+    m.add_argument("--dtype", default=_default(E, "dtype"), choices=DTYPES)
     m.add_argument("--seed", type=int, default=_default(E, "seed"), help="seed of the engine's default sampler")
-    m.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's, capped on CPU)"
-    )
-    e = parser.add_argument_group("engine")
-    e.add_argument(
-        "--device", default=_default(E, "device"), help="auto | cpu | cuda | cuda:N (default: the best present)"
-    )
+    m.add_argument("--max-model-len", type=int, default=_default(E, "max_model_len"),
+                   help="context length (default: the model's, capped on CPU)")
+    e = _Group(parser, "engine", skip)
+    e.add_argument("--device", default=_default(E, "device"), help="auto | cpu | cuda | cuda:N (default: the best present)")
     e.add_argument("--max-num-seqs", type=int, default=_default(E, "max_num_seqs"), help="most requests in one batch")
-    e.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=_default(E, "max_num_batched_tokens"),
-        help="most tokens in one engine step",
-    )
-    e.add_argument(
-        "--max-waiting", type=int, default=_default(E, "max_waiting"), help="queued requests beyond this get HTTP 503"
-    )
-    e.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=_default(E, "gpu_memory_utilization"),
-        help="fraction of GPU memory for weights, activations and the KV pool",
-    )
+    e.add_argument("--max-num-batched-tokens", type=int, default=_default(E, "max_num_batched_tokens"),
+                   help="most tokens in one engine step")
+    e.add_argument("--max-waiting", type=int, default=_default(E, "max_waiting"),
+                   help="queued requests beyond this get HTTP 503")
+    e.add_argument("--gpu-memory-utilization", type=float, default=_default(E, "gpu_memory_utilization"),
+                   help="fraction of GPU memory for weights, activations and the KV pool")
     e.add_argument("--cpu-kv-cache-gb", type=float, default=_default(E, "cpu_kv_cache_gb"), help="KV pool size on CPU")
     e.add_argument("--block-size", type=int, default=_default(E, "block_size"), help="tokens per KV block")
-    e.add_argument("--num-gpu-blocks", type=int, default=None, help="force the KV pool's size in blocks (tests)")
-    e.add_argument("--kv-cache-dtype", default=_default(E, "kv_cache_dtype"))
-    e.add_argument("--attention-backend", default=_default(E, "attention_backend"), choices=["auto", "torch", "triton"])
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-    e.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=_default(E, "enable_prefix_caching")
-    )
-    s = parser.add_argument_group("server")
+    e.add_argument("--num-gpu-blocks", type=int, default=_default(E, "num_gpu_blocks"),
+                   help="force the KV pool's size in blocks (tests)")
+    e.add_argument("--kv-cache-dtype", default=_default(E, "kv_cache_dtype"), choices=KV_CACHE_DTYPES)
+    e.add_argument("--attention-backend", default=_default(E, "attention_backend"), choices=ATTENTION_BACKENDS)
+    e.add_argument("--enforce-eager", action="store_true", default=_default(E, "enforce_eager"),
+                   help="no CUDA graphs for decode")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_default(E, "enable_prefix_caching"))
+    s = _Group(parser, "server", skip)
     s.add_argument("--host", default=_default(S, "host"))
     s.add_argument("--port", type=int, default=_default(S, "port"), help="0 picks a free port (printed when ready)")
-    s.add_argument(
-        "--role", default=_default(S, "role"), choices=["prefill", "decode", "both"], help="both: a colocated instance"
-    )
-    s.add_argument(
-        "--request-timeout",
-        type=float,
-        default=_default(S, "request_timeout_s"),
-        help="seconds before a request is aborted with HTTP 504",
-    )
-    k = parser.add_argument_group("disaggregation (prefill/decode roles)")
-    k.add_argument("--kv-transport", default=_default(E, "kv_transport"), choices=["auto", "tcp", "cuda_ipc", "nixl"],
-                   help="how KV blocks move between instances (auto: cuda_ipc within a host, else tcp)")
-    k.add_argument("--kv-host", default=_default(E, "kv_host"), help="address the KV agent listens on")
-    k.add_argument("--kv-port", type=int, default=_default(E, "kv_port"), help="KV agent port (0: any free port)")
-    k.add_argument("--kv-lease", type=float, default=_default(E, "kv_lease_s"),
-                   help="seconds a block may stay held or reserved for a peer before it is reclaimed")
-    k.add_argument("--kv-fallback", default=_default(E, "kv_fallback"), choices=["recompute", "fail"],
-                   help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
-    k.add_argument("--kv-layerwise", default=_default(E, "kv_layerwise"), choices=["auto", "on", "off"],
-                   help="prefill role: push each layer's KV while later layers compute (auto: when the transport is tcp)")
+    s.add_argument("--role", default=_default(K, "role"), choices=ROLES, help="both: a colocated instance")
+    s.add_argument("--request-timeout", type=float, default=_default(S, "request_timeout_s"),
+                   help="seconds before a request is aborted with HTTP 504")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default=_default(E, "log_level"), choices=LOG_LEVELS)
+    k = _Group(parser, "disaggregation (prefill/decode roles)", skip)
+    k.add_argument("--kv-transport", default=_default(K, "transport"), choices=KV_TRANSPORTS,
+                   help="how KV blocks move between instances (auto: cuda_ipc within a host, else tcp)")
+    k.add_argument("--kv-host", default=_default(K, "host"), help="address the KV agent listens on")
+    k.add_argument("--kv-port", type=int, default=_default(K, "port"), help="KV agent port (0: any free port)")
+    k.add_argument("--kv-lease", type=float, default=_default(K, "lease_s"),
+                   help="seconds a block may stay held or reserved for a peer before it is reclaimed")
+    k.add_argument("--kv-fallback", default=_default(K, "fallback"), choices=KV_FALLBACKS,
+                   help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
+    k.add_argument("--kv-layerwise", default=_default(K, "layerwise"), choices=KV_LAYERWISE,
+                   help="prefill role: push each layer's KV while later layers compute (auto: when the transport is tcp)")
     return parser
+
+
+# flag dest -> KVTransferConfig field, for the flags whose names differ from the fields
+KV_FLAGS = {"role": "role", "kv_transport": "transport", "kv_host": "host", "kv_port": "port", "kv_lease": "lease_s",
+            "kv_fallback": "fallback", "kv_layerwise": "layerwise"}
+# flag dest -> ServerConfig field
+SERVER_FLAGS = {"host": "host", "port": "port", "request_timeout": "request_timeout_s"}
+
+
+def _engine_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(EngineConfig) if f.name != "kv_transfer"]
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
     """Flags -> ServerConfig (raises ValueError with the dataclasses' own message on a bad value)."""
-    engine = EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        served_model_name=args.served_model_name,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        cpu_kv_cache_gb=args.cpu_kv_cache_gb,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_waiting=args.max_waiting,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        attention_backend=args.attention_backend,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_role=args.role,
-        kv_transport=args.kv_transport,
-        kv_host=args.kv_host,
-        kv_port=args.kv_port,
-        kv_lease_s=args.kv_lease,
-        kv_fallback=args.kv_fallback,
-        kv_layerwise=args.kv_layerwise,
-    )
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {args.port}")
-    if args.request_timeout <= 0:
-        raise ValueError(f"request timeout must be positive, got {args.request_timeout}")
-    return ServerConfig(
-        host=args.host, port=args.port, engine=engine, role=args.role, request_timeout_s=args.request_timeout
-    )
+    ns = vars(args)
+    kv = KVTransferConfig(**{field: ns[flag] for flag, field in KV_FLAGS.items()})
+    engine = EngineConfig(**{name: ns[name] for name in _engine_fields()}, kv_transfer=kv)
+    return ServerConfig(engine=engine, **{field: ns[flag] for flag, field in SERVER_FLAGS.items()})
+
+
+def config_argv(config: ServerConfig) -> list[str]:
+    """The instance flags that reproduce `config` (only those differing from the defaults): the launcher builds each
+    instance's command line from its config with this, never from argparse internals."""
+    out: list[str] = []
+
+    def add(flag: str, value: Any, default: Any) -> None:
+        if value == default:
+            return
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif value is not None:
+            out.extend([flag, str(value)])
+
+    base_e, base_k, base_s = EngineConfig(), KVTransferConfig(), ServerConfig()
+    for name in _engine_fields():
+        flag = "--" + name.replace("_", "-")
+        value = getattr(config.engine, name)
+        if name == "enforce_eager":  # a store_true flag: no --no- form
+            if value:
+                out.append(flag)
+            continue
+        add(flag, value, getattr(base_e, name))
+    for flag, field in KV_FLAGS.items():
+        add("--" + flag.replace("_", "-"), getattr(config.engine.kv_transfer, field), getattr(base_k, field))
+    for flag, field in SERVER_FLAGS.items():
+        add("--" + flag.replace("_", "-"), getattr(config, field), getattr(base_s, field))
+    return out
 
 
 ExtraRoutes = Callable[[web.Application], None]
@@ -163,11 +177,10 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    from pdserve.disagg.instance import pd_extra_routes
+    from pdserve.disagg.routes import pd_routes as make_pd_routes
 
-    config.engine.kv_role = config.role  # prefill/decode instances run a KV transfer agent in the engine process
     llm = AsyncLLM(config.engine)
-    pd_routes = pd_extra_routes(llm, config.role)
+    pd_routes = make_pd_routes(llm, config.engine.kv_transfer)
 
     def routes(app: web.Application) -> None:
         pd_routes(app)

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from pdserve import protocol as P
 from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
+from pdserve.engine.messages import import_params
 from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import InvalidParameter
 from pdserve.server.app import ServerState, state
@@ -139,7 +140,11 @@ async def generate(
     P.resolve_max_tokens(req, len(ids), s.llm.max_model_len)
     tracker = s.metrics.track()
     tracker.prompt_tokens = len(ids)
-    agen: AsyncIterator[RequestOutput] = s.llm.generate(fmt.rid, ids, req.sampling, pd=req.pd)
+    try:
+        kv = import_params(req.pd)
+    except ValueError as e:
+        raise P.bad_request(str(e), "pd") from e
+    agen: AsyncIterator[RequestOutput] = s.llm.generate(fmt.rid, ids, req.sampling, kv=kv)
     deadline = Deadline(s.config.request_timeout_s)
     finished = False
     outcome = "abort"

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -103,3 +105,48 @@ def test_launcher_accepts_the_namespace_of_pdserve_serve():
     assert instance_argv(args) == ["--max-model-len", "256", "--no-enable-prefix-caching"]
     add_arguments(p)  # the launcher's own flags go on such a parser without conflicts
     assert p.parse_args(["--decode", "1", "--local-prefill-max-tokens", "0"]).local_prefill_max_tokens == 0
+
+
+def test_launcher_restarts_an_instance_that_died(tmp_path):
+    proc = _launch(tmp_path, "--decode", "1")
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        m = wait_line(lines, r"ready: send OpenAI requests to (http://\S+)/v1", 60, seen)
+        url = m.group(1)
+        started = re.search(r"started decode0 \(pid (\d+).*?on (http://\S+), log \S+: (.*)", "".join(seen))
+        pid, inst_url, cmd = int(started.group(1)), started.group(2), started.group(3)
+        assert "--role decode" in cmd and "--port" in cmd  # the command line is printed
+        os.kill(pid, signal.SIGKILL)
+        wait_line(lines, r"instance decode0 exited with code -9; restarting it in 1 s", 30, seen)
+        new_pid = int(wait_line(lines, r"restarted decode0 \(pid (\d+), restart 1\)", 30, seen).group(1))
+        assert new_pid != pid and _alive(new_pid)
+        deadline = time.monotonic() + 30
+        while True:  # the same port answers again, and the router routes to it
+            try:
+                with urllib.request.urlopen(inst_url + "/health", timeout=2) as r:
+                    assert r.status == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the restarted instance never answered"
+                time.sleep(0.2)
+        req = urllib.request.Request(url + "/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "hello", "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    assert json.loads(resp.read())["choices"][0]["text"] == " t0 t1"
+                break
+            except urllib.error.HTTPError as e:  # 503 until the router's health check saw it back
+                assert e.code == 503 and time.monotonic() < deadline
+                time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert not _alive(new_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

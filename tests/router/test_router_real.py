@@ -34,8 +34,8 @@ from tests.router.router_harness import wait_line
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-DISAGG_READY = importlib.util.find_spec("pdserve.disagg.connector") is not None
-PD_ROUTE = "/internal/pd/prefill"  # served by instances that run the handover (pdserve.disagg.instance)
+DISAGG_READY = importlib.util.find_spec("pdserve.disagg.export_side") is not None
+PD_ROUTE = "/internal/pd/prefill"  # served by instances that run the handover (pdserve.disagg.routes)
 MAX_TOKENS = 8
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, and never invent facts. " * 3
 PROMPTS = [

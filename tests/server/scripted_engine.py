@@ -50,7 +50,7 @@ class ScriptedLLM:
         self.mode = ""
         self.open: set[str] = set()
         self.aborted: list[str] = []
-        self.seen_pd: list[dict | None] = []
+        self.seen_kv: list = []
 
     def stats(self) -> dict:
         return {
@@ -70,12 +70,12 @@ class ScriptedLLM:
             self.aborted.append(request_id)
         self.open.discard(request_id)
 
-    async def generate(self, request_id, prompt_token_ids, sampling_params, pd=None):
+    async def generate(self, request_id, prompt_token_ids, sampling_params, kv=None):
         if self.mode == "queue_full":
             raise QueueFull(num_waiting=4096, limit=4096, retry_after_s=2)
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLong(len(prompt_token_ids), self.max_model_len)
-        self.seen_pd.append(pd)
+        self.seen_kv.append(kv)
         self.open.add(request_id)
         arrival = time.time()
         try:

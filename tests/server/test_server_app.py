@@ -10,6 +10,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from pdserve.config import EngineConfig, ServerConfig
+from pdserve.engine.messages import ImportParams
 from pdserve.server.app import create_app
 from tests.server.live_server import parse_sse
 from tests.server.scripted_engine import WORD, ScriptedLLM
@@ -140,11 +141,17 @@ def test_logprobs_shapes():
     serve(t)
 
 
-def test_pd_field_reaches_the_engine():
+def test_pd_field_reaches_the_engine_typed():
     async def t(s, url, llm):
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "pd": {"k": 1}}) as r:
+        pd = {"prefill_urls": ["http://127.0.0.1:9"], "request_id": "rt-1"}
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "pd": pd}) as r:
             assert r.status == 200
-        assert llm.seen_pd == [{"k": 1}]
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "pd": {}}) as r:
+            assert r.status == 200  # no prefill candidate: a local prefill
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1,
+                                                         "pd": {"prefill_urls": "nope"}}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "pd"
+        assert llm.seen_kv == [ImportParams(("http://127.0.0.1:9",), "rt-1"), None]
 
     serve(t)
 

@@ -1,0 +1,169 @@
+"""The decode instance's orders to prefill instances (server process).
+
+When the engine reports `KVReserved`, the driver asks the router's prefill candidates, in order, to compute the
+prompt and push its KV into the reserved blocks (POST /internal/pd/prefill), with bounded retries and backoff. If
+none delivers, it tells the engine (`remote_prefill_failed`), which recomputes locally or fails the request, by
+configuration. It owns the orders and the per-request handover timings (attached to the request's last output for
+the router's per-phase metrics), nothing in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+
+import aiohttp
+
+from pdserve.config import KVTransferConfig
+from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.messages import KVAdmitted, KVFallback, KVReserved, PDEvent
+from pdserve.engine.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PREFILL_ROUTE = "/internal/pd/prefill"
+ABORT_ROUTE = "/internal/pd/abort"
+PUBLIC_TIMINGS = ("queue_s", "prefill_s", "handover_s", "first_token_s", "prefill_url", "fallback", "fallback_reason",
+                  "num_cached_tokens", "push_s", "prefill_http_s")
+
+
+def prefill_order(rid: str, prompt_token_ids: list[int], params: SamplingParams, ev: KVReserved) -> dict:
+    """The body of POST /internal/pd/prefill."""
+    d = ev.dest
+    return {"request_id": rid, "prompt_token_ids": prompt_token_ids, "sampling": {**asdict(params), "max_tokens": 1},
+            "dest": {"agent": d.agent, "region": d.region, "block_ids": list(d.block_ids),
+                     "start_block": d.start_block, "request_id": d.request_id}}
+
+
+class DecodeDriver:
+    def __init__(self, llm: AsyncLLM, config: KVTransferConfig):
+        self.llm = llm
+        self.config = config
+        self.session: aiohttp.ClientSession | None = None
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.current: dict[str, str] = {}  # request id -> the prefill url working on it
+        self.timings: dict[str, dict] = {}
+        llm.add_event_listener(self.on_event)
+        llm.add_output_hook(self.on_output)
+        llm.add_closed_listener(self.on_stream_closed)
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60))
+
+    async def close(self) -> None:
+        for t in list(self.tasks.values()):
+            t.cancel()
+        if self.session is not None:
+            await self.session.close()
+
+    # ---- the engine's events and outputs
+    def on_event(self, ev: PDEvent) -> None:
+        info = self.llm.request_info(ev.request_id)
+        if info is None:
+            return
+        t = self.timings.setdefault(ev.request_id, {"t_arrival": info.arrival_time})
+        if isinstance(ev, KVReserved):
+            t["queue_s"] = ev.queue_s
+            t["num_cached_tokens"] = ev.num_cached_tokens
+            self.tasks[ev.request_id] = asyncio.get_running_loop().create_task(self._drive(ev))
+        elif isinstance(ev, KVAdmitted):
+            t["handover_s"] = ev.handover_s
+            t["first_token_s"] = time.time() - t["t_arrival"]
+        elif isinstance(ev, KVFallback):
+            t["fallback"] = "local"
+            t["fallback_reason"] = ev.reason
+
+    def on_output(self, rid: str, out: RequestOutput) -> None:
+        if not out.finished:
+            return
+        t = self.timings.pop(rid, None)
+        if t is not None:
+            out.pd_timings = {k: t[k] for k in PUBLIC_TIMINGS if k in t}
+            out.pd_timings.setdefault("fallback", None)
+
+    def on_stream_closed(self, rid: str) -> None:
+        """The request was aborted or its client went away: stop the prefill peer working on it (best effort)."""
+        self.timings.pop(rid, None)
+        url = self.current.get(rid)
+        if url is not None:
+            self._spawn_abort(url, rid)
+
+    def _spawn_abort(self, url: str, rid: str) -> None:
+        if self.session is not None:
+            asyncio.get_running_loop().create_task(self._abort_remote(url, rid))
+
+    async def _abort_remote(self, url: str, rid: str) -> None:
+        try:
+            async with self.session.post(url.rstrip("/") + ABORT_ROUTE, json={"request_id": rid},
+                                         timeout=aiohttp.ClientTimeout(total=2)) as r:
+                await r.read()
+        except Exception:  # best effort: the lease frees the blocks anyway
+            log.debug("abort of %s on %s failed", rid, url, exc_info=True)
+
+    # ---- the order
+    async def _drive(self, ev: KVReserved) -> None:
+        rid = ev.request_id
+        info = self.llm.request_info(rid)
+        if info is None or info.kv is None:
+            return
+        cfg = self.config
+        urls = list(info.kv.prefill_urls)[: cfg.order_max_attempts]
+        body = prefill_order(rid, info.prompt_token_ids, info.params, ev)
+        why, peer_done = "no prefill instance was given", True
+        timings = self.timings.setdefault(rid, {"t_arrival": info.arrival_time})
+        try:
+            for attempt, url in enumerate(urls):
+                if attempt:
+                    await asyncio.sleep(cfg.order_backoff_s * (2 ** (attempt - 1)))
+                self.current[rid] = url
+                t0 = time.time()
+                try:
+                    async with self.session.post(
+                        url.rstrip("/") + PREFILL_ROUTE, json=body,
+                        timeout=aiohttp.ClientTimeout(total=cfg.order_timeout_s,
+                                                      sock_connect=cfg.order_connect_timeout_s),
+                    ) as r:
+                        data = await r.json(content_type=None)
+                    if r.status == 200 and isinstance(data, dict) and data.get("ok"):
+                        got = data.get("timings") or {}
+                        timings.update(prefill_url=url, prefill_s=got.get("prefill_s"), push_s=got.get("push_s"),
+                                       prefill_http_s=time.time() - t0)
+                        return
+                    err = data.get("error") if isinstance(data, dict) else data
+                    why, peer_done = f"{url} answered {r.status}: {err}", True  # it answered: it writes no more
+                except aiohttp.ClientConnectorError as e:
+                    why, peer_done = f"{url} is unreachable: {e}", True
+                except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as e:
+                    why = f"{url} failed: {type(e).__name__}: {e}"
+                    # a peer whose server no longer accepts connections has died: nothing of it writes any more
+                    peer_done = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
+                        await probe_down(self.session, url)
+                    if not peer_done:
+                        break  # it may still be writing: do not hand the same blocks to another peer
+                log.warning("remote prefill of %s failed (attempt %d): %s", rid, attempt + 1, why)
+            if self.llm.request_info(rid) is not None:
+                self.llm.remote_prefill_failed(rid, why, peer_done)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("driving the prefill of %s failed", rid)
+        finally:
+            self.current.pop(rid, None)
+            self.tasks.pop(rid, None)
+            if self.llm.request_info(rid) is None and self.llm.is_alive:
+                # aborted meanwhile: the prefill peer answered, so it is done with our blocks
+                self.llm.remote_prefill_done(rid)
+
+
+async def probe_down(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            await r.read()
+        return False
+    except aiohttp.ClientConnectorError:
+        return True
+    except (asyncio.TimeoutError, aiohttp.ClientError):
+        return False

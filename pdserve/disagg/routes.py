@@ -1,0 +1,144 @@
+"""The instance's PD routes (server process), installed by role:
+
+- prefill role: POST /internal/pd/prefill computes a prompt and pushes its KV into a decode instance's reserved
+  blocks (answering once the push ended), POST /internal/pd/abort stops such an order;
+- decode role: the DecodeDriver that sends those orders;
+- every role: POST /v1/abort aborts a request by the router's id.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from aiohttp import web
+
+from pdserve.config import KVTransferConfig
+from pdserve.disagg.driver import ABORT_ROUTE, PREFILL_ROUTE, DecodeDriver
+from pdserve.engine.async_llm import AsyncLLM
+from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
+from pdserve.engine.messages import POOL_REGION, KVDestination
+from pdserve.protocol import error_body
+from pdserve.sampling_params import InvalidParameter, SamplingParams
+
+MAX_DEST_BLOCKS = 1 << 20
+
+
+def parse_order(body: object) -> tuple[str, list[int], SamplingParams, KVDestination]:
+    """The body of a prefill order; ValueError/TypeError/KeyError/InvalidParameter on anything malformed."""
+    if not isinstance(body, dict):
+        raise TypeError("the order must be a JSON object")
+    ids = body["prompt_token_ids"]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise TypeError("prompt_token_ids must be a list of integers")
+    sampling = body["sampling"]
+    if not isinstance(sampling, dict):
+        raise TypeError("sampling must be an object")
+    params = SamplingParams(**sampling)
+    d = body["dest"]
+    if not isinstance(d, dict):
+        raise TypeError("dest must be an object")
+    blocks = d["block_ids"]
+    if not isinstance(blocks, list) or len(blocks) > MAX_DEST_BLOCKS or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
+        raise TypeError("dest.block_ids must be a list of block numbers")
+    dest = KVDestination(str(d["agent"]), str(d["request_id"]), tuple(blocks), int(d.get("start_block", 0)),
+                         str(d.get("region", POOL_REGION)))
+    if dest.start_block < 0:
+        raise ValueError("dest.start_block must be >= 0")
+    return str(body["request_id"]), ids, params, dest
+
+
+def _json_error(message: str, status: int) -> web.Response:
+    return web.json_response({"ok": False, **error_body(message, "invalid_request_error" if status < 500
+                                                        else "server_error")}, status=status)
+
+
+def add_prefill_routes(app: web.Application, llm: AsyncLLM, config: KVTransferConfig) -> None:
+    orders: dict[str, str] = {}  # decode-side request id -> our engine request id
+
+    async def prefill(request: web.Request) -> web.Response:
+        try:
+            remote_rid, ids, params, dest = parse_order(await request.json())
+        except (ValueError, KeyError, TypeError, InvalidParameter) as e:
+            return _json_error(f"bad prefill order: {e}", 400)
+        rid = f"pd-{uuid.uuid4().hex[:12]}"
+        orders[remote_rid] = rid
+        t0 = time.time()
+        try:
+            done = await llm.export(rid, ids, params, dest, config.order_timeout_s)
+        except (PromptTooLong, InvalidParameter, ValueError) as e:
+            return _json_error(f"{type(e).__name__}: {e}", 400)
+        except (QueueFull, EngineDead, TimeoutError) as e:
+            return _json_error(f"{type(e).__name__}: {e}", 503)
+        finally:
+            orders.pop(remote_rid, None)
+        if done.error is not None:
+            return _json_error(done.error, 502)
+        return web.json_response({"ok": True, "first_token": done.first_token, "timings": {
+            "prefill_s": (done.t_prefill_done or t0) - t0, "push_s": done.push_s, "total_s": time.time() - t0,
+            "bytes": done.nbytes, "transport": done.transport}})
+
+    async def abort_order(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            rid = orders.get(str(body["request_id"]))
+        except (ValueError, KeyError, TypeError):
+            return _json_error("body must be {\"request_id\": ...}", 400)
+        if rid is not None:
+            await llm.abort(rid)
+        return web.json_response({"ok": True, "found": rid is not None})
+
+    app.router.add_post(PREFILL_ROUTE, prefill)
+    app.router.add_post(ABORT_ROUTE, abort_order)
+
+
+def add_abort_route(app: web.Application, llm: AsyncLLM) -> None:
+    async def abort_by_router_id(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            alias = str(body["request_id"])
+        except (ValueError, KeyError, TypeError):
+            return _json_error("body must be {\"request_id\": ...}", 400)
+        rid = find_by_router_id(llm, alias)
+        if rid is not None:
+            await llm.abort(rid)
+        return web.json_response({"ok": True, "found": rid is not None})
+
+    app.router.add_post("/v1/abort", abort_by_router_id)
+
+
+def find_by_router_id(llm: AsyncLLM, router_id: str) -> str | None:
+    """The engine request the router knows as `router_id` (its `pd.request_id`, or our own id)."""
+    if llm.request_info(router_id) is not None:
+        return router_id
+    for rid in llm.request_ids():
+        info = llm.request_info(rid)
+        if info is not None and info.kv is not None and info.kv.router_request_id == router_id:
+            return rid
+    return None
+
+
+def pd_routes(llm: AsyncLLM, config: KVTransferConfig) -> Callable[[web.Application], None]:
+    """`extra_routes` for the server's app factory: the routes of the instance's role, and the decode driver's life
+    cycle."""
+
+    def install(app: web.Application) -> None:
+        add_abort_route(app, llm)
+        if config.role == "prefill":
+            add_prefill_routes(app, llm, config)
+        if config.role == "decode":
+            driver = DecodeDriver(llm, config)
+
+            async def start(_app):
+                await driver.start()
+
+            async def stop(_app):
+                await driver.close()
+
+            app.on_startup.append(start)
+            app.on_cleanup.append(stop)
+
+    return install
+

@@ -1,0 +1,125 @@
+"""The engine's view of prefill/decode disaggregation: a connector it asks questions and hands work to, and a
+factory keyed by role so the engine never imports PD code by name.
+
+The engine core owns the requests (through its scheduler) and makes every state change; a connector only moves
+bytes and reports what happened: a decode-side connector describes where a reserved request's KV should land
+(`reserved`) and reports validated arrivals (`take_arrivals`); a prefill-side connector pushes an exported request's
+KV (`start_export`, optionally layer by layer through `layer_hook`) and reports finished pushes
+(`take_finished_exports`). Both run their I/O on a KV agent thread and wake the engine loop through `wake`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import KVTransferConfig
+from pdserve.engine.messages import KVReserved
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ExportStart, ScheduledBatch
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """What a connector needs to know of the engine's paged KV pool."""
+
+    tensor: torch.Tensor  # [num_blocks(+1 scratch), num_layers, 2, block_size, kv_heads, head_dim]
+    block_size: int
+    block_bytes: int
+    num_blocks: int  # usable blocks (the scratch block is never handed out)
+    vocab_size: int  # to validate a peer's first token
+    device: torch.device
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.tensor.shape[1])
+
+
+@dataclass(frozen=True)
+class KVArrival:
+    """Decode side: a validated notification from a prefill peer: the request's KV landed (or the push failed)."""
+
+    request_id: str
+    first_token: int | None
+    logprob: tuple | None  # (chosen logprob, [(id, logprob), ...]) when the request asked for logprobs
+    t_prefill_done: float | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """Prefill side: a push ended. `error` is None when the KV and the notification reached the decode side."""
+
+    request_id: str
+    error: str | None
+    push_s: float | None = None
+    nbytes: int = 0
+    transport: str | None = None
+
+
+class KVConnector:
+    """Base of both sides. A side implements what applies to it; the rest answers "nothing" (a decode-side
+    connector exports nothing, a prefill-side one receives nothing)."""
+
+    role: str = ""
+
+    def describe(self) -> dict:
+        """The connector's identity for the engine's start-up info (agent address, pool layout)."""
+        return {"role": self.role}
+
+    def has_events(self) -> bool:
+        """Something arrived that the engine should take on its next step."""
+        return False
+
+    # decode side
+    def reserved(self, req: Request) -> KVReserved:
+        raise TypeError(f"a {self.role or 'colocated'} instance takes no remote prefills")
+
+    def take_arrivals(self) -> list[KVArrival]:
+        return []
+
+    def forget(self, request_id: str) -> None:
+        """The request no longer waits for KV (admitted, failed or aborted): withdraw any permission to write."""
+
+    # prefill side
+    def on_added(self, req: Request) -> None:
+        """An export request arrived: e.g. connect to its decode peer while the prompt computes."""
+
+    def layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
+        """A per-layer callback for this step (layer-by-layer push), or None."""
+        return None
+
+    def start_export(self, ex: ExportStart) -> None:
+        raise TypeError(f"a {self.role or 'colocated'} instance exports no KV")
+
+    def take_finished_exports(self) -> list[ExportResult]:
+        return []
+
+    def cancel_export(self, request_id: str) -> None:
+        """The push's lease ran out: stop it (its end is then reported by take_finished_exports)."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        """Stop the agent (called once, at engine shutdown)."""
+
+
+# role -> "module:Class", imported only when an instance of that role starts
+CONNECTORS: dict[str, str] = {
+    "prefill": "pdserve.disagg.export_side:PrefillExporter",
+    "decode": "pdserve.disagg.import_side:DecodeImporter",
+}
+
+
+def make_connector(config: KVTransferConfig, pool: KVPool, wake: Callable[[], None],
+                   agent: object | None = None) -> KVConnector | None:
+    """The connector for the instance's role (None for a colocated instance). `agent`: a KV agent to use instead of
+    starting one (tests pass an in-process fake)."""
+    if not config.disaggregated:
+        return None
+    module, _, cls = CONNECTORS[config.role].partition(":")
+    return getattr(importlib.import_module(module), cls)(config, pool, wake, agent)

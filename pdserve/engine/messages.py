@@ -1,0 +1,202 @@
+"""Every message that crosses the engine process's pipe, and the PD events the engine emits: typed dataclasses,
+dispatched by type on each side (no tuples, no string RPC, no `extra` dicts).
+
+Server process -> engine process: `AddRequest`, `AbortRequest`, `RemotePrefillFailed`, `RemotePrefillDone`,
+`Shutdown`. Engine process -> server process: `EngineReady` / `EngineFailed` once at start-up, then `StepOutputs`
+(token outputs, PD events, stats) after every step that has something to say, and `Bye` on shutdown.
+
+PD parameters ride on `AddRequest.kv`: `ExportParams` (prefill side: push the prompt's KV to these blocks) or
+`ImportParams` (decode side: the prompt's KV comes from a prefill peer). PD events: `KVReserved` (decode side: blocks
+are ready for the peer's push), `KVAdmitted` (the KV landed; the request decodes), `KVFallback` (the handover
+failed; the prompt is recomputed here), `ExportFinished` (prefill side: the push ended, with the first token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.sampling_params import SamplingParams
+
+# ---- PD parameters of a request
+
+POOL_REGION = "kv"  # the name under which an instance's KV agent registers its whole KV pool
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prefill instance pushes a prompt's KV: the decode instance's KV agent and the blocks it reserved."""
+
+    agent: str  # the decode instance's KV agent address ("host:port")
+    request_id: str  # the decode instance's id for the request (its notification names it)
+    block_ids: tuple[int, ...]  # destination blocks, one per block of the prompt from `start_block` on
+    start_block: int = 0  # leading prompt blocks the decode instance already holds (its prefix-cache hits)
+    region: str = POOL_REGION
+
+
+@dataclass(frozen=True)
+class ExportParams:
+    """Prefill side: compute the prompt, then push its KV (and the first token) to `dest`."""
+
+    dest: KVDestination
+
+
+@dataclass(frozen=True)
+class ImportParams:
+    """Decode side: reserve blocks for the prompt; a prefill peer computes it and pushes the KV into them."""
+
+    prefill_urls: tuple[str, ...]  # candidates, in the router's order of preference
+    router_request_id: str | None = None  # the router's id (POST /v1/abort names requests by it)
+
+
+KVParams = ExportParams | ImportParams
+
+MAX_PREFILL_CANDIDATES = 8
+
+
+def import_params(pd: object) -> ImportParams | None:
+    """The `pd` field of an OpenAI request body (set by the router) as ImportParams; None when it names no prefill
+    candidate (the instance prefills locally). Raises ValueError on a malformed field."""
+    if pd is None:
+        return None
+    if not isinstance(pd, dict):
+        raise ValueError("'pd' must be an object")
+    urls = pd.get("prefill_urls") or []
+    if not isinstance(urls, list) or len(urls) > MAX_PREFILL_CANDIDATES or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) < 2048 for u in urls):
+        raise ValueError(f"pd.prefill_urls must be a list of at most {MAX_PREFILL_CANDIDATES} http(s) URLs")
+    rid = pd.get("request_id")
+    if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= 256):
+        raise ValueError("pd.request_id must be a string of 1 to 256 characters")
+    return ImportParams(tuple(urls), rid) if urls else None
+
+
+# ---- server -> engine
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv: KVParams | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RemotePrefillFailed:
+    """Decode side: no prefill candidate delivered the KV. `peer_done`: no peer can still write into the reserved
+    blocks (they answered, or are down), so they may be reused at once; otherwise they wait out the lease."""
+
+    request_id: str
+    reason: str
+    peer_done: bool
+
+
+@dataclass(frozen=True)
+class RemotePrefillDone:
+    """Decode side: the prefill peer answered for a request that was aborted meanwhile: it writes no more."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+EngineRequest = AddRequest | AbortRequest | RemotePrefillFailed | RemotePrefillDone | Shutdown
+
+
+# ---- engine -> server
+
+
+@dataclass
+class CoreOutput:
+    """New tokens of one request after a step (a delta), and its end when `finished`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None  # the stop token, or the error message when finish_reason is "error"
+    logprobs: list | None = None  # per new token: (chosen logprob, [(id, logprob), ...])
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+
+@dataclass(frozen=True)
+class KVReserved:
+    """Decode side: blocks are reserved for a request's prompt; the server orders a prefill peer to fill them."""
+
+    request_id: str
+    dest: KVDestination
+    num_cached_tokens: int  # prompt tokens the decode side already holds (prefix-cache hits): not sent
+    t_reserved: float
+    queue_s: float  # arrival -> reservation
+
+
+@dataclass(frozen=True)
+class KVAdmitted:
+    """Decode side: the prompt's KV landed and the request joined the batch with its first token."""
+
+    request_id: str
+    t_prefill_done: float  # the prefill peer's clock
+    t_admitted: float
+    handover_s: float  # t_admitted - t_prefill_done
+
+
+@dataclass(frozen=True)
+class KVFallback:
+    """Decode side: the handover failed; the prompt is recomputed locally (the request goes on)."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ExportFinished:
+    """Prefill side: the push of an exported request ended (its blocks are free again). `error` is None when the
+    KV landed on the decode instance, which then has the first token too."""
+
+    request_id: str
+    first_token: int | None
+    error: str | None
+    t_prefill_done: float | None = None
+    push_s: float | None = None
+    nbytes: int = 0
+    transport: str | None = None
+    first_scheduled_time: float | None = None
+
+
+PDEvent = KVReserved | KVAdmitted | KVFallback | ExportFinished
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[CoreOutput] = field(default_factory=list)
+    events: list[PDEvent] = field(default_factory=list)
+    stats: dict | None = None  # sent when they changed
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs or self.events)
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    info: dict
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Bye:
+    pass

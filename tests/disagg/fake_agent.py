@@ -1,0 +1,122 @@
+"""An in-process stand-in for KV agents, so each PD side can be tested without sockets: agents on one `Fabric`
+copy blocks between the tensors they registered and deliver real `Notification`s (msgpack payloads) on the
+fabric's own thread, as a real agent delivers them on its thread. `Fabric.hold()` parks every push until
+`release()`, to abort or expire things while a copy is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from pdserve.kv.errors import PeerUnreachableError
+from pdserve.kv.notify import Notification, encode_notif
+
+
+class Fabric:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.agents: dict[str, FakeAgent] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.pushes = 0
+
+    def hold(self) -> None:
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def agent(self, name: str) -> FakeAgent:
+        a = FakeAgent(self, f"fake-{name}:1")
+        self.agents[a.address] = a
+        return a
+
+    def close(self) -> None:
+        self.gate.set()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class FakeAgent:
+    """The slice of ThreadedAgent (and of the KVAgent under it) the PD sides use."""
+
+    def __init__(self, fabric: Fabric, address: str) -> None:
+        self.fabric = fabric
+        self.address = address
+        self.name = address
+        self.agent = self  # the sides reach the async API as `.agent`
+        self.regions: dict[int, Any] = {}
+        self.names: dict[str, int] = {}
+        self.notif_callbacks: list = []
+        self.lost_callbacks: list = []
+        self.closed = False
+        self._xfer = 0
+
+    # ---- ThreadedAgent surface
+    def register(self, tensor, name: str | None = None) -> int:
+        rid = len(self.regions)
+        self.regions[rid] = tensor
+        if name:
+            self.names[name] = rid
+        return rid
+
+    def on_notification(self, cb) -> None:
+        self.notif_callbacks.append(cb)
+
+    def on_peer_lost(self, cb) -> None:
+        self.lost_callbacks.append(cb)
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.fabric.loop)
+
+    def peer_region_id(self, peer: str, name: str) -> int:
+        return self.fabric.agents[peer].names[name]
+
+    def write(self, peer: str, xfers, notif=None, **kw) -> concurrent.futures.Future:
+        raise NotImplementedError("layer-by-layer pushes are not faked: configure layerwise off")
+
+    def close(self) -> None:
+        self.closed = True
+
+    # ---- KVAgent (async) surface
+    async def connect(self, address: str, timeout: float | None = None) -> str:
+        if address not in self.fabric.agents:
+            raise PeerUnreachableError(f"no fake agent at {address}")
+        return address
+
+    async def notify(self, peer: str, payload: dict) -> None:
+        self._deliver(peer, encode_notif(payload), "notify", None)
+
+    async def write_blocks(self, peer: str, src: list[int], dst: list[int], block_bytes: int, local_region: int,
+                           remote_region: int | str, notif: dict | None = None, **kw):
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.fabric.gate.wait, 30)
+        target = self.fabric.agents.get(peer)
+        if target is None:
+            raise PeerUnreachableError(f"no fake agent at {peer}")
+        rr = target.names[remote_region] if isinstance(remote_region, str) else remote_region
+        src_t, dst_t = self.regions[local_region], target.regions[rr]
+        for s, d in zip(src, dst):
+            dst_t[d].copy_(src_t[s])
+        self.fabric.pushes += 1
+        if notif is not None:
+            self._deliver(peer, encode_notif(notif), "write", None)
+        return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=len(src) * block_bytes, transport="fake")
+
+    def _deliver(self, peer: str, payload: bytes, op: str, error: str | None) -> None:
+        self._xfer += 1
+        n = Notification(self.address, self._xfer, op, payload, time.perf_counter_ns(), error)
+        for cb in self.fabric.agents[peer].notif_callbacks:
+            cb(n)
+
+    def inject(self, payload: bytes, error: str | None = None, sender: str = "fake-intruder:1") -> None:
+        """Deliver a raw notification to this agent as if `sender` sent it (malformed-input tests)."""
+        n = Notification(sender, 0, "notify", payload, time.perf_counter_ns(), error)
+        for cb in self.notif_callbacks:
+            cb(n)
