@@ -1,0 +1,129 @@
+"""Ratios of pdserve to vLLM from one side-by-side run (side_by_side.sh): every workload measured by vLLM's own
+`bench serve` on both, plus start-up time and KV capacity of each server.
+
+    python benchmarks/vs_vllm/compare.py --dir $OUT --out $OUT/comparison.json   # the comparison, as a table too
+    python benchmarks/vs_vllm/compare.py --line $OUT/vllm_single_1024x1024_c256.json   # one summary line
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+RESULT = re.compile(r"^(vllm|pdserve)_(\w+?)_(\d+)x(\d+)_c(\d+)\.json$")
+SERVER = re.compile(r"^(vllm|pdserve)_(\w+)_server\.json$")
+METRICS = ("output_throughput", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_itl_ms",
+           "request_throughput")
+
+
+def line(path: Path) -> str:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{path.stem:40s} no result ({e})"
+    return (f"{path.stem:40s} ok {d['completed']}/{d['completed'] + d['failed']}  out tok/s "
+            f"{d['output_throughput']:9.1f}  TTFT mean/p90 {d['mean_ttft_ms']:8.1f}/{d['p90_ttft_ms']:8.1f} ms  "
+            f"TPOT mean/p90 {d['mean_tpot_ms']:6.2f}/{d['p90_tpot_ms']:6.2f} ms")
+
+
+def _commit() -> str | None:
+    if os.environ.get("PDSERVE_GIT_COMMIT"):
+        return os.environ["PDSERVE_GIT_COMMIT"]
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def _gpus() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def compare(folder: Path) -> dict:
+    runs: dict[tuple[str, str], dict] = {}
+    for f in sorted(folder.iterdir()):
+        m = RESULT.match(f.name)
+        if not m:
+            continue
+        engine, mode, i, o, c = m.groups()
+        d = json.loads(f.read_text())
+        key = (mode, f"{i}x{o}_c{c}")
+        runs.setdefault(key, {})[engine] = {k: d.get(k) for k in METRICS} | {
+            "completed": d.get("completed"), "failed": d.get("failed"), "file": f.name}
+    servers: dict[str, dict] = {}
+    for f in sorted(folder.iterdir()):
+        m = SERVER.match(f.name)
+        if m:
+            engine, mode = m.groups()
+            servers.setdefault(mode, {})[engine] = json.loads(f.read_text())
+    rows = []
+    for (mode, workload), got in sorted(runs.items()):
+        v, p = got.get("vllm"), got.get("pdserve")
+        row = {"mode": mode, "workload": workload, "vllm": v, "pdserve": p}
+        if v and p:
+            row["ratio"] = {
+                "output_throughput": _ratio(p["output_throughput"], v["output_throughput"]),
+                "mean_ttft": _ratio(p["mean_ttft_ms"], v["mean_ttft_ms"]),
+                "mean_tpot": _ratio(p["mean_tpot_ms"], v["mean_tpot_ms"]),
+            }
+        rows.append(row)
+    server_rows = []
+    for mode, got in sorted(servers.items()):
+        v, p = got.get("vllm"), got.get("pdserve")
+        server_rows.append({"mode": mode, "vllm": v, "pdserve": p, "ratio": {
+            "startup_s": _ratio((p or {}).get("startup_s"), (v or {}).get("startup_s")),
+            "kv_tokens": _ratio((p or {}).get("kv_tokens"), (v or {}).get("kv_tokens"))}})
+    return {"benchmark": "vs_vllm", "date": dt.datetime.now(dt.timezone.utc).isoformat(), "commit": _commit(),
+            "gpus": _gpus(), "command": sys.argv, "workloads": rows, "servers": server_rows}
+
+
+def table(c: dict) -> str:
+    out = ["| mode | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
+           "mean TPOT vLLM / pdserve ms |", "|---|---|---|---|---|---|---|"]
+    for r in c["workloads"]:
+        v, p, q = r.get("vllm") or {}, r.get("pdserve") or {}, r.get("ratio") or {}
+
+        def f(x, fmt="{:.1f}"):
+            return fmt.format(x) if isinstance(x, (int, float)) else "-"
+
+        out.append(f"| {r['mode']} | {r['workload']} | {f(v.get('output_throughput'))} | "
+                   f"{f(p.get('output_throughput'))} | {f(q.get('output_throughput'), '{:.2f}')} | "
+                   f"{f(v.get('mean_ttft_ms'))} / {f(p.get('mean_ttft_ms'))} | "
+                   f"{f(v.get('mean_tpot_ms'), '{:.2f}')} / {f(p.get('mean_tpot_ms'), '{:.2f}')} |")
+    for s in c["servers"]:
+        v, p = s.get("vllm") or {}, s.get("pdserve") or {}
+        out.append(f"| {s['mode']} | start-up s / KV tokens | {v.get('startup_s', '-')} / {v.get('kv_tokens', '-')} | "
+                   f"{p.get('startup_s', '-')} / {p.get('kv_tokens', '-')} | | | |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--line", type=Path)
+    a = ap.parse_args()
+    if a.line:
+        print(line(a.line))
+        return 0
+    c = compare(a.dir)
+    if a.out:
+        a.out.write_text(json.dumps(c, indent=1))
+    print(table(c))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

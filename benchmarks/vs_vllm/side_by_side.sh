@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# vLLM 0.22 and pdserve on the same lent machine, measured by the same client (vLLM's own `bench serve`), random
+# weights in a real model's shape; then compare.py writes the ratios. Adapted from shared/anchors/side_by_side.sh
+# (staging is the same: $STAGE/p0..p4 the vLLM wheel in 5 parts, $STAGE/deps, $STAGE/nixl, $STAGE/model[-moe]).
+#
+#   OUT=$OUT STAGE=.vllm-stage bash benchmarks/vs_vllm/side_by_side.sh MODE [MODE ...]
+# MODE: single (vLLM on GPU 0, pdserve on GPU 1 at once; SINGLE_GPU=1: one after the other on GPU 0),
+#       pd-vllm (1P1D NixlConnector), pd-pdserve (`pdserve serve --prefill 1 --decode 1`),
+#       colo-vllm / colo-pdserve (two colocated instances behind a proxy / `pdserve serve --both 2`).
+# Knobs: MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
+# ("in:out:prompts:concurrency ...", default "1024:1024:512:256 8192:16:16:1 32768:16:8:1").
+# Each server's start-up time (launch -> first completion answered) and KV capacity (tokens, from its log) are
+# written to $OUT/<name>_server.json; each workload to $OUT/<name>_<in>x<out>_c<conc>.json (vLLM's format).
+set -u
+S=${STAGE:-.vllm-stage}; OUT=${OUT:-/tmp/sbs}; mkdir -p "$OUT"
+A=$S/anchors; M=${MODEL:-$S/model}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+WORKLOADS=${WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:8:1"}
+MAXLEN=${MAXLEN:-40960}
+
+install_vllm() {
+  [ -d /tmp/site/vllm ] && return
+  cat $S/p0/vpart00 $S/p1/vpart01 $S/p2/vpart02 $S/p3/vpart03 $S/p4/vpart04 > /tmp/vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    /tmp/vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl $S/deps/*.whl $(ls $S/nixl/*.whl 2>/dev/null) 2>&1 | tail -2
+  rm -rf /tmp/site/nixl_ep /tmp/site/nixl_ep_cu13
+}
+install_pdserve() { command -v pdserve >/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2; }
+install_vllm
+V="env PYTHONPATH=/tmp/site python3 -m vllm.entrypoints.cli.main"
+PD="env -u PYTHONPATH pdserve"
+NAME=qwen3-dummy
+VCOMMON="$M --load-format dummy --max-model-len $MAXLEN --gpu-memory-utilization 0.9 --served-model-name $NAME ${VLLM_ARGS:-}"
+PCOMMON="--model $M --load-format dummy --max-model-len $MAXLEN --gpu-memory-utilization 0.9 --served-model-name $NAME ${PDSERVE_ARGS:-}"
+
+# NAME PORT LOG T0: wait for /health, answer one completion, record start-up seconds and the KV capacity
+ready() {
+  local name=$1 port=$2 log=$3 t0=$4
+  python3 - "$name" "$port" "$log" "$t0" "$OUT" <<'PY'
+import json, re, sys, time, urllib.request
+name, port, log, t0, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5]
+url = f"http://127.0.0.1:{port}"
+deadline = time.time() + 420
+while True:
+    try:
+        body = json.dumps({"model": "qwen3-dummy", "prompt": "t1 t2 t3", "max_tokens": 2}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).read()
+        break
+    except Exception:
+        if time.time() > deadline:
+            print(f"{name}: not answering after 420 s"); sys.exit(1)
+        time.sleep(0.5)
+startup = time.time() - t0
+text = open(log, errors="replace").read()
+kv = None
+m = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)  # vLLM
+if m:
+    kv = int(m[-1].replace(",", ""))
+m = re.findall(r"(\d+) KV blocks of (\d+) tokens", text)  # pdserve
+if m and kv is None:
+    kv = sum(int(a) * int(b) for a, b in m[-1:])
+json.dump({"name": name, "startup_s": startup, "kv_tokens": kv}, open(f"{out}/{name}_server.json", "w"))
+print(f"{name}: first completion answered {startup:.1f} s after launch; KV capacity {kv} tokens")
+PY
+}
+stop_all() { kill $(jobs -p) 2>/dev/null; sleep 3; kill -9 $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
+bench() {  # NAME PORT: every workload, vLLM's client
+  local w i o n c f
+  for w in $WORKLOADS; do
+    IFS=: read i o n c <<< "$w"; f=$1_${i}x${o}_c$c
+    timeout 600 $V bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME --tokenizer $M \
+      --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
+      --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
+      --save-result --result-dir $OUT --result-filename $f.json > $OUT/$f.txt 2>&1
+    python3 benchmarks/vs_vllm/compare.py --line $OUT/$f.json
+  done
+}
+single() {
+  install_pdserve
+  if [ "${SINGLE_GPU:-0}" = 1 ]; then
+    T0=$(date +%s.%N); CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 &
+    ready vllm_single 8100 $OUT/vllm.log $T0 || { stop_all; return 1; }; bench vllm_single 8100; stop_all
+    T0=$(date +%s.%N); CUDA_VISIBLE_DEVICES=0 $PD serve $PCOMMON --port 8200 > $OUT/pdserve.log 2>&1 &
+    ready pdserve_single 8200 $OUT/pdserve.log $T0 || { stop_all; return 1; }; bench pdserve_single 8200; stop_all
+  else
+    T0=$(date +%s.%N)
+    CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 $PD serve $PCOMMON --port 8200 > $OUT/pdserve.log 2>&1 &
+    ready vllm_single 8100 $OUT/vllm.log $T0 & ready pdserve_single 8200 $OUT/pdserve.log $T0 & wait %3 %4
+    bench vllm_single 8100 > $OUT/a.txt & bench pdserve_single 8200 > $OUT/b.txt & wait %5 %6 2>/dev/null
+    cat $OUT/a.txt $OUT/b.txt; stop_all
+  fi
+}
+for MODE in "$@"; do
+  echo "== $MODE"
+  case $MODE in
+    single) single ;;
+    pd-vllm)
+      KV='{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+      CUDA_VISIBLE_DEVICES=0 VLLM_NIXL_SIDE_CHANNEL_PORT=5600 $V serve $VCOMMON --port 8100 --kv-transfer-config "$KV" > $OUT/p.log 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 VLLM_NIXL_SIDE_CHANNEL_PORT=5601 $V serve $VCOMMON --port 8200 --kv-transfer-config "$KV" > $OUT/d.log 2>&1 &
+      python3 $A/pd_proxy.py pd 8000 http://127.0.0.1:8100 http://127.0.0.1:8200 > $OUT/proxy.log 2>&1 &
+      T0=$(date +%s.%N); ready vllm_pd 8000 $OUT/d.log $T0 || { stop_all; continue; }
+      bench vllm_pd 8000; grep -h "KV Transfer metrics" $OUT/d.log | tail -1; stop_all ;;
+    pd-pdserve)
+      install_pdserve; T0=$(date +%s.%N)
+      $PD serve $PCOMMON --prefill 1 --decode 1 --port 8000 --log-dir $OUT/pdlogs > $OUT/pdserve_pd.log 2>&1 &
+      ready pdserve_pd 8000 $OUT/pdserve_pd.log $T0 || { stop_all; continue; }
+      bench pdserve_pd 8000; stop_all ;;
+    colo-vllm)
+      CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/a.log 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 $V serve $VCOMMON --port 8200 > $OUT/b.log 2>&1 &
+      python3 $A/pd_proxy.py rr 8000 http://127.0.0.1:8100 http://127.0.0.1:8200 > $OUT/proxy.log 2>&1 &
+      T0=$(date +%s.%N); ready vllm_colo 8000 $OUT/a.log $T0 || { stop_all; continue; }
+      bench vllm_colo 8000; stop_all ;;
+    colo-pdserve)
+      install_pdserve; T0=$(date +%s.%N)
+      $PD serve $PCOMMON --both 2 --port 8000 --log-dir $OUT/pdlogs > $OUT/pdserve_colo.log 2>&1 &
+      ready pdserve_colo 8000 $OUT/pdserve_colo.log $T0 || { stop_all; continue; }
+      bench pdserve_colo 8000; stop_all ;;
+    *) echo "unknown mode $MODE" ;;
+  esac
+done
+python3 benchmarks/vs_vllm/compare.py --dir $OUT --out $OUT/comparison.json
