@@ -35,7 +35,8 @@ def prefill_order(rid: str, prompt_token_ids: list[int], params: SamplingParams,
     d = ev.dest
     return {"request_id": rid, "prompt_token_ids": prompt_token_ids, "sampling": {**asdict(params), "max_tokens": 1},
             "dest": {"agent": d.agent, "region": d.region, "block_ids": list(d.block_ids),
-                     "start_block": d.start_block, "request_id": d.request_id}}
+                     "start_block": d.start_block, "request_id": d.request_id,
+                     "layout": asdict(d.layout) if d.layout is not None else None}}
 
 
 class DecodeDriver:

@@ -15,6 +15,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import numpy as np
@@ -54,7 +55,8 @@ class PrefillExporter(KVConnector):
 
     def describe(self) -> dict:
         return {"role": self.role, "agent": self.agent.address, "region": POOL_REGION, "block_bytes": self.pool.block_bytes,
-                "block_size": self.pool.block_size, "layerwise": self.layerwise}
+                "block_size": self.pool.block_size,
+                "layout": asdict(self.pool.layout), "layerwise": self.layerwise}
 
     def has_events(self) -> bool:
         return not self._done.empty()
@@ -64,7 +66,11 @@ class PrefillExporter(KVConnector):
 
     # ---- connections: one per decode peer, made once and reused
     def on_added(self, req: Request) -> None:
-        address = req.kv_export.dest.agent
+        dest = req.kv_export.dest
+        why = self.pool.layout.mismatch(dest.layout) if dest.layout is not None else None
+        if why is not None:
+            raise ValueError(why)
+        address = dest.agent
         f = self._connects.get(address)
         if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):
             self._connects[address] = self.agent.submit(self._peer_for(address))

@@ -13,6 +13,7 @@ import logging
 import math
 import queue
 from collections.abc import Callable
+from dataclasses import asdict
 
 from pdserve.config import KVTransferConfig
 from pdserve.disagg.agent import start_agent
@@ -40,7 +41,8 @@ class DecodeImporter(KVConnector):
 
     def describe(self) -> dict:
         return {"role": self.role, "agent": self.agent.address, "region": POOL_REGION,
-                "block_bytes": self.pool.block_bytes, "block_size": self.pool.block_size}
+                "block_bytes": self.pool.block_bytes, "block_size": self.pool.block_size,
+                "layout": asdict(self.pool.layout)}
 
     def has_events(self) -> bool:
         return not self._arrivals.empty()
@@ -49,7 +51,8 @@ class DecodeImporter(KVConnector):
         bs = self.pool.block_size
         start = req.num_cached_tokens // bs
         nb = (req.num_prompt_tokens + bs - 1) // bs
-        dest = KVDestination(self.agent.address, req.request_id, tuple(req.block_ids[start:nb]), start, POOL_REGION)
+        dest = KVDestination(self.agent.address, req.request_id, tuple(req.block_ids[start:nb]), start, POOL_REGION,
+                             self.pool.layout)
         return KVReserved(req.request_id, dest, req.num_cached_tokens, req.t_reserved,
                           req.t_reserved - req.arrival_time)
 

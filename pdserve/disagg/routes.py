@@ -18,7 +18,7 @@ from pdserve.config import KVTransferConfig
 from pdserve.disagg.driver import ABORT_ROUTE, PREFILL_ROUTE, DecodeDriver
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
-from pdserve.engine.messages import POOL_REGION, KVDestination
+from pdserve.engine.messages import POOL_REGION, KVDestination, KVLayout
 from pdserve.protocol import error_body
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
@@ -43,8 +43,11 @@ def parse_order(body: object) -> tuple[str, list[int], SamplingParams, KVDestina
     if not isinstance(blocks, list) or len(blocks) > MAX_DEST_BLOCKS or not all(
             isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
         raise TypeError("dest.block_ids must be a list of block numbers")
+    lay = d.get("layout")
+    layout = KVLayout(str(lay["dtype"]), int(lay["block_size"]), int(lay["num_layers"]), int(lay["num_kv_heads"]),
+                      int(lay["head_dim"])) if isinstance(lay, dict) else None
     dest = KVDestination(str(d["agent"]), str(d["request_id"]), tuple(blocks), int(d.get("start_block", 0)),
-                         str(d.get("region", POOL_REGION)))
+                         str(d.get("region", POOL_REGION)), layout)
     if dest.start_block < 0:
         raise ValueError("dest.start_block must be >= 0")
     return str(body["request_id"]), ids, params, dest
@@ -63,6 +66,11 @@ def add_prefill_routes(app: web.Application, llm: AsyncLLM, config: KVTransferCo
             remote_rid, ids, params, dest = parse_order(await request.json())
         except (ValueError, KeyError, TypeError, InvalidParameter) as e:
             return _json_error(f"bad prefill order: {e}", 400)
+        ours = (llm.info.get("kv") or {}).get("layout")
+        if dest.layout is not None and ours is not None:
+            why = KVLayout(**ours).mismatch(dest.layout)
+            if why is not None:
+                return _json_error(why, 400)
         rid = f"pd-{uuid.uuid4().hex[:12]}"
         orders[remote_rid] = rid
         t0 = time.time()

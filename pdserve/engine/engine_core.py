@@ -165,10 +165,10 @@ class EngineCore:
         req.kv = kv
         if isinstance(kv, ImportParams):
             self.scheduler.add_remote(req)
-        else:
-            self.scheduler.add(req)
-            if kv is not None:
-                self.connector.on_added(req)
+            return req
+        if kv is not None:
+            self.connector.on_added(req)  # may refuse it (e.g. the destination's KV layout differs)
+        self.scheduler.add(req)
         return req
 
     def abort_request(self, request_id: str) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import KVTransferConfig
-from pdserve.engine.messages import KVReserved
+from pdserve.engine.messages import KVLayout, KVReserved
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ExportStart, ScheduledBatch
 
@@ -36,6 +36,12 @@ class KVPool:
     @property
     def num_layers(self) -> int:
         return int(self.tensor.shape[1])
+
+    @property
+    def layout(self) -> KVLayout:
+        _, layers, _, block_size, heads, head_dim = self.tensor.shape
+        return KVLayout(str(self.tensor.dtype).removeprefix("torch."), int(block_size), int(layers), int(heads),
+                        int(head_dim))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,23 @@ POOL_REGION = "kv"  # the name under which an instance's KV agent registers its 
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """What two instances must agree on before KV blocks move between them."""
+
+    dtype: str  # of the pool, e.g. "bfloat16", "float8_e4m3fn"
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """Why blocks laid out as `other` cannot be copied into ours (None: they can)."""
+        diff = [f"{f}: {getattr(other, f)} vs {getattr(self, f)} here" for f in
+                ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim") if getattr(self, f) != getattr(other, f)]
+        return "KV layout mismatch between the instances (" + "; ".join(diff) + ")" if diff else None
+
+
+@dataclass(frozen=True)
 class KVDestination:
     """Where a prefill instance pushes a prompt's KV: the decode instance's KV agent and the blocks it reserved."""
 
@@ -31,6 +48,7 @@ class KVDestination:
     block_ids: tuple[int, ...]  # destination blocks, one per block of the prompt from `start_block` on
     start_block: int = 0  # leading prompt blocks the decode instance already holds (its prefix-cache hits)
     region: str = POOL_REGION
+    layout: KVLayout | None = None  # the decode pool's; the prefill side refuses to push into a different one
 
 
 @dataclass(frozen=True)

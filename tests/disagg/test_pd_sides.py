@@ -68,15 +68,17 @@ def until(cond, *nodes: Node, timeout: float = 20.0) -> None:
 def cluster(model_dir):
     made: list = []
 
-    def make(lease_s: float = 30.0, fallback: str = "recompute") -> tuple[Node, Node, Node, Fabric]:
+    def make(lease_s: float = 30.0, fallback: str = "recompute", decode_block_size: int = 4
+             ) -> tuple[Node, Node, Node, Fabric]:
         fabric = Fabric()
 
-        def cfg(role: str) -> EngineConfig:
+        def cfg(role: str, block_size: int = 4) -> EngineConfig:
             kv = KVTransferConfig(role=role, layerwise="off", lease_s=lease_s, fallback=fallback)
-            return EngineConfig(model=str(model_dir), device="cpu", num_gpu_blocks=48, block_size=4, kv_transfer=kv)
+            return EngineConfig(model=str(model_dir), device="cpu", num_gpu_blocks=48, block_size=block_size,
+                                kv_transfer=kv)
 
         p = Node(EngineCore(cfg("prefill"), kv_agent=fabric.agent("prefill")))
-        d = Node(EngineCore(cfg("decode"), kv_agent=fabric.agent("decode")))
+        d = Node(EngineCore(cfg("decode", decode_block_size), kv_agent=fabric.agent("decode")))
         colo = Node(EngineCore(cfg("both")))
         made.append(fabric)
         return p, d, colo, fabric
@@ -233,3 +235,17 @@ def test_requests_a_role_cannot_take_are_refused(cluster):
     with pytest.raises(ValueError, match="role both"):
         colo.core.add_request("z", PROMPT, SamplingParams(), IMPORT)
     whole(p, d, colo)
+
+
+def test_a_peer_with_another_kv_layout_is_refused_clearly(cluster):
+    p, d, colo, fabric = cluster(decode_block_size=8)
+    d.core.add_request("r", PROMPT, SamplingParams(max_tokens=2), IMPORT)
+    until(lambda: d.event(KVReserved, "r") is not None, d)
+    dest = d.event(KVReserved, "r").dest
+    assert dest.layout.block_size == 8 and dest.layout.dtype == "float32"
+    with pytest.raises(ValueError, match=r"KV layout mismatch .*block_size: 8 vs 4 here"):
+        p.core.add_request("p-r", PROMPT, SamplingParams(max_tokens=1), ExportParams(dest))
+    assert fabric.pushes == 0
+    d.core.abort_request("r")
+    d.core.remote_prefill_done("r")
+    whole(p, d)
