@@ -56,7 +56,7 @@ def _bench_parser(sub) -> None:
 
     add_subcommands(bsub)
     t = bsub.add_parser("transfer", help="KV transfer engine benchmark between two processes")
-    from pdserve.kv.bench_transfer import add_arguments, main
+    from pdserve.bench.transfer import add_arguments, main
 
     add_arguments(t)
     t.set_defaults(func=main)
