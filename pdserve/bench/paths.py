@@ -33,6 +33,12 @@ def result_path(result_dir: str | None, result_filename: str | None, default_nam
     return Path(result_dir or ".") / (result_filename or default_name)
 
 
+def record_path(result_dir: str | None, result_filename: str | None, default_name: str) -> Path:
+    """A pdserve record's main file: like `result_path`, with .json added to a name given without it."""
+    path = result_path(result_dir, result_filename, default_name)
+    return path if path.suffix == ".json" else path.with_name(path.name + ".json")
+
+
 def output_stem(result_dir: str | None, result_filename: str | None, old_output: str | None, default: Path) -> Path:
     """The stem of a command's files: --result-dir/--result-filename, else the older spelling, else `default`."""
     if result_dir or result_filename:
