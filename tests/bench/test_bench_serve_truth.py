@@ -173,9 +173,12 @@ def test_closed_loop_with_trailing_usage_empty_chunks_and_http_500s(word_tokeniz
 def test_poisson_chat_without_usage_counts_tokens_with_the_tokenizer(word_tokenizer_dir, tmp_path, frozen_gc):
     """Poisson arrivals at 5 req/s (vLLM's rescaled schedule), chat endpoint, no usage chunk: output tokens are the
     tokenizer's count of the text (the empty second chunk adds none) and input tokens the dataset's."""
-    n, in_len, out_len, rate, seed = 16, 10, 5, 5.0, 7
+    n, in_len, out_len, rate, seed = 16, 10, 5, 5.0, 3
     script = Script(ttft_s=0.25, itl_s=0.15, usage=False, empty_chunks=(1,))
     offsets = vllm_arrivals(n, rate, 1.0, seed)
+    np.random.seed(seed)
+    unscaled = sum(np.random.gamma(1.0, 1.0 / rate) for _ in range(n))
+    assert abs(unscaled - offsets[-1]) > 0.3  # this seed's draws span 2.5 s: only vLLM's rescaling gives n / rate
     with FakeServer(script) as srv:
 
         def check() -> list[str]:
