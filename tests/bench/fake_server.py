@@ -1,7 +1,7 @@
 """A scripted OpenAI-compatible streaming endpoint with exactly known timings, run in a background thread.
 
 The script: the first token chunk `ttft_s` after the request arrives, then one chunk every `itl_s` (on an
-absolute schedule, so sleeps do not drift); optionally some chunks with empty text; optionally a trailing usage-only
+absolute schedule, so sleeps do not drift), or with steps that make every TTFT and every gap different; optionally some chunks with empty text; optionally a trailing usage-only
 chunk `usage_delay_s` after the last token; HTTP errors for every `fail_every`-th request (by the number at the
 end of its x-request-id). The server records, per request, when it arrived and when each chunk actually left
 (after the write returned), so a test computes the truth from what was really sent rather than what was meant.
@@ -29,6 +29,8 @@ class Script:
     mode: str = "ok"  # ok | queue | malformed | no_done | error_event | http_error
     ttft_s: float = 0.0
     itl_s: float = 0.0
+    ttft_step_s: float = 0.0  # request i (by its id) waits ttft_s + i * ttft_step_s for its first chunk
+    itl_step_s: float = 0.0  # gap g of the whole run is itl_s + itl_step_s * ((37 g) mod 101): all different
     tokens_per_chunk: int = 1
     usage: bool = True  # a trailing usage-only chunk (choices: [])
     usage_delay_s: float = 0.0  # ... sent this long after the last token chunk
@@ -118,7 +120,7 @@ async def _respond(request: web.Request) -> web.StreamResponse:
     if s.mode == "http_error" or failing:
         rec.status, rec.end = s.fail_status, time.perf_counter()
         return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=s.fail_status)
-    first = arrival + s.ttft_s
+    first = arrival + s.ttft_s + (rec.index or 0) * s.ttft_step_s
     if s.mode == "queue":  # FIFO behind every request still prefilling (an aborted one frees its place)
         start = max([arrival, *st.lane.values()])
         st.lane[id(request)] = first = start + rec.prompt_words * s.prefill_s_per_token
@@ -133,10 +135,13 @@ async def _respond(request: web.Request) -> web.StreamResponse:
     if s.mode == "error_event":
         await resp.write(b'data: {"error": {"message": "out of blocks", "code": 503}}\n\n')
         return resp
-    sent, k = 0, 0
+    sent, k, due = 0, 0, first
     while sent < n:
         c = min(s.tokens_per_chunk, n - sent)
-        await _sleep_until(first + k * s.itl_s)
+        if k:
+            g = (rec.index or 0) * n + k
+            due += s.itl_s + s.itl_step_s * ((37 * g) % 101)
+        await _sleep_until(due)
         text = "" if k in s.empty_chunks else "".join(f" t{sent + j}" for j in range(c))
         k += 1
         await resp.write(_event(chat, text))
