@@ -92,6 +92,7 @@ class Bench:
         initial_test: bool = True,
         ready_check_timeout_s: float = 0.0,
         num_warmups: int = 0,
+        ready_check_interval_s: float = 5.0,
     ):
         self.endpoint = endpoint
         self.tok = tok
@@ -99,6 +100,7 @@ class Bench:
         self.capacity_duration_s = capacity_duration_s
         self.initial_test = initial_test
         self.ready_check_timeout_s = ready_check_timeout_s
+        self.ready_check_interval_s = ready_check_interval_s
         self.num_warmups = num_warmups
         self._tested = False
         self._warmed = False
@@ -133,8 +135,8 @@ class Bench:
     async def check_endpoint(self, item: BenchRequest) -> None:
         """One short request before the run, so a wrong URL, model or endpoint fails fast with the reason.
 
-        With a ready-check timeout (vLLM's --ready-check-timeout-sec) it is retried every 5 s until it succeeds
-        or the time is up, for servers still starting.
+        With a ready-check timeout (vLLM's --ready-check-timeout-sec) it is retried every 5 s (as vLLM) until it
+        succeeds or the time is up, for servers still starting.
         """
         if self._tested or not self.initial_test:
             return
@@ -146,7 +148,7 @@ class Bench:
             left = deadline - time.perf_counter()
             if res.success or left <= 0:
                 break
-            await asyncio.sleep(min(5.0, left))
+            await asyncio.sleep(min(self.ready_check_interval_s, left))
         if not res.success:
             raise BenchError(f"initial test request to {self.endpoint.url} failed: {res.error}")
         self._tested = True

@@ -82,9 +82,9 @@ def result_dict(results: list[RequestResult], metrics: dict, info: RunInfo, save
         "total_token_throughput": metrics["total_token_throughput"],
         "input_lens": [r.input_tokens if r.success else max(r.prompt_len, 0) for r in results],
         "output_lens": [r.output_tokens if r.success else 0 for r in results],
-        "ttfts": [r.ttft for r in results],
+        "ttfts": [r.ttft if r.success else 0.0 for r in results],  # vLLM leaves both at 0 for a failed request
         "itls": [list(r.itl) for r in results],
-        "latencies": [r.latency for r in results],
+        "latencies": [r.latency if r.success else 0.0 for r in results],
         "start_times": [r.start for r in results],
         "queue_times": [r.queue_time for r in results],
         "generated_texts": [r.generated_text for r in results],

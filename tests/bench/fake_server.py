@@ -37,6 +37,7 @@ class Script:
     empty_chunks: tuple[int, ...] = ()  # token chunks (0-based) sent with empty text, e.g. a special token
     fail_every: int = 0  # request <prefix><i> with i % fail_every == fail_every - 1 answers HTTP fail_status
     fail_status: int = 500
+    fail_first: int = 0  # the first n requests answer HTTP 503 (a server still starting)
     prefill_s_per_token: float = 0.0  # queue mode
 
 
@@ -117,9 +118,10 @@ async def _respond(request: web.Request) -> web.StreamResponse:
     rec.prompt_words = len(str(prompt).split())
     n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
     failing = s.fail_every and rec.index is not None and rec.index % s.fail_every == s.fail_every - 1
-    if s.mode == "http_error" or failing:
-        rec.status, rec.end = s.fail_status, time.perf_counter()
-        return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=s.fail_status)
+    if s.mode == "http_error" or failing or len(st.records) <= s.fail_first:
+        status = 503 if len(st.records) <= s.fail_first else s.fail_status
+        rec.status, rec.end = status, time.perf_counter()
+        return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=status)
     first = arrival + s.ttft_s + (rec.index or 0) * s.ttft_step_s
     if s.mode == "queue":  # FIFO behind every request still prefilling (an aborted one frees its place)
         start = max([arrival, *st.lane.values()])

@@ -127,6 +127,24 @@ def test_initial_test_failure_stops_with_the_reason(word_tokenizer_dir):
         asyncio.run(go(srv.url))
 
 
+def test_ready_check_retries_the_test_request_while_the_server_starts(word_tokenizer_dir):
+    """vLLM's --ready-check-timeout-sec: the probe is repeated until it succeeds; without it the first failure stops."""
+    from pdserve.bench.runner import BenchError
+
+    async def go(url, timeout):
+        async with Bench(EndpointConfig(base_url=url, model="m"), load_tokenizer(str(word_tokenizer_dir)),
+                         capacity_duration_s=0, ready_check_timeout_s=timeout, ready_check_interval_s=0.05) as b:
+            run = await b.run(WorkloadConfig(num_prompts=2, random_input_len=4, random_output_len=2),
+                              LoadConfig(progress=False))
+            return run["metrics"]["completed"]
+
+    with FakeServer(Script(fail_first=3)) as srv:
+        assert asyncio.run(go(srv.url, 5.0)) == 2
+        assert [r.status for r in srv.records] == [503, 503, 503, 200, 200, 200]
+    with FakeServer(Script(fail_first=3)) as srv, pytest.raises(BenchError, match="HTTP 503"):
+        asyncio.run(go(srv.url, 0.0))
+
+
 def test_model_name_and_root_from_v1_models():
     async def go(url):
         async with Bench(EndpointConfig(base_url=url), None, capacity_duration_s=0) as b:
