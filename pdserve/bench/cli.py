@@ -167,7 +167,8 @@ async def _serve(args, stop: StopSignal) -> int:
     print(console_summary(run, opts.percentile_metrics, opts.metric_percentiles), end="", flush=True)
     if args.save_result or args.append_result:
         path = result_path(args.result_dir, args.result_filename, default_filename(info))
-        print(f"wrote {write_result(result_dict(results, run['metrics'], info, args.save_detailed), path, append=args.append_result)}")
+        result = result_dict(results, run["metrics"], info, args.save_detailed)
+        print(f"wrote {write_result(result, path, append=args.append_result)}")
         rich = pdserve_record_path(path)
         if args.append_result and rich.exists():  # one pdserve record gathers the appended runs too
             try:

@@ -1,15 +1,16 @@
 """A scripted OpenAI-compatible streaming endpoint with exactly known timings, run in a background thread.
 
 The script: the first token chunk `ttft_s` after the request arrives, then one chunk every `itl_s` (on an
-absolute schedule, so sleeps do not drift), or with steps that make every TTFT and every gap different; optionally some chunks with empty text; optionally a trailing usage-only
-chunk `usage_delay_s` after the last token; HTTP errors for every `fail_every`-th request (by the number at the
-end of its x-request-id). The server records, per request, when it arrived and when each chunk actually left
+absolute schedule, so sleeps do not drift), or with steps that make every TTFT and every gap different;
+optionally some chunks with empty text; optionally a trailing usage-only chunk `usage_delay_s` after the last
+token; HTTP errors for every `fail_every`-th request (by the number at the end of its x-request-id) or for the
+first `fail_first` requests. The server records, per request, when it arrived and when each chunk actually left
 (after the write returned), so a test computes the truth from what was really sent rather than what was meant.
 
 `mode="queue"` models a server whose latency grows with load: one FIFO prefill lane in which a prompt of n
 words takes n x `prefill_s_per_token`; the first token leaves when the request's prefill is done, and a request
-the client abandons leaves the lane at once. Other modes
-produce broken streams: malformed, no_done, error_event, http_error (every request fails).
+the client abandons leaves the lane at once. Other modes produce broken streams: malformed, no_done,
+error_event, http_error (every request fails).
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ def test_serve_writes_vllms_result_file_and_pdserves_record(tmp_path, word_token
                 ("client_queue_time", "Client Queue Time", "Client-side Queueing"),
                 ("e2el_including_client_queue", "E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency")]
     assert vllm_block(second, ["50", "90"], metrics2, goodput=True) in out2
-    assert "Traffic request rate: 50.0\nBurstiness factor: 1.0 (Poisson process)\nMaximum request concurrency: 3" in out1
+    assert ("Traffic request rate: 50.0\nBurstiness factor: 1.0 (Poisson process)\n"
+            "Maximum request concurrency: 3") in out1
     # pdserve's record beside it, gathering the appended run too
     rec = json.loads(Path(str(path)[:-5] + ".pdserve.json").read_text())
     assert rec["kind"] == "serve" and rec["command"] and "cpu_count" in rec["machine"] and len(rec["runs"]) == 2

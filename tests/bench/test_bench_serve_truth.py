@@ -166,7 +166,8 @@ def test_closed_loop_with_trailing_usage_empty_chunks_and_http_500s(word_tokeniz
             assert truth["failed"] == 2 and truth["total_output_tokens"] == 18 * out_len
             assert truth["total_input_tokens"] == 18 * (in_len + 1)  # usage.prompt_tokens, not the dataset's 12
             bad = compare(truth, result, stdout)
-            if result["max_concurrent_requests"] != conc or console_values(stdout)["Maximum request concurrency"] != conc:
+            shown = console_values(stdout)["Maximum request concurrency"]
+            if result["max_concurrent_requests"] != conc or shown != conc:
                 bad.append(f"peak concurrency {result['max_concurrent_requests']} != {conc}")
             return bad
 
