@@ -50,16 +50,11 @@ def _router_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: serve, search, sweep, transfer")
+    p = sub.add_parser("bench", help="benchmarks: serve, search, sweep, compare, plot, transfer")
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from pdserve.bench.cli import add_subcommands
 
     add_subcommands(bsub)
-    t = bsub.add_parser("transfer", help="KV transfer engine benchmark between two processes")
-    from pdserve.kv.bench_transfer import add_arguments, main
-
-    add_arguments(t)
-    t.set_defaults(func=main)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

@@ -7,8 +7,10 @@
 # The endpoint is anything OpenAI-compatible (pdserve serve, a pdserve router, vLLM, SGLang). The tokenizer
 # must be the served model's: without TOKENIZER the served model name is used, which covers pdserve's shipped
 # shapes (`pdserve serve --model qwen3-8b --load-format dummy` serves "qwen3-8b" with a word-level tokenizer,
-# id i <-> "t<i>", giving exact prompt lengths); for vLLM pass the dir make_dummy_model_dir.py wrote. Writes search.json (every trial, every request), search.csv, search.md, the
-# two PNG plots and search.log into $OUT. The whole search is held to TIME_BUDGET seconds (default 330):
+# id i <-> "t<i>", giving exact prompt lengths); for vLLM pass the dir make_dummy_model_dir.py wrote.
+# Writes search.json (every trial, every request), search.csv (the result row), search_trials.csv (one row a
+# trial), search.md, the PNG plots and search.log into $OUT (benchmarks/serve/seeds_h200.sh runs several input
+# lengths in one go). The whole search is held to TIME_BUDGET seconds (default 330):
 # each trial sends max(5 x rate, 10) requests, arrivals capped at MAX_DURATION s, waits at most DRAIN s for
 # the stragglers (unfinished ones count as SLO violations), and overloaded trials stop as soon as they must fail.
 set -euo pipefail
@@ -38,4 +40,4 @@ python -m pdserve.bench search \
   --requests-per-rate 5 --min-requests 10 --max-duration "$MAX_DURATION" --drain-timeout "$DRAIN" \
   --time-budget "$TIME_BUDGET" --cooldown 3 --request-timeout 300 \
   --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
-  --result-dir "$OUT" --result-filename search --disable-tqdm 2>&1 | tee "$OUT/search.log"
+  --result-dir "$OUT" --result-filename search.json --disable-tqdm 2>&1 | tee "$OUT/search.log"

@@ -20,7 +20,7 @@ W="--model-config qwen3-8b --tokens 8192 --block-size 16 --devices cuda:0,cuda:1
 run() {  # name, then bench arguments; a failing run is reported and the script goes on
   local name=$1; shift
   echo "=== $name: $*"
-  timeout 300 python -m pdserve.kv.bench_transfer $W "$@" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" | tail -12
+  timeout 300 python -m pdserve.bench.transfer $W "$@" --result-dir "$OUT" --result-filename "$name.json" 2>&1 | tee "$OUT/$name.txt" | tail -12
 }
 run cuda_ipc --transport cuda_ipc --iters 30 --warmup 5 --latency-iters 300
 run cuda_ipc_kernel --transport cuda_ipc --cuda-copy kernel --ops write,read --iters 15 --latency-iters 100

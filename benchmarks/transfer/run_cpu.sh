@@ -7,6 +7,6 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-benchmarks/transfer/results_cpu}"
 mkdir -p "$OUT"
-python -m pdserve.kv.bench_transfer --transport tcp --backend numpy --model-config qwen3-8b --tokens 2048 \
-  --block-size 16 --iters 20 --warmup 3 --latency-iters 200 --out "$OUT/tcp_cpu.json"
+python -m pdserve.bench.transfer --transport tcp --backend numpy --model-config qwen3-8b --tokens 2048 \
+  --block-size 16 --iters 20 --warmup 3 --latency-iters 200 --result-dir "$OUT" --result-filename tcp_cpu.json
 python benchmarks/transfer/summarize.py "$OUT"

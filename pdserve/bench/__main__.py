@@ -1,4 +1,4 @@
-"""`python -m pdserve.bench serve|search|sweep|compare|plot` (the same as `pdserve bench ...`)."""
+"""`python -m pdserve.bench serve|search|sweep|compare|plot|transfer` (the same as `pdserve bench ...`)."""
 
 import sys
 

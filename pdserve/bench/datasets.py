@@ -8,9 +8,12 @@ The multi-round chat dataset lives in multiround.py because its prompts are buil
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from pdserve.bench.tokenizer import BenchTokenizer
 
@@ -59,12 +62,11 @@ def exact_length_text(
     )
 
 
-def sample_lengths(mean: int, range_ratio: float, n: int, rng: random.Random) -> list[int]:
-    """Lengths uniform in [mean*(1-r), mean*(1+r)], as vLLM's --random-range-ratio."""
+def length_bounds(mean: int, range_ratio: float, minimum: int = 0) -> tuple[int, int]:
+    """[floor(mean*(1-r)), ceil(mean*(1+r))], as vLLM's --random-range-ratio (both ends at least `minimum`)."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
-    lo, hi = int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
-    return [rng.randint(lo, hi) for _ in range(n)]
+    return max(math.floor(mean * (1 - range_ratio)), minimum), max(math.ceil(mean * (1 + range_ratio)), minimum)
 
 
 def random_dataset(
@@ -76,19 +78,35 @@ def random_dataset(
     prefix_len: int = 0,
     seed: int = 0,
 ) -> list[BenchRequest]:
-    """Prompts of random tokens: `prefix_len` shared tokens then `input_len` (+/- range) unique ones."""
-    if input_len < 1 or output_len < 1:
-        raise ValueError(f"random input and output lengths must be at least 1, got {input_len} and {output_len}")
-    rng = random.Random(seed)
-    pool = tok.sampleable_ids()
-    prefix_ids = tok.encode(exact_length_text(tok, prefix_len, rng, pool)[0]) if prefix_len > 0 else []
-    in_lens = sample_lengths(input_len, range_ratio, num_prompts, rng)
-    out_lens = sample_lengths(output_len, range_ratio, num_prompts, rng)
+    """vLLM 0.22's random dataset: `prefix_len` shared random tokens, then a run of consecutive vocabulary ids.
+
+    As vLLM: `input_len` counts the special tokens the tokenizer adds (BOS), so the server sees `input_len`
+    prompt tokens; lengths are integers uniform in the --random-range-ratio bounds, drawn with
+    numpy.random.default_rng(seed) in vLLM's order (input lengths, output lengths, offsets, then the prefix);
+    request i's own tokens are ids offset_i + i, offset_i + i + 1, ... of the non-special vocabulary. The text
+    is then fixed up to re-encode to exactly its length (vLLM truncates; this also tops up).
+    """
+    num_special = tok.num_special_tokens_added
+    real_in = max(0, int(input_len) - num_special)
+    in_lo, in_hi = length_bounds(real_in, range_ratio)
+    out_lo, out_hi = length_bounds(output_len, range_ratio, minimum=1)
+    if prefix_len + in_lo < 1:
+        raise ValueError(
+            f"--random-input-len {input_len} is too small: with {num_special} special tokens and range ratio "
+            f"{range_ratio} a prompt could have {prefix_len + in_lo} tokens; it needs at least 1"
+        )
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
+    out_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
+    offsets = rng.integers(0, tok.vocab_size, size=num_prompts)
+    pool = list(tok.sampleable_ids())
+    prefix_ids = [pool[int(i)] for i in rng.integers(0, len(pool), size=prefix_len)] if prefix_len > 0 else []
+    fixups = random.Random(seed)
     out = []
-    for n_in, n_out in zip(in_lens, out_lens):
-        total = prefix_len + max(n_in, 1)
-        text, ids = exact_length_text(tok, total, rng, pool, prefix_ids=prefix_ids)
-        out.append(BenchRequest(prompt=text, prompt_len=len(ids), output_len=max(n_out, 1)))
+    for i, (n_in, n_out, off) in enumerate(zip(in_lens.tolist(), out_lens.tolist(), offsets.tolist())):
+        inner = [pool[(off + i + k) % len(pool)] for k in range(n_in)]
+        text, ids = exact_length_text(tok, prefix_len + n_in, fixups, pool, prefix_ids=prefix_ids + inner)
+        out.append(BenchRequest(prompt=text, prompt_len=len(ids), output_len=n_out))
     return out
 
 

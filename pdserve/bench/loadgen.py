@@ -1,9 +1,12 @@
 """Load generation: send requests at gamma-distributed arrival times under an optional concurrency cap.
 
-Arrivals follow vLLM's model: inter-arrival gaps ~ Gamma(shape=burstiness, scale=1/(rate*burstiness)), so
-burstiness 1 is a Poisson process and larger values are more regular; rate inf sends everything at once.
-Arrival times are absolute offsets from the start, so scheduling jitter does not accumulate. As in vLLM, a
-request waiting for a concurrency slot has not started yet: its TTFT starts when it is actually sent.
+Arrivals follow vLLM 0.22's `bench serve`: inter-arrival gaps ~ Gamma(shape=burstiness,
+scale=1/(rate*burstiness)) drawn in order from numpy's legacy generator seeded with --seed (burstiness 1 is a
+Poisson process, larger is more regular, inf is exactly 1/rate), summed, and then rescaled so the last arrival
+falls at num_prompts/rate: the arrival window of every seed is the same length. Rate inf sends everything at
+once. Arrival times are absolute offsets from the start, so scheduling jitter does not accumulate. As in vLLM, a
+request waiting for a concurrency slot has not started yet: its TTFT starts when it is actually sent, and the
+wait is its client queue time.
 
 A run stops early on a `StopSignal` (Ctrl-C, or a watcher such as the SLO search deciding a trial already
 failed); requests then in flight are cancelled and recorded as failures of that kind, so whatever was
@@ -14,29 +17,37 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from pdserve.bench.client import RequestResult
 from pdserve.bench.datasets import BenchRequest
 
 
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Offsets in seconds of n arrivals; all zero for an infinite rate."""
+    """Offsets in seconds of n arrivals, the last at n/rate (vLLM's schedule); all zero for an infinite rate."""
     if rate <= 0 or math.isnan(rate):
         raise ValueError(f"--request-rate must be positive (or inf), got {rate}")
-    if burstiness <= 0:
+    if not burstiness > 0:
         raise ValueError(f"--burstiness must be positive, got {burstiness}")
-    if math.isinf(rate):
+    if math.isinf(rate) or n == 0:
         return [0.0] * n
-    rng = random.Random(seed)
-    scale = 1.0 / (rate * burstiness)
-    t, out = 0.0, []
-    for _ in range(n):
+    if math.isinf(burstiness):
+        gaps = [1.0 / rate] * n
+    else:
+        rs = np.random.RandomState(seed)
+        theta = 1.0 / (rate * burstiness)
+        gaps = [float(rs.gamma(shape=burstiness, scale=theta)) for _ in range(n)]
+    out, t = [], 0.0
+    for g in gaps:
+        t += g
         out.append(t)
-        t += rng.gammavariate(burstiness, scale)
+    if out[-1] > 0:
+        factor = (n / rate) / out[-1]
+        out = [x * factor for x in out]
     return out
 
 
@@ -67,6 +78,7 @@ class LoadConfig:
     drain_timeout_s: float | None = None  # after the last arrival, wait at most this long for requests in flight
     watch_interval_s: float = 0.2
     progress: bool = True
+    request_id_prefix: str = ""  # request i is sent with the header x-request-id: <prefix><i> (none when empty)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -103,6 +115,7 @@ async def run_load(
     async def one(item: BenchRequest, res: RequestResult) -> None:
         try:
             req = await item.materialize()
+            res.arrival = time.perf_counter()  # due now; a wait for a slot from here on is client queue time
             if sem is None:
                 await send(req, res)
             else:
@@ -140,7 +153,7 @@ async def run_load(
                     pass
             if stop.is_set:
                 break
-            res = RequestResult(index=i)
+            res = RequestResult(index=i, request_id=f"{cfg.request_id_prefix}{i}" if cfg.request_id_prefix else None)
             results.append(res)
             tasks.append(asyncio.create_task(one(item, res)))
         await _drain(tasks, stop, cfg.drain_timeout_s)

@@ -1,40 +1,36 @@
-"""Benchmark metrics from per-request timings, with vLLM `bench serve`'s definitions and key names.
+"""Benchmark metrics from per-request timings, with vLLM 0.22 `bench serve`'s definitions and key names.
 
-Pure functions over `RequestResult`s, so they are checked against hand-built timelines. Latency statistics
-are over successful requests (as vLLM); failures are counted by kind. `percentile` interpolates linearly like
-numpy's default but also accepts +inf samples (the search counts unfinished requests as infinitely late).
+Pure functions over `RequestResult`s, so they are checked against hand-built timelines. As in vLLM:
+
+- latency statistics are over successful requests; an empty sample set reports 0 (numpy over `values or 0`);
+- TPOT per request is (E2EL - TTFT) / (output_tokens - 1), only for requests with more than one output token;
+  ITL pools the gaps of every request;
+- input tokens per request are the server's usage.prompt_tokens when given, else the dataset's prompt length;
+- throughputs divide by the benchmark duration (start of the run to the end of the last request);
+- goodput counts successful requests whose TTFT, TPOT (0 for one-token outputs) and E2EL are each within
+  their limit, per second of duration;
+- peak output throughput is the most timed events (tokens) in any one-second bucket after the earliest send
+  of a successful request, and peak concurrency is exact over successful requests' [send, last event) intervals;
+- mean, median, std (population) and percentiles (linear interpolation) as numpy computes them.
+
+Failures are also counted by kind (pdserve's addition).
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
 from pdserve.bench.client import RequestResult
+from pdserve.stats import mean, percentile, std
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default method); inf-safe; nan for no samples."""
-    if not 0.0 <= p <= 100.0:
-        raise ValueError(f"percentile must be within [0, 100], got {p}")
-    if not values:
-        return math.nan
-    v = sorted(values)
-    pos = p / 100.0 * (len(v) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    frac = pos - lo
-    a, b = v[lo], v[hi]
-    if frac == 0.0:
-        return a
-    if math.isinf(a) or math.isinf(b):
-        return math.inf
-    return a + (b - a) * frac
+QUEUE_METRICS = ("client_queue_time", "e2el_including_client_queue")
+ALL_METRICS = METRICS + QUEUE_METRICS
 
 
 def pct_name(p: float) -> str:
+    """How vLLM spells a percentile in key names: 99 -> "99", 99.9 -> "99.9"."""
     return str(int(p)) if int(p) == p else str(p)
 
 
@@ -56,18 +52,11 @@ def per_request_values(results: list[RequestResult], metric: str) -> list[float]
         return [t for t in (request_tpot(r) for r in ok) if t is not None]
     if metric == "itl":
         return [x for r in ok for x in r.itl]
-    raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(METRICS)}")
-
-
-def _mean(v: list[float]) -> float:
-    return sum(v) / len(v) if v else math.nan
-
-
-def _std(v: list[float]) -> float:
-    if not v:
-        return math.nan
-    m = _mean(v)
-    return math.sqrt(sum((x - m) ** 2 for x in v) / len(v))
+    if metric == "client_queue_time":
+        return [r.queue_time for r in ok]
+    if metric == "e2el_including_client_queue":
+        return [r.latency + r.queue_time for r in ok]
+    raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(ALL_METRICS)}")
 
 
 def meets_goodput(r: RequestResult, goodput_ms: dict[str, float]) -> bool:
@@ -75,35 +64,36 @@ def meets_goodput(r: RequestResult, goodput_ms: dict[str, float]) -> bool:
     if not r.success:
         return False
     values = {"ttft": r.ttft, "e2el": r.latency, "tpot": request_tpot(r) or 0.0}
-    return all(values[k] * 1000.0 <= limit for k, limit in goodput_ms.items())
+    return all(values[k] <= limit / 1000.0 for k, limit in goodput_ms.items())
+
+
+def token_times(r: RequestResult) -> list[float]:
+    """Absolute arrival times of a request's timed events, rebuilt from its start, TTFT and ITLs (as vLLM)."""
+    if not r.num_chunks and not r.itl:
+        return []
+    t = r.start + r.ttft
+    out = [t]
+    for gap in r.itl:
+        t += gap
+        out.append(t)
+    return out
 
 
 def peak_output_throughput(results: list[RequestResult]) -> float:
-    """Most output tokens in any one-second bucket since the first request started (vLLM's definition).
-
-    A chunk's tokens are placed at its arrival time; chunks carrying several tokens are weighted by
-    output_tokens / chunks of their request (vLLM counts chunks, which is the same for one token per chunk).
-    """
-    ok = [r for r in results if r.success and r.num_chunks > 0]
+    """Most timed events in any one-second bucket counted from the earliest start of a successful request."""
+    ok = [r for r in results if r.success]
     if not ok:
         return 0.0
     t0 = min(r.start for r in ok)
-    buckets: Counter[int] = Counter()
-    for r in ok:
-        weight = r.output_tokens / r.num_chunks if r.output_tokens else 1.0
-        t = r.start + r.ttft
-        buckets[int(t - t0)] += weight
-        for gap in r.itl:
-            t += gap
-            buckets[int(t - t0)] += weight
-    return float(max(buckets.values()))
+    buckets: Counter[int] = Counter(int(t - t0) for r in ok for t in token_times(r))
+    return float(max(buckets.values())) if buckets else 0.0
 
 
 def peak_concurrency(results: list[RequestResult]) -> int:
-    """Most requests in flight at one instant (exact, from start and end times of every sent request)."""
+    """Most successful requests in flight at one instant, over half-open [start, start + latency) intervals."""
     events = []
     for r in results:
-        if r.start and r.latency:
+        if r.success:
             events += [(r.start, 1), (r.start + r.latency, -1)]
     events.sort(key=lambda e: (e[0], e[1]))  # an end at the same instant as a start frees its slot first
     peak = cur = 0
@@ -115,7 +105,7 @@ def peak_concurrency(results: list[RequestResult]) -> int:
 
 @dataclass
 class MetricOptions:
-    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")  # what the console and vLLM's file report
     metric_percentiles: tuple[float, ...] = (99.0,)
     goodput_ms: dict | None = None
 
@@ -131,13 +121,26 @@ def failure_reasons(results: list[RequestResult]) -> dict[str, dict]:
     return out
 
 
+def summary_stats(values_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
+    """mean/median/std and the given percentiles, in ms, of samples in seconds; empty samples give 0 (vLLM)."""
+    ms = [x * 1000.0 for x in values_s] or [0.0]
+    out = {"mean": mean(ms), "median": percentile(ms, 50.0), "std": std(ms)}
+    for p in percentiles:
+        out[f"p{pct_name(p)}"] = percentile(ms, p)
+    return out
+
+
 def compute_metrics(results: list[RequestResult], duration_s: float, opts: MetricOptions | None = None) -> dict:
-    """The summary dict, keyed as vLLM's result JSON (mean_ttft_ms, p99_tpot_ms, request_throughput, ...)."""
+    """The summary dict, keyed as vLLM's result JSON (mean_ttft_ms, p99_tpot_ms, request_throughput, ...).
+
+    Every metric of METRICS gets mean, median, std and p50/p90/p99 plus the requested percentiles; the client
+    queue metrics are added for the ones asked for in `percentile_metrics`.
+    """
     opts = opts or MetricOptions()
     if duration_s <= 0:
         raise ValueError(f"benchmark duration must be positive, got {duration_s}")
     ok = [r for r in results if r.success]
-    in_tokens = sum(r.prompt_len if r.prompt_len >= 0 else (r.server_prompt_tokens or 0) for r in ok)
+    in_tokens = sum(r.input_tokens for r in ok)
     out_tokens = sum(r.output_tokens for r in ok)
     m: dict = {
         "duration": duration_s,
@@ -148,20 +151,18 @@ def compute_metrics(results: list[RequestResult], duration_s: float, opts: Metri
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration_s,
+        "request_goodput": (sum(meets_goodput(r, opts.goodput_ms) for r in ok) / duration_s
+                            if opts.goodput_ms else None),
         "output_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
         "max_output_tokens_per_s": peak_output_throughput(results),
         "max_concurrent_requests": peak_concurrency(results),
     }
-    if opts.goodput_ms:
-        m["request_goodput"] = sum(meets_goodput(r, opts.goodput_ms) for r in ok) / duration_s
-    for metric in METRICS:
-        vals = [x * 1000.0 for x in per_request_values(results, metric)]
-        m[f"mean_{metric}_ms"] = _mean(vals)
-        m[f"median_{metric}_ms"] = percentile(vals, 50.0)
-        m[f"std_{metric}_ms"] = _std(vals)
-        for p in sorted(set(opts.metric_percentiles) | {50.0, 90.0, 99.0}):
-            m[f"p{pct_name(p)}_{metric}_ms"] = percentile(vals, p)
+    pcts = tuple(sorted(set(opts.metric_percentiles) | {50.0, 90.0, 99.0}))
+    wanted = METRICS + tuple(x for x in QUEUE_METRICS if x in opts.percentile_metrics)
+    for metric in wanted:
+        for stat, value in summary_stats(per_request_values(results, metric), pcts).items():
+            m[f"{stat}_{metric}_ms"] = value
     return m
 
 
@@ -173,15 +174,19 @@ def request_samples(results: list[RequestResult], t0: float) -> list[dict]:
         out.append(
             {
                 "index": r.index,
+                "request_id": r.request_id,
                 "success": r.success,
                 "error_kind": r.error_kind or None,
                 "error": r.error or None,
+                "arrival": (r.arrival - t0) if r.arrival else None,
                 "start": (r.start - t0) if r.start else None,
+                "queue_time": r.queue_time,
                 "ttft": r.ttft if r.num_chunks else None,
                 "tpot": tpot,
                 "e2el": r.latency or None,
                 "itl": r.itl,
                 "prompt_len": r.prompt_len,
+                "input_tokens": r.input_tokens,
                 "output_len": r.output_len,
                 "output_tokens": r.output_tokens,
                 "server_prompt_tokens": r.server_prompt_tokens,

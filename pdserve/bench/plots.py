@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from pdserve.bench.record import as_float
+from pdserve.bench.report import search_summary_rows
 
 _STATS = (("median", "p50", "-"), ("p90", "p90", "--"), ("p99", "p99", ":"))
 
@@ -113,6 +114,38 @@ def plot_throughput_vs_latency(sources: list[tuple[str, dict]], path: str | Path
     return _save(fig, plt, path)
 
 
+def plot_max_rate_vs_input_len(sources: list[tuple[str, dict]], path: str | Path) -> Path:
+    """Per input length: the highest rate meeting the SLO (a bar up to the lowest failing rate shows the
+    search's bracket), and the output token throughput at that rate."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    slos = set()
+    for label, record in sources:
+        rows = [r for r in search_summary_rows(record) if r["input_len"] is not None]
+        rows.sort(key=lambda r: r["input_len"])
+        slos |= {r["slo"] for r in rows}
+        xs = [r["input_len"] for r in rows]
+        best = [as_float(r["max_rate"]) if r["max_rate"] is not None else 0.0 for r in rows]
+        line = axes[0].plot(xs, best, marker="o", label=label)[0]
+        fails = [as_float(r["min_failed_rate"]) for r in rows]
+        for x, lo, hi in zip(xs, best, fails):
+            if math.isfinite(hi):
+                axes[0].plot([x, x], [lo, hi], color=line.get_color(), alpha=0.35, linewidth=4)
+        axes[1].plot(xs, [as_float(r["output_throughput"]) for r in rows], marker="o", color=line.get_color(),
+                     label=f"{label}")
+    for ax, ylabel in zip(axes, ("request rate (req/s)", "output throughput (tok/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("input length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_title("highest rate meeting " + "; ".join(sorted(slos)) + " (bar: up to the lowest failing rate)",
+                      fontsize=8)
+    axes[1].set_title("throughput at that rate", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
 def _save(fig, plt, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +156,10 @@ def _save(fig, plt, path: str | Path) -> Path:
 
 def write_plots(sources: list[tuple[str, dict]], stem: str | Path) -> list[Path]:
     stem = str(stem)
-    return [
+    out = [
         plot_latency_vs_rate(sources, stem + "_latency_vs_rate.png"),
         plot_throughput_vs_latency(sources, stem + "_throughput_vs_latency.png"),
     ]
+    if any(s.get("input_len") is not None for _, rec in sources for s in rec.get("searches", [])):
+        out.append(plot_max_rate_vs_input_len(sources, stem + "_max_rate.png"))
+    return out

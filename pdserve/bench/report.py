@@ -6,15 +6,8 @@ import csv
 import io
 import math
 
-from pdserve.bench.metrics import pct_name
 from pdserve.bench.record import as_float
-
-_TITLES = {
-    "ttft": "Time to First Token",
-    "tpot": "Time per Output Token (excl. 1st token)",
-    "itl": "Inter-token Latency",
-    "e2el": "End-to-end Latency",
-}
+from pdserve.bench.vllm_result import RunInfo, console_block
 
 
 def _fmt(x, digits: int = 2) -> str:
@@ -32,44 +25,22 @@ def _fmt(x, digits: int = 2) -> str:
 
 
 def console_summary(run: dict, percentile_metrics=("ttft", "tpot", "itl"), metric_percentiles=(99.0,)) -> str:
+    """vLLM's result block for one run, then what pdserve adds: failures by kind, the client's capacity,
+    why the run stopped early, warnings."""
     m, c = run["metrics"], run["config"]
+    info = RunInfo(request_rate=as_float(c["request_rate"]), burstiness=as_float(c.get("burstiness", 1.0)),
+                   max_concurrency=c.get("max_concurrency"), percentile_metrics=tuple(percentile_metrics),
+                   metric_percentiles=tuple(metric_percentiles), goodput=m.get("request_goodput") is not None)
     out = io.StringIO()
-
-    def line(label: str, value) -> None:
-        out.write(f"{label:<40} {_fmt(value):<10}\n")
-
-    out.write("{s:{c}^{n}}\n".format(s=" Serving Benchmark Result ", n=50, c="="))
-    line("Successful requests:", m["completed"])
-    line("Failed requests:", m["failed"])
-    line("Request rate configured (RPS):", _fmt(as_float(c["request_rate"])))
-    line("Maximum request concurrency:", c.get("max_concurrency") or "inf")
-    line("Benchmark duration (s):", m["duration"])
-    line("Total input tokens:", m["total_input_tokens"])
-    line("Total generated tokens:", m["total_output_tokens"])
-    line("Request throughput (req/s):", m["request_throughput"])
-    if "request_goodput" in m:
-        line("Request goodput (req/s):", m["request_goodput"])
-    line("Output token throughput (tok/s):", m["output_throughput"])
-    line("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
-    line("Peak concurrent requests:", m["max_concurrent_requests"])
-    line("Total Token throughput (tok/s):", m["total_token_throughput"])
+    out.write(console_block(m, info))
+    if m["failure_reasons"]:
+        out.write("Failures by kind:\n")
+        for kind, entry in sorted(m["failure_reasons"].items(), key=lambda kv: -kv[1]["count"]):
+            out.write(f"  {kind}: {entry['count']} (e.g. {entry['example'][:200]})\n")
     cap = run.get("client_capacity")
     if cap:
-        line("Client capacity (req/s):", cap["request_throughput"])
-        line("Client capacity (tok/s):", cap["output_throughput"])
-    for metric in percentile_metrics:
-        name = metric.upper()
-        out.write("{s:{c}^{n}}\n".format(s=_TITLES[metric], n=50, c="-"))
-        line(f"Mean {name} (ms):", m[f"mean_{metric}_ms"])
-        line(f"Median {name} (ms):", m[f"median_{metric}_ms"])
-        for p in metric_percentiles:
-            line(f"P{pct_name(p)} {name} (ms):", m.get(f"p{pct_name(p)}_{metric}_ms"))
-    if m["failure_reasons"]:
-        out.write("{s:{c}^{n}}\n".format(s="Failures", n=50, c="-"))
-        for kind, info in sorted(m["failure_reasons"].items(), key=lambda kv: -kv[1]["count"]):
-            line(f"{kind}:", info["count"])
-            out.write(f"  e.g. {info['example'][:200]}\n")
-    out.write("=" * 50 + "\n")
+        out.write(f"Client capacity: {_fmt(cap['request_throughput'])} req/s, "
+                  f"{_fmt(cap['output_throughput'])} tok/s (a zero-work endpoint, same client)\n")
     if run.get("stop_reason"):
         out.write(f"Stopped early: {run['stop_reason']} ({run['num_sent']} of {run['num_planned']} requests sent)\n")
     for w in run.get("warnings", []):
@@ -142,14 +113,78 @@ _MD_COLS = [
 ]
 
 
+def search_summary_rows(record: dict) -> list[dict]:
+    """One row per SLO search (per input length): the highest rate that met the SLO and what it achieved."""
+    rows = []
+    for s in record.get("searches", []):
+        best = next((t for t in reversed(s["trials"]) if t["passed"] and t["rate"] == s["max_rate"]), None)
+        m = record["runs"][best["run_index"]]["metrics"] if best and best.get("run_index") is not None else {}
+        rows.append({
+            "input_len": s.get("input_len"),
+            "output_len": s.get("output_len"),
+            "slo": s["slo"],
+            "max_rate": s["max_rate"],
+            "min_failed_rate": s.get("min_failed_rate"),
+            "goodput": s.get("goodput"),
+            "request_throughput": m.get("request_throughput"),
+            "output_throughput": m.get("output_throughput"),
+            "p90_ttft_ms": m.get("p90_ttft_ms"),
+            "p90_tpot_ms": m.get("p90_tpot_ms"),
+            "p99_ttft_ms": m.get("p99_ttft_ms"),
+            "p99_tpot_ms": m.get("p99_tpot_ms"),
+            "trials": len(s["trials"]),
+            "stop_reason": s["stop_reason"],
+        })
+    return rows
+
+
+_SUMMARY_COLS = [
+    ("input_len", "input len"), ("output_len", "output len"), ("max_rate", "max rate (req/s)"),
+    ("min_failed_rate", "lowest failing rate"), ("goodput", "goodput (req/s)"),
+    ("output_throughput", "out tok/s"), ("p90_ttft_ms", "p90 TTFT ms"), ("p90_tpot_ms", "p90 TPOT ms"),
+    ("trials", "trials"), ("stop_reason", "stopped"),
+]
+
+
+def search_summary_markdown(record: dict) -> str:
+    rows = search_summary_rows(record)
+    if not rows:
+        return ""
+    slos = sorted({r["slo"] for r in rows})
+    lines = [f"SLO `{'`, `'.join(slos)}`: the highest request rate meeting it, per input length", "",
+             "| " + " | ".join(h for _, h in _SUMMARY_COLS) + " |", "|" + "---|" * len(_SUMMARY_COLS)]
+    for r in rows:
+        cells = []
+        for k, _ in _SUMMARY_COLS:
+            v = r.get(k)
+            if k == "max_rate" and v is None:
+                cells.append("none passed")
+            else:
+                cells.append("" if v is None else _fmt(as_float(v) if k.endswith("rate") else v, 2))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def search_summary_csv(record: dict) -> str:
+    rows = search_summary_rows(record)
+    out = io.StringIO()
+    if rows:
+        w = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(v, 4) if isinstance(v, float) else ("" if v is None else v) for k, v in r.items()})
+    return out.getvalue()
+
+
 def to_markdown(record: dict) -> str:
     rows = run_rows(record)
     cols = [(k, h) for k, h in _MD_COLS if any(k in r and r[k] is not None for r in rows)]
     lines = [f"# pdserve bench {record.get('kind', '')}: {record.get('date', '')}", "",
              f"`{record.get('command', '')}` (commit {record.get('git_commit') or 'unknown'})", ""]
-    for s in record.get("searches", []):
-        lines.append(search_summary_line(s))
     if record.get("searches"):
+        lines += [search_summary_markdown(record), "## Trials", ""]
+        for s in record["searches"]:
+            lines.append(search_summary_line(s))
         lines.append("")
     lines.append("| " + " | ".join(h for _, h in cols) + " |")
     lines.append("|" + "---|" * len(cols))

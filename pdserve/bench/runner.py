@@ -6,7 +6,10 @@ client capacity measured once per output length and concurrency), so a trial cos
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 
 import aiohttp
@@ -87,32 +90,41 @@ class Bench:
         metric_opts: MetricOptions | None = None,
         capacity_duration_s: float = 2.0,
         initial_test: bool = True,
+        ready_check_timeout_s: float = 0.0,
+        num_warmups: int = 0,
+        ready_check_interval_s: float = 5.0,
     ):
         self.endpoint = endpoint
         self.tok = tok
         self.metric_opts = metric_opts or MetricOptions()
         self.capacity_duration_s = capacity_duration_s
         self.initial_test = initial_test
+        self.ready_check_timeout_s = ready_check_timeout_s
+        self.ready_check_interval_s = ready_check_interval_s
+        self.num_warmups = num_warmups
         self._tested = False
+        self._warmed = False
         self._capacity: dict[tuple[int, int], dict] = {}
         self.session: aiohttp.ClientSession | None = None
+        self.model_root: str | None = None  # /v1/models' "root" of the served model, when the bench asked
 
     async def __aenter__(self) -> Bench:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         if not self.endpoint.model:
-            self.endpoint.model = await self.served_model()
+            self.endpoint.model, self.model_root = await self.served_model()
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.session.close()
 
-    async def served_model(self) -> str:
-        """The first model the endpoint lists at /v1/models (what vLLM's bench does without --model)."""
+    async def served_model(self) -> tuple[str, str | None]:
+        """The first model /v1/models lists, and its "root" (what vLLM's bench does without --model)."""
         url = self.endpoint.base_url + "/v1/models"
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 data = await resp.json(content_type=None)
-            return str(data["data"][0]["id"])
+            first = data["data"][0]
+            return str(first["id"]), (str(first["root"]) if first.get("root") else None)
         except Exception as e:
             raise BenchError(f"could not read the served model from {url} ({type(e).__name__}: {e}); "
                              "pass --model") from None
@@ -121,15 +133,42 @@ class Bench:
         return await send_request(self.session, self.endpoint, req, res, self.tok)
 
     async def check_endpoint(self, item: BenchRequest) -> None:
-        """One short request before the run, so a wrong URL, model or endpoint fails fast with the reason."""
+        """One short request before the run, so a wrong URL, model or endpoint fails fast with the reason.
+
+        With a ready-check timeout (vLLM's --ready-check-timeout-sec) it is retried every 5 s (as vLLM) until it
+        succeeds or the time is up, for servers still starting.
+        """
         if self._tested or not self.initial_test:
             return
         req = await item.materialize()
         probe = replace(req, output_len=min(req.output_len, 4))
-        res = await self.send(probe, RequestResult(index=-1))
+        deadline = time.perf_counter() + self.ready_check_timeout_s
+        while True:
+            res = await self.send(probe, RequestResult(index=-1))
+            left = deadline - time.perf_counter()
+            if res.success or left <= 0:
+                break
+            await asyncio.sleep(min(self.ready_check_interval_s, left))
         if not res.success:
             raise BenchError(f"initial test request to {self.endpoint.url} failed: {res.error}")
         self._tested = True
+
+    async def warm_up(self, item: BenchRequest, max_concurrency: int | None) -> None:
+        """vLLM's --num-warmups: that many copies of the first request, under the run's concurrency limit."""
+        if self._warmed or self.num_warmups <= 0:
+            return
+        req = await item.materialize()
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def one() -> None:
+            if sem is None:
+                await self.send(req, RequestResult(index=-1))
+            else:
+                async with sem:
+                    await self.send(req, RequestResult(index=-1))
+
+        await asyncio.gather(*(one() for _ in range(self.num_warmups)))
+        self._warmed = True
 
     async def capacity(self, output_len: int, concurrency: int) -> dict | None:
         if self.capacity_duration_s <= 0:
@@ -151,7 +190,13 @@ class Bench:
         # one measurement per output length serves every trial: the client's cost per request and per chunk
         # barely depends on concurrency once there are a few hundred streams, the most an open loop here sees
         cap = await self.capacity(workload.mean_output_len, load.max_concurrency or 256)
-        lr = await run_load(items, self.send, load, stop=stop, watcher=watcher)
+        await self.warm_up(items[0], load.max_concurrency)
+        gc.collect()  # as vLLM's freeze_gc_heap: what exists now is never scanned again, so no long pauses mid-run
+        gc.freeze()
+        try:
+            lr = await run_load(items, self.send, load, stop=stop, watcher=watcher)
+        finally:
+            gc.unfreeze()
         metrics = compute_metrics(lr.results, lr.duration, self.metric_opts)
         warnings = [w for w in [capacity_warning(metrics, cap)] if w]
         return {
@@ -167,6 +212,7 @@ class Bench:
                 "model": self.endpoint.model,
                 "tokenizer": self.tok.source if self.tok else None,
                 "ignore_eos": self.endpoint.ignore_eos,
+                "sampling": self.endpoint.sampling,
                 "goodput": self.metric_opts.goodput_ms,
             },
             "num_planned": lr.num_planned,
@@ -177,7 +223,7 @@ class Bench:
             "client_capacity": cap,
             "warnings": warnings,
             "requests": request_samples(lr.results, lr.t0),
-            "_results": lr.results,  # live objects for the search's SLO check; dropped before saving
+            "_results": lr.results,  # live objects for the search's SLO check and vLLM's file; dropped before saving
         }
 
 

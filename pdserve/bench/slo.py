@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 
 from pdserve.bench.client import RequestResult
-from pdserve.bench.metrics import pct_name, percentile, request_tpot
+from pdserve.bench.metrics import pct_name, request_tpot
+from pdserve.stats import percentile
 
 _TERM = re.compile(r"^\s*(p\d+(?:\.\d+)?|mean|median)_(ttft|tpot|itl|e2el)_ms\s*(<=|<)\s*([0-9.eE+-]+)\s*$")
 

@@ -59,7 +59,8 @@ async def run_slo_search(
                 return "time_budget: the search ran out of time during this trial"
             return certain_violation(results, terms, n_expected, now) if early_stop else None
 
-        trial_load = replace(load, request_rate=rate, seed=seed,
+        prefix = f"{load.request_id_prefix}{len(record['runs'])}-" if load.request_id_prefix else ""
+        trial_load = replace(load, request_rate=rate, seed=seed, request_id_prefix=prefix,
                              max_duration_s=None if math.isinf(window) else window)
         run = await bench.run(replace(workload, num_prompts=n, seed=seed), trial_load, stop=StopSignal(),
                               watcher=watch, label=f"rate={rate:g}")
@@ -97,3 +98,41 @@ async def run_slo_search(
     }
     record.setdefault("searches", []).append(section)
     return section
+
+
+async def run_length_searches(
+    bench: Bench,
+    workload: WorkloadConfig,
+    load: LoadConfig,
+    terms: list[SLOTerm],
+    cfg: SearchConfig,
+    user_stop: StopSignal,
+    record: dict,
+    input_lens: list[int],
+    early_stop: bool = True,
+    on_trial=None,
+    on_search=None,
+) -> list[dict]:
+    """One SLO search per input length, in order, into one record (the seeds' benchmark in one step).
+
+    The first search starts at `cfg.start_rate`; each later one at the highest rate the previous length met
+    (when it met one), which saves the probing trials when lengths grow and rates fall. Each search has its own
+    trial and time budget; a Ctrl-C ends the current search and skips the rest. Returns the search sections
+    (also in record["searches"]).
+    """
+    if len(input_lens) > 1 and workload.dataset_name != "random":
+        raise ValueError("several input lengths need --dataset-name random")
+    sections = []
+    start = cfg.start_rate
+    for n_in in input_lens:
+        if user_stop.is_set:
+            break
+        section = await run_slo_search(bench, replace(workload, random_input_len=n_in), load, terms,
+                                       replace(cfg, start_rate=start), user_stop, record, early_stop=early_stop,
+                                       on_trial=on_trial)
+        if section["max_rate"] is not None:
+            start = min(max(section["max_rate"], cfg.min_rate), cfg.max_rate)
+        sections.append(section)
+        if on_search is not None:
+            on_search(section)
+    return sections

@@ -1,13 +1,23 @@
-"""A controllable OpenAI-compatible streaming endpoint for benchmark tests, run in a background thread.
+"""A scripted OpenAI-compatible streaming endpoint with exactly known timings, run in a background thread.
 
-Behaviours: normal streaming with set delays; HTTP errors; malformed SSE; a stream cut before [DONE]; an error
-event; and a latency that jumps once the observed arrival rate exceeds a threshold (for the SLO search).
+The script: the first token chunk `ttft_s` after the request arrives, then one chunk every `itl_s` (on an
+absolute schedule, so sleeps do not drift), or with steps that make every TTFT and every gap different;
+optionally some chunks with empty text; optionally a trailing usage-only chunk `usage_delay_s` after the last
+token; HTTP errors for every `fail_every`-th request (by the number at the end of its x-request-id) or for the
+first `fail_first` requests. The server records, per request, when it arrived and when each chunk actually left
+(after the write returned), so a test computes the truth from what was really sent rather than what was meant.
+
+`mode="queue"` models a server whose latency grows with load: one FIFO prefill lane in which a prompt of n
+words takes n x `prefill_s_per_token`; the first token leaves when the request's prefill is done, and a request
+the client abandons leaves the lane at once. Other modes produce broken streams: malformed, no_done,
+error_event, http_error (every request fails).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,19 +26,46 @@ from aiohttp import web
 
 
 @dataclass
-class Behaviour:
-    mode: str = "ok"  # ok | http_500 | malformed | no_done | error_event | rate_threshold | fail_every
+class Script:
+    mode: str = "ok"  # ok | queue | malformed | no_done | error_event | http_error
     ttft_s: float = 0.0
-    tpot_s: float = 0.0
+    itl_s: float = 0.0
+    ttft_step_s: float = 0.0  # request i (by its id) waits ttft_s + i * ttft_step_s for its first chunk
+    itl_step_s: float = 0.0  # gap g of the whole run is itl_s + itl_step_s * ((37 g) mod 101): all different
     tokens_per_chunk: int = 1
-    report_usage: bool = True
-    rate_threshold: float = 0.0  # rate_threshold mode: arrivals/s above which TTFT becomes slow_ttft_s
-    slow_ttft_s: float = 0.3
-    rate_window: int = 8
-    fail_every: int = 0  # fail_every mode: every n-th request answers HTTP 503
-    arrivals: list = field(default_factory=list)
-    count: int = 0
-    bodies: list = field(default_factory=list)
+    usage: bool = True  # a trailing usage-only chunk (choices: [])
+    usage_delay_s: float = 0.0  # ... sent this long after the last token chunk
+    empty_chunks: tuple[int, ...] = ()  # token chunks (0-based) sent with empty text, e.g. a special token
+    fail_every: int = 0  # request <prefix><i> with i % fail_every == fail_every - 1 answers HTTP fail_status
+    fail_status: int = 500
+    fail_first: int = 0  # the first n requests answer HTTP 503 (a server still starting)
+    prefill_s_per_token: float = 0.0  # queue mode
+
+
+@dataclass
+class Record:
+    """What the server saw and did for one request (times on the time.perf_counter clock)."""
+
+    request_id: str | None
+    index: int | None  # the number at the end of the request id
+    arrival: float
+    body: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)
+    status: int = 200
+    prompt_words: int = 0
+    chunk_times: list[float] = field(default_factory=list)  # token chunks only
+    chunk_texts: list[str] = field(default_factory=list)
+    usage_time: float | None = None
+    end: float | None = None  # after data: [DONE] was written
+
+    @property
+    def tokens(self) -> int:
+        return len(self.chunk_times)
+
+
+def prompt_tokens(words: int) -> int:
+    """What the fake server reports as usage.prompt_tokens: the prompt's words plus one, like a BOS token."""
+    return words + 1
 
 
 def _event(chat: bool, text: str) -> bytes:
@@ -39,11 +76,24 @@ def _event(chat: bool, text: str) -> bytes:
     return f"data: {json.dumps(ev)}\n\n".encode()
 
 
-BEHAVIOUR = web.AppKey("behaviour", Behaviour)
+class _State:
+    def __init__(self, script: Script):
+        self.script = script
+        self.records: list[Record] = []
+        self.lane: dict[int, float] = {}  # queue mode: prefill-done time of each request holding the lane
+
+
+STATE = web.AppKey("state", _State)
 
 
 async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"data": [{"id": "fake-model"}]})
+    return web.json_response({"object": "list", "data": [{"id": "fake-model", "root": "fake-root"}]})
+
+
+async def _sleep_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
 
 
 async def _handle(request: web.Request) -> web.StreamResponse:
@@ -51,57 +101,74 @@ async def _handle(request: web.Request) -> web.StreamResponse:
         return await _respond(request)
     except ConnectionError:  # the benchmark cancelled the request (early stop, Ctrl-C): nothing to do
         return web.Response(status=499)
+    finally:
+        request.app[STATE].lane.pop(id(request), None)  # done or aborted: it no longer holds the prefill lane
 
 
 async def _respond(request: web.Request) -> web.StreamResponse:
-    b: Behaviour = request.app[BEHAVIOUR]
-    now = time.perf_counter()
-    b.arrivals.append(now)
-    b.count += 1
-    body = await request.json()
-    b.bodies.append(body)
+    st: _State = request.app[STATE]
+    s = st.script
+    arrival = time.perf_counter()
+    rid = request.headers.get("x-request-id")
+    m = re.search(r"(\d+)$", rid or "")
+    rec = Record(request_id=rid, index=int(m.group(1)) if m else None, arrival=arrival, headers=dict(request.headers))
+    st.records.append(rec)
+    rec.body = body = await request.json()
     chat = request.path.endswith("/chat/completions")
-    n = int(body.get("max_tokens", 16))
-    if b.mode == "http_500" or (b.mode == "fail_every" and b.count % b.fail_every == 0):
-        status = 500 if b.mode == "http_500" else 503
+    prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+    rec.prompt_words = len(str(prompt).split())
+    n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+    failing = s.fail_every and rec.index is not None and rec.index % s.fail_every == s.fail_every - 1
+    if s.mode == "http_error" or failing or len(st.records) <= s.fail_first:
+        status = 503 if len(st.records) <= s.fail_first else s.fail_status
+        rec.status, rec.end = status, time.perf_counter()
         return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=status)
-    ttft = b.ttft_s
-    if b.mode == "rate_threshold" and len(b.arrivals) > b.rate_window:
-        span = b.arrivals[-1] - b.arrivals[-1 - b.rate_window]
-        if span > 0 and b.rate_window / span > b.rate_threshold:
-            ttft = b.slow_ttft_s
+    first = arrival + s.ttft_s + (rec.index or 0) * s.ttft_step_s
+    if s.mode == "queue":  # FIFO behind every request still prefilling (an aborted one frees its place)
+        start = max([arrival, *st.lane.values()])
+        st.lane[id(request)] = first = start + rec.prompt_words * s.prefill_s_per_token
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await asyncio.sleep(ttft)
-    if b.mode == "malformed":
+    await _sleep_until(first)
+    if s.mode == "malformed":
         await resp.write(_event(chat, " t1"))
         await resp.write(b"data: {not json\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
-    if b.mode == "error_event":
+    if s.mode == "error_event":
         await resp.write(b'data: {"error": {"message": "out of blocks", "code": 503}}\n\n')
         return resp
-    sent = 0
+    sent, k, due = 0, 0, first
     while sent < n:
-        k = min(b.tokens_per_chunk, n - sent)
-        if sent and b.tpot_s:
-            await asyncio.sleep(b.tpot_s * k)
-        await resp.write(_event(chat, "".join(f" t{sent + j}" for j in range(k))))
-        sent += k
-        if b.mode == "no_done" and sent >= max(1, n // 2):
+        c = min(s.tokens_per_chunk, n - sent)
+        if k:
+            g = (rec.index or 0) * n + k
+            due += s.itl_s + s.itl_step_s * ((37 * g) % 101)
+        await _sleep_until(due)
+        text = "" if k in s.empty_chunks else "".join(f" t{sent + j}" for j in range(c))
+        k += 1
+        await resp.write(_event(chat, text))
+        rec.chunk_times.append(time.perf_counter())
+        rec.chunk_texts.append(text)
+        sent += c
+        if s.mode == "no_done" and sent >= max(1, n // 2):
             return resp
-    if b.report_usage:
-        usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+    if s.usage:
+        await _sleep_until(rec.chunk_times[-1] + s.usage_delay_s)
+        usage = {"prompt_tokens": prompt_tokens(rec.prompt_words), "completion_tokens": sent,
+                 "total_tokens": prompt_tokens(rec.prompt_words) + sent}
         await resp.write(f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n".encode())
+        rec.usage_time = time.perf_counter()
     await resp.write(b"data: [DONE]\n\n")
+    rec.end = time.perf_counter()
     return resp
 
 
 class FakeServer:
-    """`with FakeServer(Behaviour(...)) as srv: srv.url` serves until the block ends."""
+    """`with FakeServer(Script(...)) as srv: srv.url` serves until the block ends; `srv.records` is what it did."""
 
-    def __init__(self, behaviour: Behaviour | None = None):
-        self.behaviour = behaviour or Behaviour()
+    def __init__(self, script: Script | None = None):
+        self.state = _State(script or Script())
         self.port = 0
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,14 +178,26 @@ class FakeServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def script(self) -> Script:
+        return self.state.script
+
+    @property
+    def records(self) -> list[Record]:
+        return self.state.records
+
+    def bench_records(self, prefix: str) -> dict[int, Record]:
+        """The benchmark's requests (x-request-id <prefix><i>) by index i; probes and warm-ups carry no id."""
+        return {r.index: r for r in self.records if r.request_id and r.request_id.startswith(prefix)}
+
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
         app = web.Application()
-        app[BEHAVIOUR] = self.behaviour
+        app[STATE] = self.state
         app.router.add_post("/v1/completions", _handle)
         app.router.add_post("/v1/chat/completions", _handle)
         app.router.add_get("/v1/models", _models)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         self._loop.run_until_complete(site.start())

@@ -5,6 +5,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdserve.bench.datasets import exact_length_text, file_dataset, random_dataset, sharegpt_dataset
@@ -17,12 +18,27 @@ def test_random_exact_lengths_word_level(word_tokenizer_dir):
     reqs = random_dataset(tok, num_prompts=20, input_len=100, output_len=7, range_ratio=0.5, prefix_len=16, seed=3)
     for r in reqs:
         assert len(tok.encode(r.prompt)) == r.prompt_len
-        assert 16 + 50 <= r.prompt_len <= 16 + 150 and 3 <= r.output_len <= 10
+        assert 16 + 50 <= r.prompt_len <= 16 + 150 and 3 <= r.output_len <= 11  # floor/ceil bounds as vLLM
     prefixes = {tuple(tok.encode(r.prompt)[:16]) for r in reqs}
     assert len(prefixes) == 1  # the shared prefix
     assert len({r.prompt for r in reqs}) == 20
     fixed = random_dataset(tok, num_prompts=5, input_len=33, output_len=7, seed=1)
     assert [r.prompt_len for r in fixed] == [33] * 5 and [r.output_len for r in fixed] == [7] * 5
+
+
+def test_random_lengths_and_tokens_follow_vllms_draws(word_tokenizer_dir):
+    """Lengths come from numpy.random.default_rng(seed) in vLLM's order (input lengths, output lengths, offsets),
+    and request i's tokens are the vocabulary ids offset_i + i, offset_i + i + 1, ... (word-level: exact)."""
+    tok = load_tokenizer(str(word_tokenizer_dir))
+    n, seed = 12, 5
+    reqs = random_dataset(tok, num_prompts=n, input_len=40, output_len=20, range_ratio=0.25, seed=seed)
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(30, 50 + 1, size=n)
+    out_lens = rng.integers(15, 25 + 1, size=n)
+    offsets = rng.integers(0, tok.vocab_size, size=n)
+    assert [r.prompt_len for r in reqs] == in_lens.tolist() and [r.output_len for r in reqs] == out_lens.tolist()
+    for i, r in enumerate(reqs):
+        assert tok.encode(r.prompt) == [(offsets[i] + i + k) % tok.vocab_size for k in range(in_lens[i])]
 
 
 def test_random_exact_lengths_default_model_bpe_tokenizer():
@@ -34,8 +50,9 @@ def test_random_exact_lengths_default_model_bpe_tokenizer():
         text, ids = exact_length_text(tok, n, rng, pool)
         assert len(tok.encode(text)) == n == len(ids)
     reqs = random_dataset(tok, num_prompts=8, input_len=64, output_len=4, prefix_len=32, seed=0)
-    assert all(len(tok.encode(r.prompt)) == 96 for r in reqs)
-    assert tok.num_special_tokens_added == 1  # <bos>: the server's prompt_tokens is one more
+    assert tok.num_special_tokens_added == 1  # <bos>
+    # as vLLM: --random-input-len counts the <bos> the server adds, so the text itself has one token fewer
+    assert all(len(tok.encode(r.prompt)) == r.prompt_len == 32 + 63 for r in reqs)
 
 
 def test_bad_lengths_are_rejected(word_tokenizer_dir):

@@ -61,17 +61,20 @@ def test_bench_serve_against_pdserve(server_url, endpoint, tmp_path):
     rc = main(["serve", "--base-url", server_url, "--endpoint", endpoint, "--num-prompts", "3",
                "--random-input-len", str(n_in), "--random-output-len", str(n_out), "--ignore-eos",
                "--request-rate", "inf", "--disable-tqdm", "--capacity-duration", "0.5", "--save-result",
-               "--result-dir", str(tmp_path), "--result-filename", "real"])
+               "--result-dir", str(tmp_path), "--result-filename", "real.json"])
     assert rc == 0
-    run = json.loads((tmp_path / "real.json").read_text())["runs"][0]
+    vllm = json.loads((tmp_path / "real.json").read_text())
+    run = json.loads((tmp_path / "real.pdserve.json").read_text())["runs"][0]
     assert run["config"]["model"] == "gemma-3-270m"  # read from /v1/models
     assert run["metrics"]["completed"] == 3 and run["metrics"]["failed"] == 0
     added = load_tokenizer("gemma-3-270m").num_special_tokens_added
+    assert vllm["model_id"] and vllm["tokenizer_id"] == vllm["model_id"]  # /v1/models' root, as vLLM
+    assert vllm["completed"] == 3 and vllm["total_output_tokens"] == 3 * n_out
     for s in run["requests"]:
         assert s["output_tokens"] == s["server_completion_tokens"] == n_out
         assert s["chunks"] >= 1 and s["ttft"] > 0 and s["e2el"] >= s["ttft"]
-        if endpoint == "/v1/completions":  # exact prompt lengths under the server's own tokenizer
-            assert s["prompt_len"] == n_in and s["server_prompt_tokens"] == n_in + added
+        if endpoint == "/v1/completions":  # as vLLM: --random-input-len counts the <bos> the server adds
+            assert s["prompt_len"] == n_in - added and s["server_prompt_tokens"] == s["input_tokens"] == n_in
         else:  # the chat template wraps the prompt
             assert s["server_prompt_tokens"] > n_in
     assert run["client_capacity"]["request_throughput"] > run["metrics"]["request_throughput"]

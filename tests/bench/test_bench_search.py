@@ -1,19 +1,22 @@
-"""The SLO search: pure convergence on known thresholds, and a live search against a controllable endpoint."""
+"""The SLO search: pure convergence on known thresholds, and the seeds' benchmark (several input lengths in one
+command) against a server whose latency grows with load, converging to rates computed from the server's model."""
 
 import asyncio
+import csv
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from PIL import Image
 
-from pdserve.bench.client import EndpointConfig
-from pdserve.bench.loadgen import LoadConfig, StopSignal, arrival_times
-from pdserve.bench.runner import Bench, WorkloadConfig
 from pdserve.bench.search import SearchConfig, Trial, search_max_rate, trial_size
-from pdserve.bench.slo import parse_slo
-from pdserve.bench.tokenizer import load_tokenizer
-from pdserve.bench.trials import run_slo_search
 
-from .fake_server import Behaviour, FakeServer
+from .fake_server import FakeServer, Script
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _search(threshold: float, **kw) -> tuple:
@@ -65,47 +68,83 @@ def test_trial_size():
     assert trial_size(2.5, SearchConfig(requests_per_rate=5, min_requests=1, min_duration_s=10.0)) == 25
 
 
-def test_arrival_process():
-    t = arrival_times(2000, rate=50.0, burstiness=1.0, seed=0)
-    gaps = [b - a for a, b in zip(t, t[1:])]
-    mean = sum(gaps) / len(gaps)
-    cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
-    assert mean == pytest.approx(1 / 50, rel=0.1) and cv == pytest.approx(1.0, rel=0.15)  # Poisson
-    t = arrival_times(2000, rate=50.0, burstiness=100.0, seed=0)
-    gaps = [b - a for a, b in zip(t, t[1:])]
-    assert max(gaps) < 2 / 50  # nearly regular
-    assert arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
-    with pytest.raises(ValueError):
-        arrival_times(3, 0.0)
+# The seeds' benchmark against a loaded server. One FIFO prefill lane: a prompt of w words takes P = w * C
+# seconds. A trial sends N requests at exactly 1/rate apart (--burstiness inf), so request i waits
+# i * (P - 1/rate) when the lane cannot keep up and its TTFT is P + i * max(0, P - 1/rate): the p90 over N
+# samples (numpy's interpolation, position 0.9 * (N - 1)) is P + 0.9 * (N - 1) * max(0, P - 1/rate), and the
+# highest rate meeting p90 <= L is 1 / (P - (L - P) / (0.9 * (N - 1))).
+C, L, N = 0.0007, 0.2, 11
+LENS = (64, 128)
+SEARCH = dict(start_rate=32.0, growth=2.0, tolerance=0.25, min_rate=0.5, max_rate=400.0)
 
 
-def test_live_search_finds_the_threshold_of_a_loaded_endpoint(word_tokenizer_dir):
-    """The endpoint answers slowly once requests arrive faster than 22/s; the search must bracket 22/s.
+def model_p90(words: int, rate: float) -> float:
+    p = words * C
+    return p + 0.9 * (N - 1) * max(0.0, p - 1.0 / rate)
 
-    Bisecting [16, 32] with tolerance 0.2 ends at [20, 24]: the threshold sits ~10% from either end, well
-    outside the endpoint's error in estimating the arrival rate from 16 nearly regular arrivals.
-    """
-    threshold = 22.0
-    terms = parse_slo("p90_ttft_ms<=100")
-    cfg = SearchConfig(start_rate=8.0, tolerance=0.2, requests_per_rate=2.0, min_requests=20, max_trials=12,
-                       cooldown_s=0.5)
 
-    async def go(url):
-        record = {"runs": []}
-        async with Bench(EndpointConfig(base_url=url, model="m"), load_tokenizer(str(word_tokenizer_dir)),
-                         capacity_duration_s=0) as b:
-            w = WorkloadConfig(random_input_len=8, random_output_len=2)
-            section = await run_slo_search(b, w, LoadConfig(burstiness=1000.0, progress=False), terms, cfg,
-                                           StopSignal(), record)
-        return section, record
+def model_max_rate(words: int) -> float:
+    p = words * C
+    return 1.0 / (p - (L - p) / (0.9 * (N - 1)))
 
-    behaviour = Behaviour(mode="rate_threshold", rate_threshold=threshold, slow_ttft_s=0.3, rate_window=16)
-    with FakeServer(behaviour) as srv:
-        section, record = asyncio.run(go(srv.url))
-    assert section["stop_reason"] == "converged", section
-    lo, hi = section["max_rate"], section["min_failed_rate"]
-    assert lo <= threshold < hi and hi - lo <= cfg.tolerance * lo
-    assert section["goodput"] > 0
-    assert len(record["runs"]) == len(section["trials"])
-    failing = [t for t in section["trials"] if t["passed"] is False]
-    assert any("early_stop" in t["reason"] for t in failing)  # overloaded trials stop as soon as they must fail
+
+def model_searches() -> list[list[tuple[float, bool, float]]]:
+    """The trials the search must run against the model: (rate, passed, p90 - limit), each length starting at the
+    previous length's result, as `pdserve bench search` does."""
+    paths, start = [], SEARCH["start_rate"]
+    for words in LENS:
+        seq = []
+
+        async def trial(rate, left, words=words, seq=seq):
+            margin = model_p90(words, rate) - L
+            seq.append((rate, margin <= 0, margin))
+            return Trial(rate=rate, passed=margin <= 0)
+
+        res = asyncio.run(search_max_rate(trial, SearchConfig(**{**SEARCH, "start_rate": start})))
+        assert res.stop_reason == "converged" and res.max_rate <= model_max_rate(words) < res.min_failed_rate
+        paths.append(seq)
+        start = res.max_rate
+    return paths
+
+
+@pytest.mark.timeout(300)
+def test_search_over_input_lengths_in_one_step_finds_each_lengths_max_rate(word_tokenizer_dir, tmp_path):
+    expected = model_searches()
+    # every trial's p90 is at least 10% of the limit away from it: timing noise cannot flip a verdict
+    assert min(abs(m) for seq in expected for _, _, m in seq) >= 0.1 * L
+    cmd = [sys.executable, "-m", "pdserve.bench", "search", "--tokenizer", str(word_tokenizer_dir),
+           "--random-input-len", ",".join(map(str, LENS)), "--random-output-len", "2",
+           "--slo", f"p90_ttft_ms<={L * 1000:g},p90_tpot_ms<=50", "--burstiness", "inf",
+           "--start-rate", str(SEARCH["start_rate"]), "--growth", "2", "--tolerance", str(SEARCH["tolerance"]),
+           "--min-rate", "0.5", "--max-rate", "400", "--min-requests", str(N), "--max-requests", str(N),
+           "--requests-per-rate", "0", "--cooldown", "0.2", "--capacity-duration", "0", "--disable-tqdm",
+           "--result-dir", str(tmp_path), "--result-filename", "seeds.json"]
+    with FakeServer(Script(mode="queue", prefill_s_per_token=C, itl_s=0.01)) as srv:
+        p = subprocess.run([*cmd, "--base-url", srv.url], cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rec = json.loads((tmp_path / "seeds.json").read_text())
+    assert [s["input_len"] for s in rec["searches"]] == list(LENS)
+    for s, seq, words in zip(rec["searches"], expected, LENS):
+        assert [(t["rate"], t["passed"]) for t in s["trials"]] == [(r, ok) for r, ok, _ in seq], s["trials"]
+        assert s["stop_reason"] == "converged" and s["max_rate"] <= model_max_rate(words) < s["min_failed_rate"]
+        for t in s["trials"]:
+            run = rec["runs"][t["run_index"]]
+            assert run["config"]["random_input_len"] == words and run["config"]["request_rate"] == t["rate"]
+            if t["passed"]:  # a full trial: the measured p90 TTFT is the model's (plus client overhead)
+                assert t["values"][f"p90_ttft_ms<={L * 1000:g}"] == pytest.approx(model_p90(words, t["rate"]) * 1e3,
+                                                                                 rel=0.1)
+    # one table across lengths: CSV, markdown and the JSON's searches; and one plot across lengths
+    rows = list(csv.DictReader((tmp_path / "seeds.csv").open()))
+    assert [(int(r["input_len"]), float(r["max_rate"])) for r in rows] == [
+        (s["input_len"], s["max_rate"]) for s in rec["searches"]]
+    md = (tmp_path / "seeds.md").read_text()
+    assert "| input len | output len | max rate (req/s) |" in md
+    for s in rec["searches"]:
+        assert f"| {s['input_len']} | 2 | {s['max_rate']:.2f} |" in md
+    trials_csv = list(csv.DictReader((tmp_path / "seeds_trials.csv").open()))
+    assert len(trials_csv) == sum(len(s["trials"]) for s in rec["searches"])
+    for name in ("seeds_max_rate.png", "seeds_latency_vs_rate.png"):
+        with Image.open(tmp_path / name) as im:
+            assert im.format == "PNG" and im.size[0] > 500
+    assert "max rate (req/s)" in p.stdout  # the table across lengths is printed too
+    assert math.isfinite(rec["searches"][0]["goodput"])

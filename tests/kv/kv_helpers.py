@@ -2,9 +2,9 @@
 
 import multiprocessing as mp
 
+from pdserve.bench.transfer import Remote
+from pdserve.bench.transfer_worker import Pool
 from pdserve.kv import AgentConfig, KVAgent, XferList
-from pdserve.kv.bench_transfer import Remote
-from pdserve.kv.bench_worker import Pool
 
 BB = 4096 + 48  # block bytes: not a power of two on purpose
 NB = 96  # blocks per pool

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from pdserve.kv.bench_transfer import Remote  # noqa: E402
+from pdserve.bench.transfer import Remote  # noqa: E402
 
 BB = 36 * 2 * 16 * 8 * 128 * 2  # one qwen3-8b block of 16 tokens
 NB = 64

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdserve.bench.transfer_worker import Pool
 from pdserve.kv import AgentConfig, KVAgent, XferList
-from pdserve.kv.bench_worker import Pool
 from tests.kv.kv_helpers import BB, NB
 
 

@@ -1,5 +1,5 @@
 """tcp transport between processes: byte-exact random block lists, concurrent peers, bad descriptors, refused
-connections. Peers run in spawned processes (pdserve.kv.bench_worker), the local agent in the test process."""
+connections. Peers run in spawned processes (pdserve.bench.transfer_worker), the local agent in the test process."""
 
 import asyncio
 import socket

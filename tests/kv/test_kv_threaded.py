@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 
+from pdserve.bench.transfer_worker import Pool
 from pdserve.kv import AgentConfig, PeerDisconnectedError, ThreadedAgent, TransferTimeoutError
-from pdserve.kv.bench_worker import Pool
 from tests.kv.kv_helpers import BB, NB
 
 

@@ -1,11 +1,14 @@
-"""`pdserve bench transfer` on CPU: two processes, tcp, checksums verified, JSON with the fields the report needs."""
+"""`pdserve bench transfer` on CPU: two processes, tcp, checksums verified, JSON with the fields the report needs;
+the module entry point and the older --out spelling still work."""
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
-from pdserve.kv import bench_transfer
+from pdserve.bench import transfer as bench_transfer
 from pdserve.kv.model_shapes import kv_shape
 
 
@@ -22,10 +25,10 @@ def test_bench_transfer_tcp_cpu(tmp_path, capsys):
     out = tmp_path / "r.json"
     args = parser.parse_args(["--transport", "tcp", "--backend", "numpy", "--block-bytes", str(96 << 10),
                               "--num-blocks", "48", "--iters", "3", "--warmup", "1", "--latency-iters", "10",
-                              "--tcp-connections", "2", "--out", str(out)])
+                              "--tcp-connections", "2", "--result-dir", str(tmp_path), "--result-filename", "r.json"])
     assert bench_transfer.main(args) == 0
     r = json.loads(out.read_text())
-    assert r["machine"]["hostname"] and "torch" in r["machine"] and r["args"]["out"] == str(out)
+    assert r["machine"]["hostname"] and "torch" in r["machine"] and r["args"]["result_filename"] == "r.json"
     assert "git_commit" in r
     assert r["checks"] == {"write_checksums_match": True, "write_differed_before": True,
                            "read_checksums_match": True, "read_differed_before": True}
@@ -40,4 +43,17 @@ def test_bench_transfer_tcp_cpu(tmp_path, capsys):
         ceil = r["ceilings"][op]
         assert ceil["GBps"] > 0 and {"streams_1", "streams_2"} <= set(ceil) and op in ceil["what"]
         assert r["results"][op]["ceiling_GBps"] == ceil["GBps"]
-    assert "ceiling for read" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ceiling for read" in printed and f"wrote {out}" in printed
+
+
+@pytest.mark.timeout(180)
+def test_module_entry_point_and_old_out_flag(tmp_path):
+    out = tmp_path / "old.json"
+    r = subprocess.run([sys.executable, "-m", "pdserve.bench.transfer", "--transport", "tcp", "--backend", "numpy",
+                        "--block-bytes", "65536", "--num-blocks", "8", "--iters", "1", "--warmup", "1", "--ops",
+                        "write", "--latency-iters", "0", "--tcp-connections", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["checks"]["write_checksums_match"] and rec["results"]["write"]["bytes"] == 8 * 65536

@@ -8,7 +8,6 @@ import asyncio
 import hashlib
 import os
 import socket
-import statistics
 import threading
 import time
 from typing import Any
@@ -21,6 +20,7 @@ from pdserve.kv.descs import block_xfers
 from pdserve.kv.notify import Notification
 from pdserve.kv.transports.tcp import split_address, tune_socket
 from pdserve.kv.wire import recv_into_exact
+from pdserve.stats import median, percentile
 
 
 class Pool:
@@ -74,14 +74,9 @@ class Pool:
         return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else float("nan")
-
-
 def summarize(seconds: list[float], nbytes: int) -> dict[str, float]:
-    med = statistics.median(seconds)
-    return {"median_ms": med * 1e3, "p99_ms": _pct(seconds, 0.99) * 1e3, "min_ms": min(seconds) * 1e3,
+    med = median(seconds)
+    return {"median_ms": med * 1e3, "p99_ms": percentile(seconds, 99.0) * 1e3, "min_ms": min(seconds) * 1e3,
             "GBps": nbytes / med / 1e9 if med > 0 else float("nan"), "iters": len(seconds)}
 
 

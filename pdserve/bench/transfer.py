@@ -3,7 +3,9 @@ reports median/p99 time and GB/s for WRITE and READ, single-block latency from t
 notification, descriptors before/after coalescing, and the ceiling measured in the same run (one large peer copy
 for cuda_ipc, a raw socket stream between the same two processes for tcp); verifies checksums; writes JSON.
 
-    python -m pdserve.kv.bench_transfer --model-config qwen3-8b --tokens 8192 --block-size 16 --out r.json
+    python -m pdserve.bench.transfer --model-config qwen3-8b --tokens 8192 --block-size 16 --result-filename r.json
+
+(the same as `pdserve bench transfer ...`). The worker processes run pdserve.bench.transfer_worker.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.kv.bench_worker import worker_main
+from pdserve.bench.paths import add_output_flags, result_path
 from pdserve.kv.config import AgentConfig
 from pdserve.kv.model_shapes import kv_shape
+from pdserve.stats import median, percentile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--timeout", type=float, default=300.0, help="limit for each step, seconds")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the JSON result here")
+    add_output_flags(p, "none: the table only, unless --result-dir is given (then transfer.json)",
+                     old_spelling="--out")
 
 
 def _git_commit() -> str | None:
@@ -80,6 +84,8 @@ class Remote:
     def __init__(self, ctx: Any, name: str, spec: dict[str, Any], timeout: float) -> None:
         self.name, self.timeout = name, timeout
         self.conn, child = ctx.Pipe()
+        from pdserve.bench.transfer_worker import worker_main
+
         self.proc = ctx.Process(target=worker_main, args=(child, spec), daemon=True, name=f"kv-bench-{name}")
         self.proc.start()
         self._wait("start")
@@ -190,7 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             after = a.call("checksums", ids=src) == b.call("checksums", ids=dst)
             lat = b.call("latencies") if op == "write" else []
             if lat:
-                res["notify_after_call_median_ms"] = float(np.median(lat)) / 1e6
+                res["notify_after_call_median_ms"] = median(lat) / 1e6
             c = ceil.result(op)
             res.update({"ceiling_GBps": c["GBps"], "ceiling_median_ms": c["median_ms"],
                         "fraction_of_ceiling": res["GBps"] / c["GBps"]})
@@ -204,9 +210,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res = a.call("xfer", op="write", peer=peer, local_ids=src[:1], remote_ids=dst[:1],
                          iters=args.latency_iters, warmup=min(20, args.latency_iters),
                          transport=transport)
-            lat = np.array(b.call("latencies")[-args.latency_iters:], dtype=np.float64) / 1e3
+            lat = [x / 1e3 for x in b.call("latencies")[-args.latency_iters:]]
             res.pop("times_ms", None)
-            res.update({"e2e_median_us": float(np.median(lat)), "e2e_p99_us": float(np.percentile(lat, 99)),
+            res.update({"e2e_median_us": median(lat), "e2e_p99_us": percentile(lat, 99.0),
                         "sender_median_us": res["median_ms"] * 1e3})
             out["results"]["single_block_write"] = res
     finally:
@@ -218,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One summary from single-iteration runs."""
-    from pdserve.kv.bench_worker import summarize
+    from pdserve.bench.transfer_worker import summarize
 
     times = [t / 1e3 for r in runs for t in r["times_ms"]]
     res = {k: v for k, v in runs[-1].items() if k not in ("times_ms",)}
@@ -266,7 +272,7 @@ class Ceiling:
             sender.call("raw_send", nbytes=self.nbytes, iters=0, warmup=self.warmup)
 
     def result(self, op: str) -> dict[str, Any]:
-        from pdserve.kv.bench_worker import summarize
+        from pdserve.bench.transfer_worker import summarize
 
         res: dict[str, Any] = {k[1]: summarize([t / 1e3 for t in ms], self.nbytes)
                                for k, ms in self.times.items() if k[0] == op}
@@ -307,14 +313,24 @@ def table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def output_path(args: argparse.Namespace) -> str | None:
+    """Where the JSON goes: --result-dir/--result-filename (default name transfer.json), or the older --out."""
+    if args.result_dir or args.result_filename:
+        return str(result_path(args.result_dir, args.result_filename, "transfer.json"))
+    return args.old_output
+
+
 def main(args: argparse.Namespace) -> int:
     out = run(args)
     text = json.dumps(out, indent=1)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    path = output_path(args)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             f.write(text)
     print(table(out))
+    if path:
+        print(f"wrote {path}")
     ok = all(v for k, v in out["checks"].items() if k.endswith("_checksums_match"))
     if not ok:
         print("CHECKSUM MISMATCH", file=sys.stderr)
