@@ -28,7 +28,6 @@ import queue
 import random
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from pdserve import stats
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("pd_direct", "router", "prefill_alone", "decode_local")
@@ -66,13 +67,8 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     xs = sorted(values)
-
-    def pct(q: float) -> float:
-        k = (len(xs) - 1) * q
-        lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-    return {"n": len(xs), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "mean": statistics.fmean(xs),
+    p50, p90, p99 = stats.percentiles(xs, (50, 90, 99))
+    return {"n": len(xs), "p50": p50, "p90": p90, "p99": p99, "mean": stats.mean(xs),
             "min": xs[0], "max": xs[-1]}
 
 

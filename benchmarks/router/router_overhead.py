@@ -22,6 +22,8 @@ from pathlib import Path
 
 import aiohttp
 
+from pdserve import stats
+
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = ROOT / "tests" / "router" / "fake_instance.py"  # the fake instance lives with the router tests
 
@@ -47,8 +49,7 @@ async def wait_healthy(url: str, timeout: float = 30.0) -> None:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+    return stats.percentile(xs, 100 * q)
 
 
 async def one(session: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[float, float, int]:

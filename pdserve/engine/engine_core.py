@@ -33,6 +33,7 @@ from pdserve.engine.runner import ModelRunner, block_bytes
 from pdserve.engine.scheduler import Scheduler
 from pdserve.model.loader import build_model, choose_dtype, load_config, resolve_model
 from pdserve.sampling_params import SamplingParams
+from pdserve.stats import median
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,9 @@ class HandoverStats:
     handover_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        h = sorted(self.handover_s[-1000:])
+        h = self.handover_s[-1000:]
         return {"imports": self.imports, "fallbacks": self.fallbacks, "exports": self.exports,
-                "export_failures": self.export_failures, "handover_p50_s": h[len(h) // 2] if h else None}
+                "export_failures": self.export_failures, "handover_p50_s": median(h) if h else None}
 
 
 class EngineCore:
