@@ -28,7 +28,7 @@ class Staging:
         self.device = device
         self.growable = growable
         self._on_cpu = device.type != "cuda"
-        self._alloc_buffers(max(capacity, 4096))
+        self._alloc_buffers(max(capacity, 64))
         self._slot = 0
         self._off = 0
 
