@@ -23,7 +23,7 @@ from pdserve.engine.cuda_graphs import (
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampleResult, sample
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.step_inputs import Staging, StepInputs, fill, layout_bytes
+from pdserve.engine.step_inputs import BlockRows, Staging, StepInputs, fill, layout_bytes
 from pdserve.model.forward_context import ForwardContext, forward_context
 from pdserve.ops.attention import AttentionMetadata, get_backend
 
@@ -73,6 +73,7 @@ class ModelRunner:
                                     device=device)
         self.backend = get_backend(attention_backend, device)
         self.staging = Staging(device, 1 << 20)  # eager steps (grows)
+        self.block_rows = BlockRows()  # block tables converted to numpy once per new block
         self.graph_staging: Staging | None = None  # graph steps: fixed addresses
         self.decode_graphs: dict[int, DecodeGraph] = {}
         self.mixed_graphs: dict[int, PiecewiseGraph | None] = {}  # None: emulated (no CUDA)
@@ -129,7 +130,8 @@ class ModelRunner:
         """Decode graph inputs: every row padded to `size`; padded rows write their KV into the scratch block."""
         bs = self.block_size
         return fill(self.graph_staging, reqs, num_new, bs, pad_ids=size, pad_rows=size, width=self.graph_width,
-                    pad_slot=self.scratch_block * bs, pad_block=self.scratch_block, slots_padded=True)
+                    pad_slot=self.scratch_block * bs, pad_block=self.scratch_block, slots_padded=True,
+                    block_rows=self.block_rows)
 
     def _meta(self, inp: StepInputs, graph_size: int = 0) -> AttentionMetadata:
         if graph_size:  # a decode graph serves every context length: loop bounds come from seq_lens_t
@@ -169,7 +171,7 @@ class ModelRunner:
             b = len(reqs)
             hidden = hidden[:b] if len(inp.sample_reqs) == b else hidden.index_select(0, inp.sample_idx)
         elif kind == "mixed":
-            inp = fill(self.graph_staging, reqs, num_new, self.block_size, pad_ids=size)
+            inp = fill(self.graph_staging, reqs, num_new, self.block_size, pad_ids=size, block_rows=self.block_rows)
             meta = self._meta(inp)
             graph = self.mixed_graphs[size]
             if graph is not None:
@@ -180,7 +182,7 @@ class ModelRunner:
                     hidden = self.model(inp.ids, inp.positions)
             hidden = hidden.index_select(0, inp.sample_idx)
         else:
-            inp = fill(self.staging, reqs, num_new, self.block_size)
+            inp = fill(self.staging, reqs, num_new, self.block_size, block_rows=self.block_rows)
             with forward_context(ForwardContext(self._meta(inp), self.kv_cache, self.backend, after_layer)):
                 hidden = self.model(inp.ids, inp.positions, inp.sample_idx)
         if not inp.sample_reqs:

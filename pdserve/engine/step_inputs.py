@@ -80,6 +80,41 @@ class Staging:
         self._events[self._slot] = ev
 
 
+class BlockRows:
+    """Each request's block ids as a numpy row, extended as its list grows, so a step converts only new ids.
+
+    Relies on how the KV manager changes `req.block_ids`: in place it only appends (extend); anything else
+    (prefix hits, frees, preemption, handovers) assigns a new list. Each entry holds the request and its list, so
+    neither identity can be reused while cached; the last cached id is re-checked anyway. Entries live for
+    one step: requests missing from a batch are dropped and rebuilt when they return.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[Request, list[int], np.ndarray, int]] = {}
+
+    def rows(self, reqs: list[Request]) -> list[np.ndarray]:
+        new: dict[int, tuple[Request, list[int], np.ndarray, int]] = {}
+        out = []
+        for r in reqs:
+            lst = r.block_ids
+            m = len(lst)
+            e = self._rows.get(id(r))
+            if e is not None and e[0] is r and e[1] is lst and e[3] <= m and (not e[3] or lst[e[3] - 1] ==
+                                                                             e[2][e[3] - 1]):
+                arr, n = e[2], e[3]
+                if m > n:
+                    if m > arr.shape[0]:
+                        arr = np.concatenate([arr[:n], np.empty(max(m, 2 * arr.shape[0]) - n, dtype=np.int32)])
+                    arr[n:m] = lst[n:m]
+            else:
+                arr = np.empty(max(16, 2 * m), dtype=np.int32)
+                arr[:m] = lst
+            new[id(r)] = (r, lst, arr, m)
+            out.append(arr[:m])
+        self._rows = new
+        return out
+
+
 def layout_bytes(n_ids: int, n_slots: int, n_rows: int, width: int, n_sample: int) -> int:
     """Upper bound of the bytes `fill` takes (7 regions, each aligned to 8 bytes)."""
     return 8 * (2 * n_ids + n_slots + n_sample) + 4 * (n_rows + (n_rows + 1) + n_rows * width) + 7 * 8
@@ -105,7 +140,7 @@ class StepInputs:
 
 def fill(staging: Staging, reqs: list[Request], num_new: list[int], block_size: int, *, pad_ids: int = 0,
          pad_rows: int = 0, width: int = 0, pad_slot: int = 0, pad_block: int = -1,
-         slots_padded: bool = False) -> StepInputs:
+         slots_padded: bool = False, block_rows: BlockRows | None = None) -> StepInputs:
     """Build a step's inputs into `staging` and send them (one copy).
 
     pad_ids: token rows to pad ids/positions to (CUDA graph sizes); pad_rows: sequence rows to pad lengths and
@@ -118,7 +153,8 @@ def fill(staging: Staging, reqs: list[Request], num_new: list[int], block_size: 
     start = np.asarray(starts, dtype=np.int64)
     end = start + n
     t = int(n.sum())
-    nblk = [len(r.block_ids) for r in reqs]
+    rows = block_rows.rows(reqs) if block_rows is not None else [r.block_ids for r in reqs]
+    nblk = [len(x) for x in rows]
     width = width or max(1, max(nblk, default=1))
     n_ids = max(t, pad_ids)
     n_rows = max(b, pad_rows)
@@ -147,8 +183,8 @@ def fill(staging: Staging, reqs: list[Request], num_new: list[int], block_size: 
     pos_h[:t] = pos
     pos_h[t:] = 0
     tab_h.fill(pad_block)
-    for i, r in enumerate(reqs):
-        tab_h[i, : nblk[i]] = r.block_ids
+    for i, row in enumerate(rows):
+        tab_h[i, : nblk[i]] = row
     slot_h[:t] = tab_h[np.repeat(np.arange(b), n), pos // block_size].astype(np.int64) * block_size + pos % block_size
     slot_h[t:] = pad_slot
     lens_h[:b] = end

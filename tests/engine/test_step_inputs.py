@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.step_inputs import Staging, fill
+from pdserve.engine.step_inputs import BlockRows, Staging, fill
 from pdserve.sampling_params import SamplingParams
 
 BS = 4
@@ -54,9 +54,10 @@ def _reference(reqs, num_new):
 def test_fill_matches_the_per_token_loop(seed, decode_only):
     rng = random.Random(seed)
     staging = Staging(torch.device("cpu"), 64)  # tiny on purpose: it must grow
+    cache = BlockRows() if seed % 2 else None
     for _ in range(3):  # consecutive steps alternate host buffers
         reqs, num_new = _batch(rng, rng.randrange(1, 9), decode_only)
-        inp = fill(staging, reqs, num_new, BS)
+        inp = fill(staging, reqs, num_new, BS, block_rows=cache)
         ids, pos, slots, qsl, lens, sample = _reference(reqs, num_new)
         assert inp.ids.tolist() == ids and inp.positions.tolist() == pos and inp.slots.tolist() == slots
         assert inp.query_start_loc == qsl and inp.qsl_t.tolist() == qsl
@@ -100,3 +101,24 @@ def test_a_fixed_staging_buffer_refuses_to_grow():
     reqs, num_new = _batch(rng, 8, False)
     with pytest.raises(ValueError):
         fill(Staging(torch.device("cpu"), 64, growable=False), reqs, num_new, BS, width=4096)
+
+
+def test_cached_block_rows_follow_every_change_of_the_lists():
+    """Rows grow in place, lists get replaced (prefix hit, free, preemption), requests leave and come back."""
+    rng = random.Random(11)
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams()) for i in range(6)]
+    for r in reqs:
+        r.block_ids = [rng.randrange(1000) for _ in range(rng.randrange(0, 5))]
+    cache = BlockRows()
+    for step in range(60):
+        for r in reqs:
+            u = rng.random()
+            if u < 0.4:
+                r.block_ids.extend(rng.randrange(1000) for _ in range(rng.randrange(1, 40)))  # grows past capacity
+            elif u < 0.5:
+                r.block_ids = [rng.randrange(1000) for _ in range(rng.randrange(0, 6))]  # a new list
+            elif u < 0.55:
+                r.block_ids = []
+        batch = [r for r in reqs if rng.random() < 0.8]
+        rows = cache.rows(batch)
+        assert [row.tolist() for row in rows] == [r.block_ids for r in batch], step
