@@ -127,6 +127,8 @@ class PiecewiseGraph:
             self.graphs[-1].capture_end()
             begin()
 
+        self.ids_ptr = ids.data_ptr()
+        torch.cuda.synchronize()  # the inputs' copy (current stream) has landed before the side stream reads them
         warm = SplitAtAttention(bufs)  # compiles kernels for this shape outside any capture (no attention)
         with torch.cuda.stream(stream), forward_context(ForwardContext(None, kv_cache, warm)):
             model(ids, positions)
@@ -144,8 +146,10 @@ class PiecewiseGraph:
             if call.kv_layer.data_ptr() != kv_cache[:, i].data_ptr():
                 raise RuntimeError("piecewise capture: attention calls must come one per layer, in layer order")
 
-    def replay(self, backend, meta, t: int, after_layer=None) -> torch.Tensor:
-        """Final hidden states of all `size` rows (rows >= t are padding)."""
+    def replay(self, ids: torch.Tensor, backend, meta, t: int, after_layer=None) -> torch.Tensor:
+        """Final hidden states of all `size` rows (rows >= t are padding); `ids` must be the captured input."""
+        if ids.data_ptr() != self.ids_ptr:
+            raise RuntimeError("piecewise graph replayed with inputs at another address than captured")
         for i, call in enumerate(self.calls):
             self.graphs[i].replay()
             call.run(backend, meta, t)
@@ -160,6 +164,7 @@ class DecodeGraph:
 
     def __init__(self, model, ctx: ForwardContext, ids: torch.Tensor, positions: torch.Tensor, pool,
                  stream: torch.cuda.Stream):
+        torch.cuda.synchronize()  # the inputs' copy (current stream) has landed before the side stream reads them
         with torch.cuda.stream(stream), forward_context(ctx):
             model(ids, positions)  # warm-up: Triton compiles outside the capture
         torch.cuda.synchronize()
@@ -173,6 +178,8 @@ class DecodeGraph:
         torch.cuda.synchronize()
         self.ids_ptr = ids.data_ptr()
 
-    def replay(self) -> torch.Tensor:
+    def replay(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.data_ptr() != self.ids_ptr:
+            raise RuntimeError("decode graph replayed with inputs at another address than captured")
         self.graph.replay()
         return self.hidden

@@ -160,7 +160,7 @@ class ModelRunner:
         if kind == "decode":
             inp = self._graph_inputs(reqs, num_new, size)
             if size in self.decode_graphs:
-                hidden = self.decode_graphs[size].replay()
+                hidden = self.decode_graphs[size].replay(inp.ids)
             else:  # emulation: the padded batch through the real backend, scratch writes included
                 b = len(reqs)
                 lens = inp.seq_lens + [1] * (size - b)  # host-side lengths, which a captured graph cannot have
@@ -175,7 +175,7 @@ class ModelRunner:
             meta = self._meta(inp)
             graph = self.mixed_graphs[size]
             if graph is not None:
-                hidden = graph.replay(self.backend, meta, inp.num_tokens, after_layer)
+                hidden = graph.replay(inp.ids, self.backend, meta, inp.num_tokens, after_layer)
             else:
                 split = SplitAtAttention(self.attn_bufs, run=(self.backend, meta, inp.num_tokens, after_layer))
                 with forward_context(ForwardContext(None, self.kv_cache, split)):

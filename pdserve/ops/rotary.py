@@ -20,39 +20,40 @@ if HAS_TRITON:
     def _qk_norm_rope_kernel(Q, K, POS, COS, SIN, QW, KW, s_qt, s_qh, s_kt, s_kh, s_cos, n_qh, n_kh, eps, offset,
                              HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HB: tl.constexpr,
                              HAS_NORM: tl.constexpr):
+        # programs [0, n_qb) take HB query heads each, the rest HB key heads; both address sets are formed and
+        # the other one masked off (no branch on which tensor: one straight-line kernel)
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
         n_qb = tl.cdiv(n_qh, HB)
-        if hb < n_qb:  # this program's heads are queries
-            base = Q + t * s_qt
-            s_h = s_qh
-            h = hb * HB + tl.arange(0, HB)
-            n_h = n_qh
-            W = QW
-        else:
-            base = K + t * s_kt
-            s_h = s_kh
-            h = (hb - n_qb) * HB + tl.arange(0, HB)
-            n_h = n_kh
-            W = KW
+        is_q = hb < n_qb
+        ar = tl.arange(0, HB)
+        hq = hb * HB + ar
+        hk = (hb - n_qb) * HB + ar
         d = tl.arange(0, BLOCK_HALF)
         dmask = d < HALF
-        m = (h < n_h)[:, None] & dmask[None, :]
-        p1 = base + h[:, None].to(tl.int64) * s_h + d[None, :]
-        x1 = tl.load(p1, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(p1 + HALF, mask=m, other=0.0).to(tl.float32)
+        mq = ((hq < n_qh) & is_q)[:, None] & dmask[None, :]
+        mk = ((hk >= 0) & (hk < n_kh))[:, None] & dmask[None, :]
+        pq = Q + t * s_qt + hq[:, None].to(tl.int64) * s_qh + d[None, :]
+        pk = K + t * s_kt + tl.maximum(hk, 0)[:, None].to(tl.int64) * s_kh + d[None, :]
+        x1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32) + tl.load(pk, mask=mk, other=0.0).to(tl.float32)
+        x2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32) + tl.load(pk + HALF, mask=mk, other=0.0).to(
+            tl.float32)
         if HAS_NORM:
             rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
-            w1 = tl.load(W + d, mask=dmask, other=0.0).to(tl.float32) + offset
-            w2 = tl.load(W + HALF + d, mask=dmask, other=0.0).to(tl.float32) + offset
-            x1 = x1 * rstd[:, None] * w1[None, :]
-            x2 = x2 * rstd[:, None] * w2[None, :]
+            w1 = tl.where(is_q, tl.load(QW + d, mask=dmask, other=0.0), tl.load(KW + d, mask=dmask, other=0.0))
+            w2 = tl.where(is_q, tl.load(QW + HALF + d, mask=dmask, other=0.0),
+                          tl.load(KW + HALF + d, mask=dmask, other=0.0))
+            x1 = x1 * rstd[:, None] * (w1.to(tl.float32) + offset)[None, :]
+            x2 = x2 * rstd[:, None] * (w2.to(tl.float32) + offset)[None, :]
         pos = tl.load(POS + t).to(tl.int64)
         c = tl.load(COS + pos * s_cos + d, mask=dmask, other=0.0)[None, :]
         s = tl.load(SIN + pos * s_cos + d, mask=dmask, other=0.0)[None, :]
-        ty = Q.dtype.element_ty
-        tl.store(p1, (x1 * c - x2 * s).to(ty), mask=m)
-        tl.store(p1 + HALF, (x2 * c + x1 * s).to(ty), mask=m)
+        o1 = (x1 * c - x2 * s).to(Q.dtype.element_ty)
+        o2 = (x2 * c + x1 * s).to(Q.dtype.element_ty)
+        tl.store(pq, o1, mask=mq)
+        tl.store(pq + HALF, o2, mask=mq)
+        tl.store(pk, o1, mask=mk)
+        tl.store(pk + HALF, o2, mask=mk)
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
