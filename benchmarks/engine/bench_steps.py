@@ -9,8 +9,9 @@ the sampled tokens on the host). Floors, from ceilings measured in the same proc
   floor         = the larger of the two (decode: memory; prefill: compute; mixed: whichever binds)
 
 Default cases: steady decode at batch 1 and 256 with ~1k context, batch 1 and 32 with ~8k, an 8k-token prefill,
-and a mixed step (256 decodes at ~1k + a 512-token prefill chunk). With --compare-eager every case also runs with
-the captured graphs switched off. --profile CASE prints the top kernels of that step and its kernel count.
+and a mixed step (256 decodes at ~1k + a 512-token prefill chunk). With --compare-eager (default) every case also
+runs with the captured graphs switched off, and decode steps that replay a full graph also run through the
+piecewise graphs. --profile CASE prints the top kernels of that step and its kernel count.
 
   python benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --out $OUT/steps.json
   python benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --profile decode:256x1024 \
@@ -254,23 +255,30 @@ def main(argv: list[str] | None = None) -> int:
             runner.use_graphs = False
             r["eager"] = time_case(core, batch, args.iters, args.warmup)
             runner.use_graphs = True
+        if r["path"] == "decode_graph" and runner.mixed_sizes and len(seqs) <= runner.mixed_sizes[-1]:
+            runner.use_full_decode_graphs = False  # the same decode step through piecewise graphs
+            r["piecewise"] = time_case(core, batch, args.iters, args.warmup)
+            runner.use_full_decode_graphs = True
         for req in batch.requests:
             core.kv.free(req)
         results.append(r)
         eager = f", eager {r['eager']['step_ms_median']:.2f} ms" if "eager" in r else ""
+        eager += f", piecewise {r['piecewise']['step_ms_median']:.2f} ms" if "piecewise" in r else ""
         print(f"{name}: {r['step_ms_median']:.2f} ms ({r['path']}; floor {r['floor_ms']:.2f} ms {r['bound']}, "
               f"{r['fraction_of_floor']:.0%}){eager}", flush=True)
     rec["results"] = results
     save_json(rec, args.out)
-    print("\n| step | tokens | ms (median) | p90 | path | floor ms | bound | floor/measured | eager ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| step | tokens | ms (median) | p90 | path | floor ms | bound | floor/measured | eager ms | "
+          "piecewise ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "skipped" in r:
-            print(f"| {r['case']} | skipped: {r['skipped']} |||||||")
+            print(f"| {r['case']} | skipped: {r['skipped']} ||||||||")
             continue
         eager = f"{r['eager']['step_ms_median']:.2f}" if "eager" in r else "-"
+        pw = f"{r['piecewise']['step_ms_median']:.2f}" if "piecewise" in r else "-"
         print(f"| {r['case']} | {r['tokens']} | {r['step_ms_median']:.2f} | {r['step_ms_p90']:.2f} | {r['path']} | "
-              f"{r['floor_ms']:.2f} | {r['bound']} | {r['fraction_of_floor']:.1%} | {eager} |")
+              f"{r['floor_ms']:.2f} | {r['bound']} | {r['fraction_of_floor']:.1%} | {eager} | {pw} |")
     return 0
 
 

@@ -84,6 +84,7 @@ class ModelRunner:
         self.attn_bufs: AttnBuffers | None = None
         self.step_counts = {"decode_graph": 0, "mixed_graph": 0, "eager": 0}  # steps run each way
         self.use_graphs = True  # False: run every step eagerly though graphs were captured (A/B benchmarks)
+        self.use_full_decode_graphs = True  # False: decode batches replay piecewise graphs too (A/B benchmarks)
 
     # ---- graphs
     def full_decode_graphs_supported(self) -> bool:
@@ -146,7 +147,8 @@ class ModelRunner:
         b, t = len(batch.requests), batch.total_tokens
         if not self.use_graphs:
             return "eager", 0
-        if after_layer is None and t == b and self.decode_sizes and b <= self.decode_sizes[-1]:
+        if (after_layer is None and t == b and self.use_full_decode_graphs and self.decode_sizes
+                and b <= self.decode_sizes[-1]):
             return "decode", next(s for s in self.decode_sizes if s >= b)
         if self.mixed_sizes and t <= self.mixed_sizes[-1]:
             return "mixed", next(s for s in self.mixed_sizes if s >= t)
