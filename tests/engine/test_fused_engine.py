@@ -169,3 +169,12 @@ def test_kv_scales_load_from_the_checkpoint(tiny_model_dirs, tmp_path):
 def test_unknown_kv_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_every_configurable_kv_cache_dtype_has_a_pool_dtype():
+    from pdserve.config import KV_CACHE_DTYPES
+    from pdserve.engine.runner import kv_cache_torch_dtype
+
+    got = {name: kv_cache_torch_dtype(name, torch.bfloat16) for name in KV_CACHE_DTYPES}
+    assert got == {"auto": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
