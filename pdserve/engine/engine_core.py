@@ -29,7 +29,7 @@ from pdserve.engine.messages import (
     PDEvent,
 )
 from pdserve.engine.request import Request
-from pdserve.engine.runner import ModelRunner, block_bytes
+from pdserve.engine.runner import ModelRunner, block_bytes, kv_cache_torch_dtype
 from pdserve.engine.scheduler import Scheduler
 from pdserve.model.loader import build_model, choose_dtype, load_config, resolve_model
 from pdserve.sampling_params import SamplingParams
@@ -97,7 +97,8 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.model = build_model(self.hf_config, self.source, self.device, self.dtype, config.load_format, config.seed)
         self.eos_token_ids = eos_ids_from_config(self.hf_config, eos_token_ids)
-        bb = block_bytes(self.hf_config, config.block_size, self.dtype)
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        bb = block_bytes(self.hf_config, config.block_size, kv_dtype)
         num_blocks = config.num_gpu_blocks or self._size_pool(bb)
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 8192))
         self.max_model_len = config.max_model_len or (model_max if self.device.type == "cuda" else min(model_max, 8192))
@@ -105,9 +106,10 @@ class EngineCore:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of {model_max} positions")
         self.block_bytes = bb
         self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, num_blocks, config.block_size,
-                                  config.attention_backend)
+                                  config.attention_backend, kv_dtype)
         if not config.enforce_eager:
-            self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
+            self.runner.capture_graphs(min(config.max_num_seqs, 512), self.max_model_len,
+                                       config.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kvt = config.kv_transfer
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

@@ -1,5 +1,9 @@
-"""Runs a scheduled batch on the device: flattens its tokens, builds attention metadata from block tables,
-calls the model once, and samples where a request reached the end of its known tokens."""
+"""Runs a scheduled batch on the device: builds its inputs (one host-to-device copy), runs the model — a full CUDA
+graph for a pure decode batch, piecewise graphs for a mixed batch up to a token count, eagerly otherwise — takes
+the logits of the rows that reached the end of their known tokens, and samples them.
+
+The forward itself never synchronizes with the host; sampling's copy of the tokens is the step's one sync.
+"""
 
 from __future__ import annotations
 
@@ -8,172 +12,184 @@ import time
 
 import torch
 
-from pdserve.engine.forward_context import ForwardContext, forward_context
+from pdserve.engine.cuda_graphs import (
+    AttnBuffers,
+    DecodeGraph,
+    PiecewiseGraph,
+    SplitAtAttention,
+    decode_graph_sizes,
+    mixed_graph_sizes,
+)
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampleResult, sample
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.step_inputs import BlockRows, Staging, StepInputs, fill, layout_bytes
+from pdserve.model.forward_context import ForwardContext, forward_context
 from pdserve.ops.attention import AttentionMetadata, get_backend
 
 log = logging.getLogger(__name__)
 
+MAX_GRAPH_TOKENS = 1024  # mixed batches above this run eagerly: their GPU time dwarfs launch costs
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for `--kv-cache-dtype` (config.KV_CACHE_DTYPES): auto is the model's."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
+    return _KV_DTYPES[kv_cache_dtype]
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
 
 def kv_cache_shape(cfg, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return (num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, head_dim)
+    return (num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, _head_dim(cfg))
 
 
 def block_bytes(cfg, block_size: int, dtype: torch.dtype) -> int:
-    shape = kv_cache_shape(cfg, 1, block_size)
+    """Bytes of one block of the pool (all layers, K and V) in the pool's dtype."""
     n = 1
-    for s in shape:
+    for s in kv_cache_shape(cfg, 1, block_size):
         n *= s
     return n * torch.empty((), dtype=dtype).element_size()
 
 
 class ModelRunner:
     def __init__(self, model, cfg, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", kv_cache_dtype: torch.dtype | None = None):
         self.model = model
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         # one extra block past the pool's range: padded rows of a captured decode graph write there
         self.scratch_block = num_blocks
-        self.kv_cache = torch.zeros(kv_cache_shape(cfg, num_blocks + 1, block_size), dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(kv_cache_shape(cfg, num_blocks + 1, block_size), dtype=self.kv_dtype,
+                                    device=device)
         self.backend = get_backend(attention_backend, device)
-        self._pin = device.type == "cuda"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.staging = Staging(device, 1 << 20)  # eager steps (grows)
+        self.block_rows = BlockRows()  # block tables converted to numpy once per new block
+        self.graph_staging: Staging | None = None  # graph steps: fixed addresses
+        self.decode_graphs: dict[int, DecodeGraph] = {}
+        self.mixed_graphs: dict[int, PiecewiseGraph | None] = {}  # None: emulated (no CUDA)
+        self.decode_sizes: list[int] = []
+        self.mixed_sizes: list[int] = []
+        self.graph_width = 0
+        self.graph_max_len = 0
+        self.attn_bufs: AttnBuffers | None = None
+        self.step_counts = {"decode_graph": 0, "mixed_graph": 0, "eager": 0}  # steps run each way
+        self.use_graphs = True  # False: run every step eagerly though graphs were captured (A/B benchmarks)
+        self.use_full_decode_graphs = True  # False: decode batches replay piecewise graphs too (A/B benchmarks)
 
-    def _to_dev(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self._pin:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    # ---- graphs
+    def full_decode_graphs_supported(self) -> bool:
+        """Full graphs put attention inside the capture: only the Triton decode kernel on a model-dtype pool."""
+        return self.backend.name == "triton" and self.kv_dtype == self.dtype
 
-    def prepare(self, batch: ScheduledBatch):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        sample_idx: list[int] = []
-        sample_reqs: list[Request] = []
-        max_blocks = 1
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens
-            end = start + n
-            input_ids.extend(req.token_ids[start:end])
-            positions.extend(range(start, end))
-            bids = req.block_ids
-            slots.extend(bids[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            max_blocks = max(max_blocks, len(bids))
-            if end == req.num_tokens:
-                sample_idx.append(qsl[-1] - 1)
-                sample_reqs.append(req)
-        tables = [r.block_ids + [-1] * (max_blocks - len(r.block_ids)) for r in batch.requests]
-        meta = AttentionMetadata(
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=self._to_dev(tables, torch.int32),
-            slot_mapping=self._to_dev(slots, torch.int64),
-            max_seq_len=max(seq_lens),
-            decode_only=all(n == 1 for n in batch.num_new_tokens),
-        )
-        if self.device.type == "cuda":
-            meta.seq_lens_t = self._to_dev(seq_lens, torch.int32)
-            meta.query_start_loc_t = self._to_dev(qsl, torch.int32)
-        ids = self._to_dev(input_ids, torch.long)
-        pos = self._to_dev(positions, torch.long)
-        return ids, pos, meta, sample_idx, sample_reqs
-
-    # ---- CUDA graphs for decode steps: one launch per step instead of ~40 per layer
     @torch.inference_mode()
-    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
-        if self.device.type != "cuda" or self.backend.name != "triton":
+    def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 512,
+                       emulate: bool = False) -> None:
+        """Capture full decode graphs for batch sizes up to `max_batch` and piecewise graphs for token counts up to
+        min(max_tokens, MAX_GRAPH_TOKENS). On CPU only with `emulate` (the same data flow, run eagerly)."""
+        if self.device.type != "cuda" and not emulate:
             return
         t0 = time.time()
-        bs = self.block_size
-        self.g_max_blocks = (max_model_len + bs - 1) // bs
-        self.g_max_len = max_model_len
-        sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_batch + 1, 16), max_batch] if s <= max_batch})
-        n = sizes[-1]
-        dev = self.device
-        self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self.g_slots = torch.full((n,), self.scratch_block * bs, dtype=torch.long, device=dev)
-        self.g_tables = torch.full((n, self.g_max_blocks), self.scratch_block, dtype=torch.int32, device=dev)
-        self.g_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self._h_tables = torch.full((n, self.g_max_blocks), self.scratch_block, dtype=torch.int32).pin_memory()
-        self._h_vec = torch.zeros((4, n), dtype=torch.long).pin_memory()
-        pool = None
-        for b in reversed(sizes):
-            meta = AttentionMetadata(list(range(b + 1)), [max_model_len] * b, self.g_tables[:b], self.g_slots[:b],
-                                     max_model_len, True, self.g_lens[:b])
-            ctx = ForwardContext(meta, self.kv_cache, self.backend)
-            with forward_context(ctx):
-                self.model(self.g_ids[:b], self.g_pos[:b])  # warm-up: Triton compiles outside the capture
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self.model(self.g_ids[:b], self.g_pos[:b])
-            pool = g.pool()
-            self.graphs[b] = (g, out)
-        self.graph_sizes = sizes
-        log.info("captured %d decode graphs (batch 1..%d) in %.1fs", len(sizes), n, time.time() - t0)
+        cfg = self.cfg
+        self.graph_width = -(-max_model_len // self.block_size)
+        self.graph_max_len = max_model_len
+        self.decode_sizes = decode_graph_sizes(max_batch) if self.full_decode_graphs_supported() or emulate else []
+        self.mixed_sizes = mixed_graph_sizes(min(max_tokens, MAX_GRAPH_TOKENS))
+        w = self.graph_width
+        need = max([layout_bytes(s, s, s, w, s) for s in self.decode_sizes]
+                   + [layout_bytes(n, n, n, w, n) for n in self.mixed_sizes])
+        self.graph_staging = Staging(self.device, need, growable=False)
+        self.attn_bufs = AttnBuffers.for_model(self.mixed_sizes[-1], cfg.num_attention_heads,
+                                               cfg.num_key_value_heads, _head_dim(cfg), self.dtype, self.device)
+        if emulate:
+            self.mixed_graphs = {n: None for n in self.mixed_sizes}
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for s in reversed(self.decode_sizes):  # largest first: smaller graphs reuse its memory
+            inp = self._graph_inputs([], [], s)
+            ctx = ForwardContext(self._meta(inp, s), self.kv_cache, self.backend)
+            self.decode_graphs[s] = DecodeGraph(self.model, ctx, inp.ids, inp.positions, pool, stream)
+        for n in reversed(self.mixed_sizes):
+            inp = fill(self.graph_staging, [], [], self.block_size, pad_ids=n)
+            self.mixed_graphs[n] = PiecewiseGraph(self.model, self.kv_cache, self.attn_bufs, inp.ids, inp.positions,
+                                                  pool, stream)
+        log.info("captured %d decode graphs (batch 1..%d) and piecewise graphs for %d token counts (8..%d) in %.1fs",
+                 len(self.decode_sizes), self.decode_sizes[-1] if self.decode_sizes else 0, len(self.mixed_sizes),
+                 self.mixed_sizes[-1], time.time() - t0)
 
-    def _graph_forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        b = len(batch.requests)
-        g_size = next(s for s in self.graph_sizes if s >= b)
+    def _graph_inputs(self, reqs: list[Request], num_new: list[int], size: int) -> StepInputs:
+        """Decode graph inputs: every row padded to `size`; padded rows write their KV into the scratch block."""
         bs = self.block_size
-        tables = self._h_tables.numpy()
-        vec = self._h_vec.numpy()
-        tables[:g_size] = self.scratch_block
-        vec[0, :g_size] = 0  # ids
-        vec[1, :g_size] = 0  # positions
-        vec[2, :g_size] = self.scratch_block * bs  # slots
-        vec[3, :g_size] = 1  # seq lens
-        for i, req in enumerate(batch.requests):
-            p = req.num_computed_tokens
-            bids = req.block_ids
-            vec[0, i] = req.token_ids[p]
-            vec[1, i] = p
-            vec[2, i] = bids[p // bs] * bs + p % bs
-            vec[3, i] = p + 1
-            tables[i, : len(bids)] = bids
-        h_vec = self._h_vec[:, :g_size]
-        self.g_ids[:g_size].copy_(h_vec[0], non_blocking=True)
-        self.g_pos[:g_size].copy_(h_vec[1], non_blocking=True)
-        self.g_slots[:g_size].copy_(h_vec[2], non_blocking=True)
-        self.g_lens[:g_size].copy_(h_vec[3], non_blocking=True)
-        self.g_tables[:g_size].copy_(self._h_tables[:g_size], non_blocking=True)
-        graph, out = self.graphs[g_size]
-        graph.replay()
-        return out[:b]
+        return fill(self.graph_staging, reqs, num_new, bs, pad_ids=size, pad_rows=size, width=self.graph_width,
+                    pad_slot=self.scratch_block * bs, pad_block=self.scratch_block, slots_padded=True,
+                    block_rows=self.block_rows)
 
-    def _use_graph(self, batch: ScheduledBatch) -> bool:
-        return bool(self.graphs) and len(batch.requests) <= self.graph_sizes[-1] and all(
-            n == 1 for n in batch.num_new_tokens)
+    def _meta(self, inp: StepInputs, graph_size: int = 0) -> AttentionMetadata:
+        if graph_size:  # a decode graph serves every context length: loop bounds come from seq_lens_t
+            return AttentionMetadata(list(range(graph_size + 1)), [self.graph_max_len] * graph_size,
+                                     inp.block_tables, inp.slots, self.graph_max_len, True, inp.seq_lens_t,
+                                     inp.qsl_t)
+        return AttentionMetadata(inp.query_start_loc, inp.seq_lens, inp.block_tables, inp.slots,
+                                 max(inp.seq_lens), inp.decode_only, inp.seq_lens_t, inp.qsl_t)
+
+    # ---- one step
+    def _plan(self, batch: ScheduledBatch, after_layer) -> tuple[str, int]:
+        b, t = len(batch.requests), batch.total_tokens
+        if not self.use_graphs:
+            return "eager", 0
+        if (after_layer is None and t == b and self.use_full_decode_graphs and self.decode_sizes
+                and b <= self.decode_sizes[-1]):
+            return "decode", next(s for s in self.decode_sizes if s >= b)
+        if self.mixed_sizes and t <= self.mixed_sizes[-1]:
+            return "mixed", next(s for s in self.mixed_sizes if s >= t)
+        return "eager", 0
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch, after_layer=None) -> tuple[torch.Tensor | None, list[Request]]:
-        if after_layer is None and self._use_graph(batch):
-            hidden = self._graph_forward(batch)
-            reqs = [r for r in batch.requests if r.num_computed_tokens + 1 == r.num_tokens]
-            if len(reqs) != len(batch.requests):
-                keep = [i for i, r in enumerate(batch.requests) if r.num_computed_tokens + 1 == r.num_tokens]
-                hidden = hidden[torch.tensor(keep, device=hidden.device)]
-            return self.model.compute_logits(hidden), reqs
-        ids, pos, meta, sample_idx, sample_reqs = self.prepare(batch)
-        with forward_context(ForwardContext(meta, self.kv_cache, self.backend, after_layer)):
-            hidden = self.model(ids, pos)
-        if not sample_reqs:
+        kind, size = self._plan(batch, after_layer)
+        self.step_counts[f"{kind}_graph" if kind != "eager" else "eager"] += 1
+        reqs, num_new = batch.requests, batch.num_new_tokens
+        if kind == "decode":
+            inp = self._graph_inputs(reqs, num_new, size)
+            if size in self.decode_graphs:
+                hidden = self.decode_graphs[size].replay(inp.ids)
+            else:  # emulation: the padded batch through the real backend, scratch writes included
+                b = len(reqs)
+                lens = inp.seq_lens + [1] * (size - b)  # host-side lengths, which a captured graph cannot have
+                meta = AttentionMetadata(list(range(size + 1)), lens, inp.block_tables, inp.slots, max(lens), True,
+                                         inp.seq_lens_t, inp.qsl_t)
+                with forward_context(ForwardContext(meta, self.kv_cache, self.backend)):
+                    hidden = self.model(inp.ids, inp.positions)
+            b = len(reqs)
+            hidden = hidden[:b] if len(inp.sample_reqs) == b else hidden.index_select(0, inp.sample_idx)
+        elif kind == "mixed":
+            inp = fill(self.graph_staging, reqs, num_new, self.block_size, pad_ids=size, block_rows=self.block_rows)
+            meta = self._meta(inp)
+            graph = self.mixed_graphs[size]
+            if graph is not None:
+                hidden = graph.replay(inp.ids, self.backend, meta, inp.num_tokens, after_layer)
+            else:
+                split = SplitAtAttention(self.attn_bufs, run=(self.backend, meta, inp.num_tokens, after_layer))
+                with forward_context(ForwardContext(None, self.kv_cache, split)):
+                    hidden = self.model(inp.ids, inp.positions)
+            hidden = hidden.index_select(0, inp.sample_idx)
+        else:
+            inp = fill(self.staging, reqs, num_new, self.block_size, block_rows=self.block_rows)
+            with forward_context(ForwardContext(self._meta(inp), self.kv_cache, self.backend, after_layer)):
+                hidden = self.model(inp.ids, inp.positions, inp.sample_idx)
+        if not inp.sample_reqs:
             return None, []
-        idx = torch.tensor(sample_idx, device=hidden.device)
-        return self.model.compute_logits(hidden[idx]), sample_reqs
+        return self.model.compute_logits(hidden), inp.sample_reqs
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, after_layer=None) -> tuple[list[Request], SampleResult | None]:

@@ -1,5 +1,6 @@
 """Gemma 3 (text): interleaved sliding-window and global layers with their own RoPE bases, (1 + w) RMS norms
-around attention and MLP, QK-norm, sqrt(hidden) embedding scaling, tied embeddings, GELU-tanh MLP."""
+around attention and MLP, QK-norm, sqrt(hidden) embedding scaling, tied embeddings, GELU-tanh MLP. The residual
+stream is carried separately, as in Llama."""
 
 from __future__ import annotations
 
@@ -42,9 +43,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, 1.0)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, 1.0)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it), as in Llama; the sandwich norms stay inside."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma3TextModel(nn.Module):
@@ -62,12 +71,15 @@ class Gemma3TextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0)
         self.hidden_size = cfg.hidden_size
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.hidden_size**0.5, dtype=x.dtype)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of the tokens at `rows` (all tokens when None)."""
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype)  # the normalizer in the dtype
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm.final(hidden, residual, rows)
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -79,8 +91,9 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight  # Gemma always ties
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

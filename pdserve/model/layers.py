@@ -1,4 +1,9 @@
-"""Building blocks shared by the architectures: norms, rotary embeddings, gated MLPs and paged attention."""
+"""Building blocks shared by the architectures: norms, rotary embeddings, gated MLPs and paged attention.
+
+On CUDA they call the fused Triton kernels of pdserve.ops (norm with the residual add, QK-norm + rotary, gated
+activation); on CPU the torch references, which are the math of the Hugging Face models. QKV and gate_up are single
+GEMMs over merged weights whose rows are the checkpoint's q/k/v and gate/up matrices (pdserve.model.merged).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.forward_context import get_forward_context
+from pdserve.model.forward_context import attend
+from pdserve.model.merged import MergedLinearOwner, merge_linears
+from pdserve.ops.activation import ACTIVATIONS, act_and_mul
+from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
+from pdserve.ops.rotary import qk_norm_rope
 
 
 class RMSNorm(nn.Module):
-    """RMS norm; `offset=1` is Gemma's (1 + weight) form. Computed in float32 like the reference models."""
+    """RMS norm; `offset=1` is Gemma's (1 + weight) form. Given a residual, adds it first and returns
+    (normed, new residual) — the pre-norm decoder's residual stream in one kernel."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -20,13 +30,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (xf * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, self.offset)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+
+    def final(self, x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x + residual) of `rows` only (every row when None): the model's last norm."""
+        return final_rms_norm(x, residual, self.weight, self.eps, self.offset, rows)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -43,7 +54,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), with linear and llama3 frequency scaling."""
+    """Neox-style rotary embedding (rotate halves), with linear and llama3 frequency scaling; float32 cos/sin
+    caches `[max_positions, head_dim / 2]` that the fused kernel indexes by position."""
 
     def __init__(self, head_dim: int, base: float, max_positions: int, scaling: dict | None = None):
         super().__init__()
@@ -61,38 +73,34 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return qk_norm_rope(q, k, positions, self.cos, self.sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+class GatedMLP(MergedLinearOwner):
+    """down(act(gate(x)) * up(x)) with gate and up as one GEMM and the activation fused with the product."""
 
-
-class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}")
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        if act in ("silu", "swish"):
-            self.act = F.silu
-        elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
-            self.act = lambda x: F.gelu(x, approximate="tanh")
-        elif act == "gelu":
-            self.act = F.gelu
-        else:
-            raise ValueError(f"unsupported activation {act!r}")
+        self.act = ACTIVATIONS[act]
+        merge_linears(self, "gate_up", [self.gate_proj, self.up_proj])
+
+    def _merged(self):
+        return [("gate_up", [self.gate_proj, self.up_proj])]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(act_and_mul(F.linear(x, self.gate_up_weight), self.act))
 
 
-class PagedAttention(nn.Module):
-    """Self-attention whose K/V live in the engine's paged pool; QK-norm optional (Qwen3, Gemma 3)."""
+class PagedAttention(MergedLinearOwner):
+    """Self-attention whose K/V live in the engine's paged pool; QK-norm optional (Qwen3, Gemma 3).
+
+    `k_scale`/`v_scale` (0-d float32, 1.0 unless the checkpoint has `*.self_attn.k_scale`/`v_scale`) are the
+    per-layer scales of an fp8 KV cache: stored K = k / k_scale."""
 
     def __init__(
         self,
@@ -112,31 +120,38 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = nn.Linear(hidden, self.q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        merge_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, qk_norm_offset)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, qk_norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        self.register_buffer("k_scale", torch.tensor(1.0, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.tensor(1.0, dtype=torch.float32), persistent=False)
         self.rope = rope
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
 
+    def _merged(self):
+        return [("qkv", [self.q_proj, self.k_proj, self.v_proj])]
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        ctx = get_forward_context()
-        kv_layer = ctx.kv_cache[:, self.layer_idx]
-        o = ctx.backend.forward(q, k, v, kv_layer, ctx.meta, self.scale, self.sliding_window, self.softcap)
-        if ctx.after_layer is not None:
-            ctx.after_layer(self.layer_idx)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, self.q_norm.weight,
+                                self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
+        else:
+            q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin)
+        o = attend(self, q, k, v)
+        return self.o_proj(o.reshape(t, self.q_size))

@@ -1,4 +1,8 @@
-"""Llama (Llama 2/3 family): pre-norm decoder, GQA, SwiGLU, RoPE with optional llama3 scaling."""
+"""Llama (Llama 2/3 family): pre-norm decoder, GQA, SwiGLU, RoPE with optional llama3 scaling.
+
+Decoder layers carry the residual stream separately (`hidden, residual = layer(positions, hidden, residual)`),
+so each residual add is fused into the norm after it.
+"""
 
 from __future__ import annotations
 
@@ -33,9 +37,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): the next norm adds them."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -52,11 +64,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of the tokens at `rows` (all tokens when None)."""
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm.final(hidden, residual, rows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -70,8 +84,9 @@ class LlamaForCausalLM(nn.Module):
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

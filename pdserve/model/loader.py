@@ -178,10 +178,14 @@ def _iter_safetensors(model_dir: Path):
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters())
+    kv_scales = {n: b for n, b in model.named_buffers() if n.endswith((".k_scale", ".v_scale"))}  # fp8 KV, optional
     tied = getattr(model.config, "tie_word_embeddings", False) or type(model).__name__.startswith("Gemma3")
     loaded: set[str] = set()
     for name, tensor in _iter_safetensors(model_dir):
         mapped = _map_name(name)
+        if mapped in kv_scales:
+            kv_scales[mapped].copy_(tensor.reshape(()).float())
+            continue
         if mapped is None or mapped not in params:
             continue
         p = params[mapped]

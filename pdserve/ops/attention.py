@@ -32,19 +32,41 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V ([T, H, D]) into one layer's view `[num_blocks, 2, block_size, H, D]`."""
+def is_fp8(kv_layer: torch.Tensor) -> bool:
+    return kv_layer.element_size() == 1
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors are indexed as uint8 (the same bytes), which every device supports."""
+    return t.view(torch.uint8) if is_fp8(t) else t
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Scatter new K/V ([T, H, D]) into one layer's view `[num_blocks, 2, block_size, H, D]`; an fp8 pool stores
+    k / k_scale and v / v_scale."""
     block_size = kv_layer.shape[2]
     blk = slot_mapping // block_size
     off = slot_mapping % block_size
-    kv_layer[blk, 0, off] = k.to(kv_layer.dtype)
-    kv_layer[blk, 1, off] = v.to(kv_layer.dtype)
+    if is_fp8(kv_layer):
+        k = k.float() / k_scale if k_scale is not None else k
+        v = v.float() / v_scale if v_scale is not None else v
+    _bytes(kv_layer)[blk, 0, off] = _bytes(k.to(kv_layer.dtype))
+    _bytes(kv_layer)[blk, 1, off] = _bytes(v.to(kv_layer.dtype))
+
+
+def dequant(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """K or V read from the pool in the query's dtype (times the scale of an fp8 pool)."""
+    if is_fp8(x):
+        x = x.to(dtype)
+        return x * scale if scale is not None else x
+    return x
 
 
 def _gather_seq(kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     block_size = kv_layer.shape[2]
     nb = (seq_len + block_size - 1) // block_size
-    blocks = kv_layer[block_table[:nb].long()]  # [nb, 2, bs, H, D]
+    blocks = _bytes(kv_layer)[block_table[:nb].long()].view(kv_layer.dtype)  # [nb, 2, bs, H, D]
     k = blocks[:, 0].reshape(-1, *blocks.shape[-2:])[:seq_len]
     v = blocks[:, 1].reshape(-1, *blocks.shape[-2:])[:seq_len]
     return k, v
@@ -88,15 +110,18 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv(kv_layer, k, v, meta.slot_mapping)
+        write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
         if meta.decode_only and softcap is None:
-            return self._decode_batched(q, kv_layer, meta, scale, sliding_window)
+            return self._decode_batched(q, kv_layer, meta, scale, sliding_window, k_scale, v_scale)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc
         for i, seq_len in enumerate(meta.seq_lens):
             qs, qe = qsl[i], qsl[i + 1]
             ks, vs = _gather_seq(kv_layer, meta.block_tables[i], seq_len)
+            ks, vs = dequant(ks, q.dtype, k_scale), dequant(vs, q.dtype, v_scale)
             q_pos = torch.arange(seq_len - (qe - qs), seq_len, device=q.device)
             k_pos = torch.arange(seq_len, device=q.device)
             mask = _mask(q_pos, k_pos, sliding_window)
@@ -104,15 +129,15 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _decode_batched(q, kv_layer, meta, scale, sliding_window):
+    def _decode_batched(q, kv_layer, meta, scale, sliding_window, k_scale=None, v_scale=None):
         block_size = kv_layer.shape[2]
         b = meta.num_seqs
         nb = (meta.max_seq_len + block_size - 1) // block_size
         bt = meta.block_tables[:, :nb].long().clamp_min(0)
-        blocks = kv_layer[bt]  # [B, nb, 2, bs, Hk, D]
+        blocks = _bytes(kv_layer)[bt].view(kv_layer.dtype)  # [B, nb, 2, bs, Hk, D]
         hk, d = blocks.shape[-2], blocks.shape[-1]
-        k = blocks[:, :, 0].reshape(b, nb * block_size, hk, d).transpose(1, 2)  # [B, Hk, S, D]
-        v = blocks[:, :, 1].reshape(b, nb * block_size, hk, d).transpose(1, 2)
+        k = dequant(blocks[:, :, 0], q.dtype, k_scale).reshape(b, nb * block_size, hk, d).transpose(1, 2)
+        v = dequant(blocks[:, :, 1], q.dtype, v_scale).reshape(b, nb * block_size, hk, d).transpose(1, 2)
         seq_lens = torch.tensor(meta.seq_lens, device=q.device)
         k_pos = torch.arange(nb * block_size, device=q.device)
         mask = k_pos[None, :] < seq_lens[:, None]

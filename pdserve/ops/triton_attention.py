@@ -12,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops.attention import AttentionMetadata, TorchAttentionBackend, _gather_seq, register_backend, write_kv
+from pdserve.ops.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    _gather_seq,
+    is_fp8,
+    register_backend,
+    write_kv,
+)
 
 
 @triton.jit
@@ -131,9 +138,10 @@ class TritonAttentionBackend:
     def __init__(self):
         self._ref = TorchAttentionBackend()
 
-    def forward(self, q, k, v, kv_layer, meta: AttentionMetadata, scale, sliding_window=None, softcap=None):
-        if softcap is not None or q.device.type != "cuda":
-            return self._ref.forward(q, k, v, kv_layer, meta, scale, sliding_window, softcap)
+    def forward(self, q, k, v, kv_layer, meta: AttentionMetadata, scale, sliding_window=None, softcap=None,
+                k_scale=None, v_scale=None):
+        if softcap is not None or q.device.type != "cuda" or is_fp8(kv_layer):  # fp8 pools: the reference for now
+            return self._ref.forward(q, k, v, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale)
         write_kv(kv_layer, k, v, meta.slot_mapping)
         if meta.decode_only:
             return paged_decode(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.max_seq_len, scale,

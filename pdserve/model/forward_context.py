@@ -1,7 +1,8 @@
 """The per-step state attention layers read (metadata, KV pool, backend), set by the runner around a forward.
 
 A module-level context keeps the model's forward signature the same as Hugging Face's (ids, positions) and keeps
-the math free of scheduling concerns, as nano-vllm does.
+the math free of scheduling concerns, as nano-vllm does. It lives with the model (the engine imports it, never the
+other way round).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pdserve.ops.attention import AttentionMetadata
 
 @dataclass
 class ForwardContext:
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None
     kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, Hk, D]
-    backend: object
+    backend: object  # .forward(q, k, v, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale)
     after_layer: object = None  # called with the layer index once that layer's KV is written (layer-wise push)
 
 
@@ -39,3 +40,14 @@ def forward_context(ctx: ForwardContext):
         yield
     finally:
         _CTX = prev
+
+
+def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Paged attention of one layer (`layer_idx`, `scale`, `sliding_window`, `softcap`, `k_scale`, `v_scale`):
+    the backend writes k/v into the layer's slice of the pool and attends; then the layer hook runs."""
+    ctx = get_forward_context()
+    o = ctx.backend.forward(q, k, v, ctx.kv_cache[:, layer.layer_idx], ctx.meta, layer.scale, layer.sliding_window,
+                            layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale)
+    if ctx.after_layer is not None:
+        ctx.after_layer(layer.layer_idx)
+    return o

@@ -1,0 +1,286 @@
+"""Engine step times against their floors measured in the same run (issue 10), and a profile of one step.
+
+Each case is one runner step built by hand (requests with KV already in the pool, no scheduler), executed
+repeatedly; the time is the wall time of `ModelRunner.execute` (inputs, forward, logits, sampling: it ends with
+the sampled tokens on the host). Floors, from ceilings measured in the same process:
+
+  memory floor  = (weight bytes read + KV bytes read) / measured HBM copy rate
+  compute floor = matmul FLOPs (linear layers, LM head on sampled rows, causal attention) / measured bf16 matmul
+  floor         = the larger of the two (decode: memory; prefill: compute; mixed: whichever binds)
+
+Default cases: steady decode at batch 1 and 256 with ~1k context, batch 1 and 32 with ~8k, an 8k-token prefill,
+and a mixed step (256 decodes at ~1k + a 512-token prefill chunk). With --compare-eager (default) every case also
+runs with the captured graphs switched off, and decode steps that replay a full graph also run through the
+piecewise graphs. --profile CASE prints the top kernels of that step and its kernel count.
+
+  python benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --out $OUT/steps.json
+  python benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --profile decode:256x1024 \
+      --out $OUT/profile.json
+  CPU smoke run (numbers meaningless): --model qwen3-0.6b --device cpu --decode 2x64 --prefill 64 --mixed 2x64+32
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from pdserve.bench.record import new_record, save_json
+from pdserve.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.sampling_params import SamplingParams
+
+
+# ---- ceilings
+def ceilings(device: torch.device) -> dict:
+    if device.type == "cuda":
+        from pdserve.bench.ceilings import measure
+
+        return measure(device)
+    a = torch.empty(1 << 28, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    copy_gbps = 2 * 5 * a.numel() / (time.perf_counter() - t) / 1e9
+    m = torch.randn(1024, 1024)
+    t = time.perf_counter()
+    for _ in range(5):
+        m @ m
+    return {"gpu": None, "hbm_copy_gbps": copy_gbps,
+            "bf16_matmul_tflops": 5 * 2 * 1024**3 / (time.perf_counter() - t) / 1e12, "note": "CPU fp32 stand-ins"}
+
+
+# ---- model arithmetic
+def model_sizes(core: EngineCore) -> dict:
+    model = core.model
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    read = body = 0
+    for name, p in model.named_parameters():  # tied weights appear once
+        nbytes = p.numel() * p.element_size()
+        if name == "model.embed_tokens.weight" and not tied:
+            continue  # a decode step reads only its rows
+        read += nbytes
+        if ".layers." in name and p.dim() == 2:
+            body += p.numel()
+    cfg = core.hf_config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {"weight_bytes_read": read, "linear_params": body, "lm_head_params": model.lm_head.weight.numel(),
+            "kv_bytes_per_token": core.block_bytes // core.config.block_size,
+            "attn_flops_per_pair": 4 * cfg.num_attention_heads * hd * cfg.num_hidden_layers}
+
+
+def floors(sizes: dict, ceil: dict, seqs: list[tuple[int, int]], sampled: int) -> dict:
+    """seqs: (cached tokens, new tokens) of each sequence of the step."""
+    tokens = sum(n for _, n in seqs)
+    pairs = sum(n * c + n * (n + 1) / 2 for c, n in seqs)
+    flops = 2 * tokens * sizes["linear_params"] + 2 * sampled * sizes["lm_head_params"] \
+        + pairs * sizes["attn_flops_per_pair"]
+    kv_read = sum(c + n for c, n in seqs) * sizes["kv_bytes_per_token"]
+    mem_ms = (sizes["weight_bytes_read"] + kv_read) / (ceil["hbm_copy_gbps"] * 1e9) * 1e3
+    compute_ms = flops / (ceil["bf16_matmul_tflops"] * 1e12) * 1e3
+    return {"tokens": tokens, "flops": flops, "kv_bytes_read": kv_read, "memory_floor_ms": mem_ms,
+            "compute_floor_ms": compute_ms, "floor_ms": max(mem_ms, compute_ms),
+            "bound": "memory" if mem_ms >= compute_ms else "compute"}
+
+
+# ---- cases
+def parse_cases(decode: str = "", prefill: str = "", mixed: str = "") -> list[tuple[str, list]]:
+    """(name, [(cached, new, sampled)...]) per case."""
+    cases = []
+    for spec in filter(None, decode.split(",")):
+        b, ctx = (int(x) for x in spec.split("x"))
+        cases.append((f"decode:{spec}", [(ctx, 1, True)] * b))
+    for spec in filter(None, prefill.split(",")):
+        cases.append((f"prefill:{spec}", [(0, int(spec), True)]))
+    for spec in filter(None, mixed.split(",")):
+        dec, chunk = spec.split("+")
+        b, ctx = (int(x) for x in dec.split("x"))
+        cases.append((f"mixed:{spec}", [(ctx, 1, True)] * b + [(0, int(chunk), False)]))
+    return cases
+
+
+def build_batch(core: EngineCore, name: str, seqs: list[tuple[int, int, bool]], rng: random.Random):
+    """Requests whose first `cached` tokens have KV (blocks allocated) and whose next `new` tokens run now."""
+    vocab = core.hf_config.vocab_size
+    batch = ScheduledBatch()
+    for i, (cached, new, sampled) in enumerate(seqs):
+        total = cached + new + (0 if sampled else 1)  # an unsampled chunk is not the prompt's end
+        req = Request(f"{name}-{i}", [rng.randrange(vocab) for _ in range(total)],
+                      SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        if not core.kv.allocate(req, cached + new):
+            for r in batch.requests:
+                core.kv.free(r)
+            return None
+        req.num_computed_tokens = cached
+        batch.requests.append(req)
+        batch.num_new_tokens.append(new)
+    return batch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_case(core: EngineCore, batch: ScheduledBatch, iters: int, warmup: int) -> dict:
+    runner = core.runner
+    before = dict(runner.step_counts)
+    for _ in range(warmup):
+        runner.execute(batch)
+    sync(core.device)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        runner.execute(batch)
+        sync(core.device)
+        times.append((time.perf_counter() - t) * 1e3)
+    path = max(runner.step_counts, key=lambda k: runner.step_counts[k] - before.get(k, 0))
+    times.sort()
+    return {"step_ms_median": statistics.median(times), "step_ms_p90": times[-(-9 * len(times) // 10) - 1],
+            "step_ms_min": times[0], "path": path}
+
+
+def profile_case(core: EngineCore, batch: ScheduledBatch, steps: int, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = core.runner
+    for _ in range(3):
+        runner.execute(batch)
+    sync(core.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if core.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            runner.execute(batch)
+        sync(core.device)
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name].append(e.time_range.elapsed_us())
+    rows = sorted(((name, len(v) / steps, sum(v) / steps) for name, v in per_kernel.items()), key=lambda r: -r[2])
+    total_us = sum(r[2] for r in rows)
+    return {"steps": steps, "kernels_per_step": sum(r[1] for r in rows), "gpu_us_per_step": total_us,
+            "top": [{"name": n, "count_per_step": c, "us_per_step": us, "share": us / total_us if total_us else 0}
+                    for n, c, us in rows[:top]]}
+
+
+def print_profile(label: str, p: dict) -> None:
+    print(f"\nprofile {label}: {p['kernels_per_step']:.0f} kernels per step, {p['gpu_us_per_step'] / 1e3:.2f} ms "
+          "of kernel time per step")
+    print("| kernel | per step | us/step | share |\n|---|---|---|---|")
+    for r in p["top"]:
+        print(f"| {r['name'][:90]} | {r['count_per_step']:.0f} | {r['us_per_step']:.0f} | {r['share']:.1%} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--decode", default="1x1024,256x1024,1x8192,32x8192", help="batch x context, comma-separated")
+    ap.add_argument("--prefill", default="8192", help="prompt lengths")
+    ap.add_argument("--mixed", default="256x1024+512", help="decodes (batch x context) + prefill chunk")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--enforce-eager", action="store_true", help="capture no graphs at all")
+    ap.add_argument("--compare-eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time each case with the captured graphs switched off")
+    ap.add_argument("--profile", default=None, help="a case name (e.g. decode:256x1024): profile it instead")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--out", default="steps.json")
+    args = ap.parse_args(argv)
+
+    rec = new_record("engine_steps", vars(args))
+    cfg = EngineConfig(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                       kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+                       max_num_seqs=512, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                       enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+    core = EngineCore(cfg)
+    rec["ceilings"] = ceil = ceilings(core.device)
+    print("ceilings:", ceil, flush=True)
+    sizes = model_sizes(core)
+    runner = core.runner
+    rec["engine"] = {"num_blocks": core.kv.pool.num_blocks, "backend": runner.backend.name, "dtype": str(core.dtype),
+                     "kv_dtype": str(runner.kv_dtype), "block_bytes": core.block_bytes, **sizes,
+                     "decode_graph_sizes": runner.decode_sizes, "mixed_graph_sizes": runner.mixed_sizes}
+    rng = random.Random(0)
+    cases = parse_cases(args.decode, args.prefill, args.mixed)
+    if args.profile:
+        kind, _, spec = args.profile.partition(":")
+        if kind not in ("decode", "prefill", "mixed"):
+            ap.error("--profile takes decode:BxCTX, prefill:N or mixed:BxCTX+N")
+        cases = parse_cases(**{kind: spec})
+        name, seqs = cases[0]
+        batch = build_batch(core, name, seqs, rng)
+        if batch is None:
+            print(f"{name}: does not fit the KV pool", file=sys.stderr)
+            return 1
+        rec["profile"] = {"case": name, "graphs": profile_case(core, batch, args.profile_steps, args.top)}
+        print_profile(f"{name} ({'graphs' if runner.decode_sizes or runner.mixed_sizes else 'eager'})",
+                      rec["profile"]["graphs"])
+        if args.compare_eager and (runner.decode_sizes or runner.mixed_sizes):
+            runner.use_graphs = False
+            rec["profile"]["eager"] = profile_case(core, batch, args.profile_steps, args.top)
+            runner.use_graphs = True
+            print_profile(f"{name} (eager)", rec["profile"]["eager"])
+        save_json(rec, args.out)
+        return 0
+
+    results = []
+    for name, seqs in cases:
+        batch = build_batch(core, name, seqs, rng)
+        if batch is None:
+            print(f"{name}: skipped, does not fit the KV pool ({core.kv.pool.num_blocks} blocks)", flush=True)
+            results.append({"case": name, "skipped": "does not fit the KV pool"})
+            continue
+        r = {"case": name, **floors(sizes, ceil, [(c, n) for c, n, _ in seqs], sum(s for *_, s in seqs))}
+        r.update(time_case(core, batch, args.iters, args.warmup))
+        r["fraction_of_floor"] = r["floor_ms"] / r["step_ms_median"]
+        if args.compare_eager and (runner.decode_sizes or runner.mixed_sizes):
+            runner.use_graphs = False
+            r["eager"] = time_case(core, batch, args.iters, args.warmup)
+            runner.use_graphs = True
+        if r["path"] == "decode_graph" and runner.mixed_sizes and len(seqs) <= runner.mixed_sizes[-1]:
+            runner.use_full_decode_graphs = False  # the same decode step through piecewise graphs
+            r["piecewise"] = time_case(core, batch, args.iters, args.warmup)
+            runner.use_full_decode_graphs = True
+        for req in batch.requests:
+            core.kv.free(req)
+        results.append(r)
+        eager = f", eager {r['eager']['step_ms_median']:.2f} ms" if "eager" in r else ""
+        eager += f", piecewise {r['piecewise']['step_ms_median']:.2f} ms" if "piecewise" in r else ""
+        print(f"{name}: {r['step_ms_median']:.2f} ms ({r['path']}; floor {r['floor_ms']:.2f} ms {r['bound']}, "
+              f"{r['fraction_of_floor']:.0%}){eager}", flush=True)
+    rec["results"] = results
+    save_json(rec, args.out)
+    print("\n| step | tokens | ms (median) | p90 | path | floor ms | bound | floor/measured | eager ms | "
+          "piecewise ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "skipped" in r:
+            print(f"| {r['case']} | skipped: {r['skipped']} ||||||||")
+            continue
+        eager = f"{r['eager']['step_ms_median']:.2f}" if "eager" in r else "-"
+        pw = f"{r['piecewise']['step_ms_median']:.2f}" if "piecewise" in r else "-"
+        print(f"| {r['case']} | {r['tokens']} | {r['step_ms_median']:.2f} | {r['step_ms_p90']:.2f} | {r['path']} | "
+              f"{r['floor_ms']:.2f} | {r['bound']} | {r['fraction_of_floor']:.1%} | {eager} | {pw} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
