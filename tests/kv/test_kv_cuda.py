@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from pdserve.kv.bench_transfer import Remote  # noqa: E402
+from tests.kv.kv_helpers import OPEN  # noqa: E402
 
 BB = 36 * 2 * 16 * 8 * 128 * 2  # one qwen3-8b block of 16 tokens
 NB = 64
@@ -20,7 +21,7 @@ def _pair(transport: str, copy: str = "auto") -> tuple[Remote, Remote, str]:
     devs = ["cuda:0", "cuda:1"] if n >= 2 else ["cuda:0", "cuda:0"]
     ctx = mp.get_context("spawn")
     rs = [Remote(ctx, name, {"num_blocks": NB, "block_bytes": BB, "backend": "torch", "device": d,
-                             "agent": {"transport": transport, "cuda_copy": copy, "name": name}}, timeout=120)
+                             "agent": {"transport": transport, "cuda_copy": copy, "name": name, **OPEN}}, timeout=120)
           for name, d in zip(("ga", "gb"), devs)]
     peer = rs[0].call("connect", address=rs[1].call("info")["address"])
     return rs[0], rs[1], peer
