@@ -135,11 +135,11 @@ class Listener:
 
     def _evict_oldest_pending(self, why: str) -> None:
         _, old = self._pending.popitem(last=False)
-        self._conns.pop(old.cid, None)  # no longer counted, though its task closes the socket a moment later
         self._log(logging.WARNING, "KV port: dropped the unauthenticated connection from %s to stay within %s",
                   old.addr, why)
         if old.task is not None:
             old.task.cancel()
+        self._drop(old)  # now: a task cancelled before it ever ran would not reach its own clean-up
 
     def _admitter(self, conn: _Conn) -> Callable[[str, str], str | None]:
         def admit(peer: str, role: str) -> str | None:
@@ -197,6 +197,7 @@ class Listener:
             self._drop(conn)
 
     def _drop(self, conn: _Conn) -> None:
+        """Forget and close a connection (idempotent)."""
         self._conns.pop(conn.cid, None)
         self._pending.pop(conn.cid, None)
         if conn.peer is not None:
@@ -213,9 +214,12 @@ class Listener:
         self.closed = True
         if self._accept_task is not None:
             self._accept_task.cancel()
-        tasks = [c.task for c in self._conns.values() if c.task is not None]
+        conns = list(self._conns.values())
+        tasks = [c.task for c in conns if c.task is not None]
         for t in tasks:
             t.cancel()
+        for c in conns:
+            self._drop(c)
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
         self.sock.close()

@@ -13,6 +13,7 @@ CTX = mp.get_context("spawn")
 SECRET = secrets.token_bytes(32)  # this test session's deployment secret
 # transfer mechanics: authenticated peers, no grants (the grant checks have their own tests)
 OPEN = {"secret": SECRET, "open_access": True}
+GRANTS = {"secret": SECRET, "open_access": False}  # the serving configuration: authentication and grants
 
 
 def with_security(kw: dict) -> dict:
