@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.kv.descs import validate_side
 from pdserve.kv.errors import InvalidDescriptorError, RegionError
-from pdserve.kv.handshake import sock_recv_exact
 from pdserve.kv.nvtx import nvtx_range
 from pdserve.kv.transports.tcp_io import RegionIO, drain, recv_into_by, tune_socket
 from pdserve.kv.wire import (
@@ -57,6 +56,48 @@ FLAG_NOTIF = 1
 FLAG_PAYLOAD_MAC = 2
 DRAIN_LIMIT = 1 << 32  # a refused WRITE larger than this closes the connection instead of being drained
 MAX_PENDING_STRIPES = 65536  # transfers with stripes outstanding, over all peers
+
+
+INLINE_BYTES = 256 << 10  # requests up to this size (host memory) are served on the event loop
+
+
+async def recv_into_soon(sock: socket.socket, view: memoryview, timeout: float) -> None:
+    """Fill `view` from a non-blocking socket: straight away as far as the socket buffer holds, then waiting on the
+    loop (bounded by `timeout`) for the rest."""
+    got, n = 0, view.nbytes
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except (BlockingIOError, InterruptedError):
+            break
+        if k == 0:
+            raise ConnectionResetError(f"connection closed by peer after {got} of {n} bytes")
+        got += k
+    if got < n:
+        await asyncio.wait_for(sock_recv_into_all(sock, view[got:]), timeout)
+
+
+async def send_soon(sock: socket.socket, data: bytes | memoryview, timeout: float) -> None:
+    """Send on a non-blocking socket: straight away as far as the socket buffer takes it, then on the loop."""
+    view = memoryview(data)
+    sent = 0
+    while sent < view.nbytes:
+        try:
+            sent += sock.send(view[sent:])
+        except (BlockingIOError, InterruptedError):
+            break
+    if sent < view.nbytes:
+        await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(sock, view[sent:]), timeout)
+
+
+async def sock_recv_into_all(sock: socket.socket, view: memoryview) -> None:
+    loop = asyncio.get_running_loop()
+    got, n = 0, view.nbytes
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise ConnectionResetError(f"connection closed by peer after {got} of {n} bytes")
+        got += k
 
 
 def pack_resp(session: Session, status: int, xfer_id: int, msg: str) -> bytes:
@@ -98,16 +139,30 @@ class TcpServer:
         cfg = self.ctx.config
         tune_socket(sock, cfg.tcp_socket_buffer)
         self._served.add(sock)
+        loop = asyncio.get_running_loop()
+        head = bytearray(REQ.size + TAG)
+        idle = [False]
+
+        def idled_out() -> None:  # a timer instead of wait_for: no task per request on the hot path
+            idle[0] = True
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
         try:
             while not self.closed:
+                timer = loop.call_later(cfg.data_idle_timeout_s, idled_out)
                 try:
-                    head = await asyncio.wait_for(sock_recv_exact(sock, REQ.size + TAG), cfg.data_idle_timeout_s)
-                except asyncio.TimeoutError:
-                    log.debug("closed the data connection of %s: idle for %g s", session.peer, cfg.data_idle_timeout_s)
-                    return
-                except ConnectionError:
-                    return  # the peer closed (between requests, or dying mid-header)
-                await self._serve_one(sock, session, head)
+                    await sock_recv_into_all(sock, memoryview(head))
+                except (ConnectionError, OSError):
+                    if idle[0]:
+                        log.debug("closed the data connection of %s: idle for %g s", session.peer,
+                                  cfg.data_idle_timeout_s)
+                    return  # the peer closed (between requests, or dying mid-header), or it idled out
+                finally:
+                    timer.cancel()
+                await self._serve_one(sock, session, bytes(head))
         finally:
             self._served.discard(sock)
 
@@ -132,14 +187,41 @@ class TcpServer:
             await loop.sock_sendall(sock, pack_resp(session, ST_LIMIT, xid, limit))
             raise ProtocolError(f"request {xid} from {peer}: {limit}")
         nd = ndescs * DESC.itemsize
-        raw = await asyncio.wait_for(sock_recv_exact(sock, nd + klen + nlen + TAG), cfg.io_timeout_s)
+        raw = bytearray(nd + klen + nlen + TAG)
+        await recv_into_soon(sock, memoryview(raw), cfg.io_timeout_s)
         body = memoryview(raw)[:-TAG]
-        if not session.open(raw[-TAG:], BODY_LABEL, body):
+        if not session.open(bytes(raw[-TAG:]), BODY_LABEL, body):
             raise ProtocolError(f"a request body from {peer} failed its authentication check")
         req = _Request(op, flags, stripe, nstripes, xid, total)
         status, err = self._check(req, peer, body, nd, klen)
         with nvtx_range(cfg.nvtx, f"kv.serve {req.opname} {peer} #{xid}"):
-            await self._in_pool(sock, self._move, sock, session, req, status, err)
+            if status == ST_OK and not flags & FLAG_PAYLOAD_MAC and total <= INLINE_BYTES and all(
+                    r.host_view is not None for r in req.regs):
+                await self._move_inline(sock, session, req)
+            else:
+                await self._in_pool(sock, self._move, sock, session, req, status, err)
+
+    async def _move_inline(self, sock: socket.socket, session: Session, req: _Request) -> None:
+        """A small request between the socket and host memory, on the loop: a thread hop would cost more than the
+        copy (the bytes are usually in the socket buffer already)."""
+        io_timeout = self.ctx.config.io_timeout_s
+        key = req.key
+        if key is not None:
+            self.ctx.grants.begin(key)
+        try:
+            if req.op == OP_WRITE:
+                for reg, o, n in zip(req.regs, req.offset, req.length):
+                    await recv_into_soon(sock, reg.host_view[o:o + n], io_timeout)
+                await send_soon(sock, pack_resp(session, ST_OK, req.xfer_id, ""), io_timeout)
+                if req.flags & FLAG_NOTIF:
+                    self._landed_stripe(session.peer, req)
+            else:
+                await send_soon(sock, pack_resp(session, ST_OK, req.xfer_id, ""), io_timeout)
+                for reg, o, n in zip(req.regs, req.offset, req.length):
+                    await send_soon(sock, reg.host_view[o:o + n], io_timeout)
+        finally:
+            if key is not None:
+                self.ctx.grants.end(key)
 
     def _check(self, req: _Request, peer: str, body: memoryview, nd: int, klen: int) -> tuple[int, str]:
         """(status, reason) for the request; fills req's key, notification and copy plan when it may proceed."""
