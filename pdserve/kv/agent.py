@@ -259,7 +259,7 @@ class KVAgent:
     def _make_peer(self, session: Session, info: frames.Hello, writer: asyncio.StreamWriter) -> Peer:
         return Peer(name=session.peer, address=info.address, host_id=info.host_id, pid=info.pid,
                     transports=info.transports, writer=writer, session=session, regions=info.regions,
-                    hello=dict(info.extra))
+                    hello=dict(info.extra), io_timeout=self.config.io_timeout_s)
 
     async def _serve_ctrl(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Session) -> None:
         """An authenticated incoming control connection, for its whole life (owned by the listener's task)."""

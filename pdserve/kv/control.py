@@ -70,9 +70,13 @@ async def open_control(cfg: AgentConfig, name: str, host: str, port: int, addres
 
 async def accept_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Session,
                        cfg: AgentConfig, hello_ok: dict[str, Any]) -> frames.Hello:
-    """The listening side, after the handshake: the peer's description, then ours."""
-    msg = await asyncio.wait_for(read_frame(reader, session, cfg.max_frame_bytes), cfg.connect_timeout_s)
-    info = frames.hello(msg, "hello")
-    writer.write(seal_frame(session, hello_ok))
-    await writer.drain()
-    return info
+    """The listening side, after the handshake: the peer's description, then ours (bounded by the connect
+    timeout as a whole)."""
+
+    async def exchange() -> frames.Hello:
+        info = frames.hello(await read_frame(reader, session, cfg.max_frame_bytes), "hello")
+        writer.write(seal_frame(session, hello_ok))
+        await writer.drain()
+        return info
+
+    return await asyncio.wait_for(exchange(), cfg.connect_timeout_s)

@@ -50,6 +50,7 @@ class Peer:
     extra: dict[str, Any] = field(default_factory=dict)  # transport name -> that transport's per-peer state
     alive: bool = True
     lost_reason: str = ""
+    io_timeout: float = 10.0  # longest a send may wait for the peer to read (then the peer counts as lost)
 
     def region_sizes(self) -> dict[int, int]:
         return {k: v.size for k, v in self.regions.items()}
@@ -71,6 +72,10 @@ class Peer:
         try:
             self.writer.write(seal_frame(self.session, msg))
             if self.writer.transport.get_write_buffer_size() > (1 << 20):
-                await self.writer.drain()
+                await asyncio.wait_for(self.writer.drain(), self.io_timeout)
+        except asyncio.TimeoutError as e:
+            self.writer.close()  # the reader loop ends and marks the peer lost
+            raise PeerDisconnectedError(f"{self.describe()}: control connection stalled: the peer read nothing "
+                                        f"for {self.io_timeout:g} s") from e
         except (ConnectionError, RuntimeError, OSError) as e:
             raise PeerDisconnectedError(f"{self.describe()}: control connection failed: {e}") from e
