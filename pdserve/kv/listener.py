@@ -208,6 +208,10 @@ class Listener:
         if conn.writer is not None:
             conn.writer.close()
         else:
+            try:  # wakes a copy thread still blocked on it (close alone would not, and the fd could be reused)
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             conn.sock.close()
 
     async def close(self) -> None:
