@@ -45,6 +45,9 @@ class KVTransferConfig:
     order_timeout_s: float = 120.0  # the prefill and the push, end to end
     order_max_attempts: int = 3  # prefill candidates tried in turn
     order_backoff_s: float = 0.05  # before the second attempt; doubles after
+    # the deployment secret every KV agent of the deployment proves to its peers (flags --kv-secret /
+    # --kv-secret-file or PDSERVE_KV_SECRET / PDSERVE_KV_SECRET_FILE; `pdserve serve` generates one)
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check("role", self.role, ROLES)

@@ -36,3 +36,14 @@ def openai_api_key() -> str | None:
 def cuda_visible_devices() -> str | None:
     """`CUDA_VISIBLE_DEVICES`: the GPUs this process may use (the launcher splits them among instances)."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def kv_secret() -> str | None:
+    """`PDSERVE_KV_SECRET`: the deployment secret KV agents prove to each other (see pdserve.kv.secret); prefer
+    `PDSERVE_KV_SECRET_FILE` where the environment of a process is visible to other users."""
+    return os.environ.get("PDSERVE_KV_SECRET") or None
+
+
+def kv_secret_file() -> str | None:
+    """`PDSERVE_KV_SECRET_FILE`: path of a file holding the KV deployment secret (read when no secret is given)."""
+    return os.environ.get("PDSERVE_KV_SECRET_FILE") or None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,3 +36,11 @@ def test_bench_transfer_through_the_cli_writes_its_record(tmp_path):
 def test_unknown_subcommand_is_an_error():
     r = pdserve("frobnicate")
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_a_pd_instance_without_the_kv_secret_is_refused_at_once():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_KV_SECRET")}
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "instance", "--role", "decode", "--port", "0"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2
+    assert "needs the deployment's KV secret" in r.stderr and "--kv-secret-file" in r.stderr

@@ -25,6 +25,7 @@ import numpy as np
 from pdserve.bench.paths import add_output_flags, result_path
 from pdserve.kv.config import AgentConfig
 from pdserve.kv.model_shapes import kv_shape
+from pdserve.kv.secret import generate_secret
 from pdserve.stats import median, percentile
 
 
@@ -155,8 +156,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.tcp_connections is None:
         args.tcp_connections = AgentConfig().tcp_connections
     # each transfer names the transport under test; NIXL runs keep cuda_ipc too, for the peer-copy ceiling's mapping
-    agent_cfg = {"transport": "auto" if args.transport == "nixl" else args.transport, "host": args.host, "tcp_connections": args.tcp_connections,
-                 "cuda_copy": args.cuda_copy, "transfer_timeout_s": args.timeout}
+    # the two benchmark agents authenticate with a secret of this run; no per-request grants (open_access)
+    agent_cfg = {"transport": "auto" if args.transport == "nixl" else args.transport, "host": args.host,
+                 "tcp_connections": args.tcp_connections, "cuda_copy": args.cuda_copy, "transfer_timeout_s": args.timeout,
+                 "secret": generate_secret().encode(), "open_access": True}
     ctx = mp.get_context("spawn")
     specs = [{"num_blocks": pl["pool_blocks"], "block_bytes": pl["block_bytes"], "backend": args.backend,
               "device": d, "agent": {**agent_cfg, "name": f"bench-{r}-{os.getpid()}"}} for r, d in zip("AB", devices)]

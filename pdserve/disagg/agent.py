@@ -7,17 +7,24 @@ from pdserve.config import KVTransferConfig
 from pdserve.engine.kv_connector import KVPool
 from pdserve.engine.messages import POOL_REGION
 from pdserve.kv import AgentConfig, ThreadedAgent
+from pdserve.kv.errors import KVConfigError
 
 
 def agent_config(config: KVTransferConfig) -> AgentConfig:
-    return AgentConfig(host=config.host, port=config.port, transport=config.transport)
+    if config.secret is None:
+        raise KVConfigError(
+            f"a {config.role} instance needs the deployment's KV secret, the same on every instance: "
+            "--kv-secret-file FILE (or --kv-secret VALUE, PDSERVE_KV_SECRET, PDSERVE_KV_SECRET_FILE); "
+            "`pdserve serve --prefill X --decode Y` makes one for the instances it starts")
+    return AgentConfig(host=config.host, port=config.port, transport=config.transport, secret=config.secret)
 
 
 def start_agent(config: KVTransferConfig, pool: KVPool, agent: ThreadedAgent | None = None) -> tuple[ThreadedAgent, int]:
     """A listening agent (or the one given) with the pool registered; returns it and the pool's region id."""
     agent = agent if agent is not None else ThreadedAgent(agent_config(config))
     try:
-        region = agent.register(pool.tensor, name=POOL_REGION)
+        # one layer's slice of a block is the unit every push is made of (NIXL prepares its lists in these units)
+        region = agent.register(pool.tensor, name=POOL_REGION, unit_bytes=pool.block_bytes // pool.num_layers)
     except BaseException:
         agent.close()
         raise

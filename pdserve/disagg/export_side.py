@@ -107,7 +107,7 @@ class PrefillExporter(KVConnector):
                 continue
             remote_region = self.agent.peer_region_id(peer, ex.dest.region)
             self._layer_futs[req.request_id] = []
-            todo.append((req.request_id, peer, src * bb, dst * bb, remote_region))
+            todo.append((req.request_id, peer, src * bb, dst * bb, remote_region, ex.dest.request_id))
         if not todo:
             return None
         cuda = self.pool.device.type == "cuda"
@@ -118,9 +118,10 @@ class PrefillExporter(KVConnector):
                 ev = torch.cuda.Event()
                 ev.record()
             off = layer * self.layer_bytes
-            for rid, peer, src_off, dst_off, rr in todo:
+            for rid, peer, src_off, dst_off, rr, key in todo:
                 xl = XferList.build(self.region_id, src_off + off, rr, dst_off + off, self.layer_bytes)
-                self._layer_futs[rid].append(self.agent.write(peer, xl, None, wait_event=ev, coalesce=False))
+                self._layer_futs[rid].append(self.agent.write(peer, xl, None, wait_event=ev, coalesce=False,
+                                                              key=key))
 
         return after_layer
 
@@ -137,27 +138,29 @@ class PrefillExporter(KVConnector):
                  "logprob": [ex.logprob[0], [list(t) for t in ex.logprob[1]]] if ex.logprob else None,
                  "t_prefill_done": ex.t_prefill_done, "num_blocks": len(src)}
         if layer_futs is not None and len(layer_futs) == self.pool.num_layers:
-            fut = self.agent.submit(self._finish_layerwise(dest.agent, layer_futs, notif))
+            fut = self.agent.submit(self._finish_layerwise(dest.agent, layer_futs, notif, dest.request_id))
             self.num_layerwise += 1
         else:
-            fut = self.agent.submit(self._push(dest.agent, src, list(dest.block_ids), dest.region, notif))
+            fut = self.agent.submit(self._push(dest.agent, src, list(dest.block_ids), dest.region, notif,
+                                               dest.request_id))
         self._pushes[rid] = fut
         fut.add_done_callback(lambda f, rid=rid: self._on_push_done(rid, f))
 
-    async def _push(self, address: str, src: list[int], dst: list[int], region: str, notif: dict):
+    async def _push(self, address: str, src: list[int], dst: list[int], region: str, notif: dict, key: str):
+        """Write the blocks (coalesced runs) under the decode side's grant `key`, then notify."""
         peer = await self._peer_for(address)
         if not src:  # everything was a prefix hit on the decode side: only the notification travels
-            await self.agent.agent.notify(peer, notif)
+            await self.agent.agent.notify(peer, notif, key)
             return None
         return await self.agent.agent.write_blocks(peer, src, dst, self.pool.block_bytes, self.region_id, region,
-                                                   notif)
+                                                   notif, key=key)
 
-    async def _finish_layerwise(self, address: str, futs: list, notif: dict):
+    async def _finish_layerwise(self, address: str, futs: list, notif: dict, key: str):
         """Every layer landed: only now does the decode side hear of it (with the first token)."""
         t0 = time.perf_counter()
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
         peer = await self._peer_for(address)
-        await self.agent.agent.notify(peer, notif)
+        await self.agent.agent.notify(peer, notif, key)
         return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=sum(r.nbytes for r in results),
                                transport=(results[0].transport if results else "none") + "/layerwise")
 

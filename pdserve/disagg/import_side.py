@@ -51,8 +51,11 @@ class DecodeImporter(KVConnector):
         bs = self.pool.block_size
         start = req.num_cached_tokens // bs
         nb = (req.num_prompt_tokens + bs - 1) // bs
-        dest = KVDestination(self.agent.address, req.request_id, tuple(req.block_ids[start:nb]), start, POOL_REGION,
-                             self.pool.layout)
+        blocks = req.block_ids[start:nb]
+        # only these blocks, only for this request, until its lease ends (also when none travel: the notification
+        # that carries the first token needs the grant too)
+        self.agent.grant_blocks(req.request_id, POOL_REGION, blocks, self.pool.block_bytes, "w", req.kv_deadline)
+        dest = KVDestination(self.agent.address, req.request_id, tuple(blocks), start, POOL_REGION, self.pool.layout)
         return KVReserved(req.request_id, dest, req.num_cached_tokens, req.t_reserved,
                           req.t_reserved - req.arrival_time)
 
@@ -65,6 +68,9 @@ class DecodeImporter(KVConnector):
             return
         self._arrivals.put(arrival)
         self.wake()
+
+    def forget(self, request_id: str) -> None:
+        self.agent.revoke(request_id)
 
     def take_arrivals(self) -> list[KVArrival]:
         out = []
@@ -85,16 +91,17 @@ class DecodeImporter(KVConnector):
 
 
 def parse_arrival(n, vocab_size: int) -> KVArrival:
-    """A notification as a KVArrival; raises ValueError/TypeError/KeyError on anything malformed."""
-    payload = n.unpack()
-    if not isinstance(payload, dict):
-        raise TypeError(f"payload is a {type(payload).__name__}, not a map")
-    rid = payload["request_id"]
+    """A notification as a KVArrival; raises ValueError/TypeError/KeyError on anything malformed. The request is the
+    one the notification's key names: the agent checked that key against a live grant admitting the sender."""
+    rid = n.key
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID:
-        raise ValueError("request_id must be a non-empty string")
+        raise ValueError("the notification names no request (key)")
     error = getattr(n, "error", None)
     if error is not None:
         return KVArrival(rid, None, None, None, str(error)[:1000])
+    payload = n.payload_dict()
+    if payload is None:
+        raise TypeError("payload is not a map")
     tok = payload["first_token"]
     if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
         raise ValueError(f"first_token {tok!r} is not a token id of this model")

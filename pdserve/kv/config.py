@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import KV_TRANSPORTS as TRANSPORTS
 from pdserve.envs import kv_cuda_streams
+from pdserve.kv.secret import check_secret
 
 CUDA_COPY_METHODS = ("auto", "batch", "kernel", "percopy")
 
@@ -40,6 +41,32 @@ class AgentConfig:
     etcd_ttl_s: int = 30
     max_queued_notifications: int = 65536
 
+    # ---- security (README, "Security"): who may connect, and what a connected peer may touch ----
+    secret: bytes | None = field(default=None, repr=False)  # the deployment secret every agent proves; never sent
+    # no secret: accept any peer and skip grants (the old, open behaviour; only for tests of transfer mechanics)
+    insecure: bool = False
+    # authenticated peers may read and write every registered region without grants (benchmarks; never serving)
+    open_access: bool = False
+    # HMAC the payload bytes of tcp transfers too (a core per ~1-2 GB/s); headers and descriptors always are
+    mac_payload: bool = False
+    tls_cert: str | None = None  # PEM certificate: control connections use TLS (both sides must set it)
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_ca: str | None = None  # PEM CA bundle peers' certificates are verified against (None: encrypt, no check)
+    tls_check_hostname: bool = False  # also match the peer's certificate to the host dialled
+    max_grant_s: float = 3600.0  # a grant's deadline may lie at most this far ahead (catches clock mix-ups)
+    max_grants: int = 65536  # live grant keys at most; grant() fails beyond
+    # ---- bounds on the KV port: nothing a peer (or anyone) sends can make the agent hold unbounded resources ----
+    max_connections: int = 1024  # open incoming connections in total (handshaking or authenticated)
+    max_connections_per_peer: int = 64  # authenticated incoming connections of one peer (control + data)
+    max_pending_handshakes: int = 128  # beyond this the oldest unauthenticated connection is dropped
+    handshake_timeout_s: float = 5.0  # an incoming connection not authenticated by then is closed
+    data_idle_timeout_s: float = 300.0  # an authenticated data connection idle this long is closed
+    max_descs_per_transfer: int = 1 << 16  # descriptors in one request; more is refused before allocating
+    max_frame_bytes: int = 16 << 20  # largest control frame accepted (region tables, NIXL metadata)
+    max_notif_bytes: int = 1 << 20  # largest notification payload
+    tcp_server_threads: int = 8  # threads copying between sockets and memory for incoming tcp requests
+    nvtx: bool = False  # NVTX ranges around every transfer (both sides), when CUDA is available
+
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {self.transport!r}")
@@ -54,3 +81,27 @@ class AgentConfig:
             raise ValueError("cuda_streams must be at least 1")
         if self.tcp_connections < 1:
             raise ValueError("tcp_connections must be at least 1")
+        if self.secret is not None:
+            if isinstance(self.secret, str):
+                raise ValueError("secret must be bytes (pdserve.kv.secret.load_secret turns text into bytes)")
+            self.secret = check_secret(self.secret)
+            if self.insecure:
+                raise ValueError("insecure=True contradicts a configured secret; set one or the other")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        for k in ("handshake_timeout_s", "data_idle_timeout_s", "max_grant_s"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"{k} must be positive")
+        for k in ("max_connections", "max_connections_per_peer", "max_pending_handshakes", "max_descs_per_transfer",
+                  "max_frame_bytes", "max_notif_bytes", "tcp_server_threads", "max_grants"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be at least 1")
+
+    @property
+    def access_control(self) -> bool:
+        """Whether incoming transfers and notifications are checked against grants."""
+        return not (self.insecure or self.open_access)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)

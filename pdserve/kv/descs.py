@@ -176,20 +176,21 @@ def validate_side(region: np.ndarray, offset: np.ndarray, length: np.ndarray, si
     unknown = [r for r in ids if r not in sizes]
     if unknown:
         raise InvalidDescriptorError(f"{side} descriptor names unregistered region(s) {unknown}; known: {sorted(sizes)}")
-    end = offset + length
     if len(ids) == 1:
-        size_of = np.full(1, sizes[ids[0]], dtype=_I64)
-        bad = end > size_of[0]
+        size_of = np.int64(sizes[ids[0]])
     else:
         size_of = np.zeros(ids[-1] + 1, dtype=_I64)
         for r in ids:
             size_of[r] = sizes[r]
-        bad = end > size_of[region]
+        size_of = size_of[region]
+    # compared without forming offset + length first: that sum wraps around in int64 for lengths near 2**63
+    bad = (offset > size_of) | (length > size_of - offset)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise InvalidDescriptorError(
-            f"{side} descriptor {i}: bytes [{int(offset[i])}, {int(end[i])}) fall outside region {int(region[i])} "
-            f"of {sizes[int(region[i])]} bytes")
+            f"{side} descriptor {i}: bytes [{int(offset[i])}, {int(offset[i]) + int(length[i])}) fall outside region "
+            f"{int(region[i])} of {sizes[int(region[i])]} bytes")
+    end = offset + length  # safe now: every end is at most its region's size
     if check_overlap and region.size > 1:
         order = np.lexsort((offset, region))
         r, o, e = region[order], offset[order], end[order]

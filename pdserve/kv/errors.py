@@ -36,3 +36,20 @@ class TransferTimeoutError(KVTransferError, TimeoutError):
 
 class TransportUnavailableError(KVTransferError):
     """The requested transport cannot serve this pair of regions or is not installed."""
+
+
+class PeerAuthenticationError(PeerUnreachableError):
+    """The handshake failed: the peer did not prove the deployment secret, or refused our proof. The message starts
+    with "KV peer authentication failed"."""
+
+
+class AccessDeniedError(KVTransferError, PermissionError):
+    """The receiving agent refused a transfer: no live grant for its key (and peer) covers its descriptors."""
+
+
+class LimitExceededError(KVTransferError):
+    """A request exceeds a bound of the receiving agent (descriptors per transfer, frame or payload size)."""
+
+
+class KVConfigError(KVTransferError, ValueError):
+    """The agent's configuration is unusable (e.g. no secret and not explicitly insecure)."""

@@ -30,12 +30,15 @@ class Notification:
     used); `wait_notification` raises for such notifications, callbacks see them and must check `error`.
     """
 
-    peer: str
+    peer: str  # the sender's name, as proven in its handshake
     xfer_id: int
     op: str
-    payload: bytes
+    payload: bytes  # what the sender chose to send: validate before use (payload_dict() never raises)
     recv_ns: int  # time.perf_counter_ns() at arrival (CLOCK_MONOTONIC: comparable across processes on Linux)
     error: str | None = None
+    # the transfer's key (request id). With access control on, a notification is delivered only if a live grant
+    # of this key admits `peer`: trust `key`, not a request id inside the payload
+    key: str | None = None
 
     def raise_if_failed(self) -> Notification:
         if self.error is not None:
@@ -43,8 +46,22 @@ class Notification:
         return self
 
     def unpack(self) -> Any:
-        """The payload decoded as msgpack (the convention for {"request_id": ..., ...} payloads)."""
-        return msgpack.unpackb(self.payload, raw=False)
+        """The payload decoded as msgpack (the convention for {"request_id": ..., ...} payloads); a payload that
+        is not msgpack raises KVTransferError."""
+        try:
+            return msgpack.unpackb(self.payload, raw=False)
+        except Exception as e:  # msgpack raises several unrelated types on bad input
+            raise KVTransferError(f"notification {self.xfer_id} from peer {self.peer} is not msgpack: "
+                                  f"{type(e).__name__}") from None
+
+    def payload_dict(self) -> dict[str, Any] | None:
+        """The payload as a msgpack map with string keys, or None when it is anything else. Never raises: what a
+        peer sends must not be able to fail the caller (check each field's type before use too)."""
+        try:
+            d = msgpack.unpackb(self.payload, raw=False)
+        except Exception:  # any undecodable payload is simply not a dict
+            return None
+        return d if isinstance(d, dict) and all(isinstance(k, str) for k in d) else None
 
 
 def encode_notif(notif: bytes | dict[str, Any] | None) -> bytes | None:

@@ -47,11 +47,12 @@ class MemoryRegion:
     tensor: Any = None  # flat torch.uint8 view (CUDA regions, and host tensors)
     device_uuid: str = ""
     export: dict[str, Any] = field(default_factory=dict)  # per-transport sharing info (e.g. CUDA IPC handle)
+    unit: int = 0  # transfer granularity in bytes (NIXL prepares one descriptor per unit); 0: none declared
 
     def describe(self) -> dict[str, Any]:
-        """What peers learn about this region in the handshake."""
+        """What authenticated peers learn about this region after the handshake."""
         return {"id": self.region_id, "name": self.name, "kind": self.kind, "device": self.device, "size": self.size,
-                "uuid": self.device_uuid, "export": self.export}
+                "uuid": self.device_uuid, "export": self.export, "unit": self.unit}
 
 
 @dataclass
@@ -63,11 +64,7 @@ class RemoteRegion:
     size: int
     device_uuid: str
     export: dict[str, Any]
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RemoteRegion:
-        return cls(int(d["id"]), str(d["name"]), str(d["kind"]), int(d["device"]), int(d["size"]), str(d.get("uuid", "")),
-                   dict(d.get("export") or {}))
+    unit: int = 0
 
 
 def _torch():
@@ -119,7 +116,7 @@ class RegionTable:
         self._regions: dict[int, MemoryRegion] = {}
         self._sizes: dict[int, int] = {}
 
-    def add(self, obj: Any, name: str | None) -> MemoryRegion:
+    def add(self, obj: Any, name: str | None, unit: int = 0) -> MemoryRegion:
         with self._lock:
             rid = self._next
             self._next += 1
@@ -127,6 +124,9 @@ class RegionTable:
             if any(r.name == nm for r in self._regions.values()):
                 raise RegionError(f"a region named {nm!r} is already registered")
             reg = make_region(rid, obj, nm)
+            if unit < 0 or unit > max(reg.size, 1) or (unit and reg.size % unit):
+                raise RegionError(f"unit_bytes={unit} must divide the region's {reg.size} bytes")
+            reg.unit = unit
             regions = dict(self._regions)
             regions[rid] = reg
             self._regions = regions  # copy-on-write: readers never see a half-updated dict

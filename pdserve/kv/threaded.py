@@ -52,8 +52,21 @@ class ThreadedAgent:
     def name(self) -> str:
         return self.agent.name
 
-    def register(self, obj: Any, name: str | None = None, timeout: float = 30.0) -> int:
-        return self._call(self._sync(self.agent.register, obj, name), timeout)
+    def register(self, obj: Any, name: str | None = None, timeout: float = 30.0, unit_bytes: int = 0) -> int:
+        return self._call(self._sync(self.agent.register, obj, name, unit_bytes), timeout)
+
+    def grant(self, key: str, region: int | str, ranges: Any, mode: str, deadline: float,
+              peer: str | None = None) -> None:
+        """KVAgent.grant, called directly (thread-safe, no hop to the agent's loop: cheap from an engine step)."""
+        self.agent.grant(key, region, ranges, mode, deadline, peer)
+
+    def grant_blocks(self, key: str, region: int | str, block_ids: Any, block_bytes: int, mode: str,
+                     deadline: float, peer: str | None = None) -> None:
+        self.agent.grant_blocks(key, region, block_ids, block_bytes, mode, deadline, peer)
+
+    def revoke(self, key: str) -> int:
+        """KVAgent.revoke, called directly (thread-safe)."""
+        return self.agent.revoke(key)
 
     def deregister(self, region_id: int, timeout: float = 30.0) -> None:
         self._call(self._sync(self.agent.deregister, region_id), timeout)
@@ -63,7 +76,8 @@ class ThreadedAgent:
         return self._call(self.agent.connect(target, t), t + 1.0)
 
     def write(self, peer: str, xfers: XferList, notif: Any = None, **kw: Any) -> concurrent.futures.Future:
-        """Start a WRITE; the future resolves to an XferResult (or raises KVTransferError)."""
+        """Start a WRITE (keywords as KVAgent.write, `key=` included); the future resolves to an XferResult (or
+        raises KVTransferError)."""
         return self.submit(self.agent.write(peer, xfers, notif, **kw))
 
     def read(self, peer: str, xfers: XferList, notif: Any = None, **kw: Any) -> concurrent.futures.Future:
@@ -79,8 +93,8 @@ class ThreadedAgent:
         return self.submit(self.agent.read_blocks(peer, remote_ids, local_ids, block_bytes, local_region, remote_region,
                                                   notif, **kw))
 
-    def notify(self, peer: str, payload: Any) -> concurrent.futures.Future:
-        return self.submit(self.agent.notify(peer, payload))
+    def notify(self, peer: str, payload: Any, key: str | None = None) -> concurrent.futures.Future:
+        return self.submit(self.agent.notify(peer, payload, key))
 
     def on_notification(self, cb: Callable[[Notification], None]) -> None:
         """`cb` runs on the agent's thread for every notification (queued ones are then not kept)."""

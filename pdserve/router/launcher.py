@@ -180,11 +180,14 @@ def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
         base_port = args.port + 1 if args.port else 0
     extra = instance_argv(args)
     threads = max(1, (os.cpu_count() or 1) // len(plan))
+    secret_file = write_kv_secret(args, log_dir) if any(role != "both" for role, _ in plan) else None
     children: list[Child] = []
     try:
         for k, (role, name) in enumerate(plan):
             port = base_port + k if base_port else free_port()
             env = dict(os.environ)
+            if secret_file is not None:  # never on a command line: other local users can read those
+                env["PDSERVE_KV_SECRET_FILE"] = str(secret_file)
             slot = k % len(gpus) if gpus else None
             gpu = gpus[slot] if slot is not None else None
             device: list[str] = []
@@ -204,6 +207,19 @@ def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
         stop_children(children)
         raise
     return children
+
+
+def write_kv_secret(args: argparse.Namespace, log_dir: Path) -> Path:
+    """The deployment's KV secret in a file only this user can read: the one given (flag or environment), else a
+    new random one; the instances find it through PDSERVE_KV_SECRET_FILE."""
+    from pdserve.kv.secret import generate_secret, load_secret
+
+    secret = load_secret(getattr(args, "kv_secret", None), getattr(args, "kv_secret_file", None))
+    path = log_dir / "kv-secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret if secret is not None else generate_secret().encode())
+    return path
 
 
 def _tail(path: Path, n: int = 20) -> str:

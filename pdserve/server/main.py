@@ -114,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
                    help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
     k.add_argument("--kv-layerwise", default=_default(K, "layerwise"), choices=KV_LAYERWISE,
                    help="prefill role: push each layer's KV while later layers compute (auto: when the transport is tcp)")
+    k.add_argument("--kv-secret-file", default=None, metavar="FILE",
+                   help="the deployment's KV secret (same on every instance; env PDSERVE_KV_SECRET_FILE)")
+    k.add_argument("--kv-secret", default=None, metavar="VALUE",
+                   help="the secret itself (visible to local users in the process list: prefer --kv-secret-file or "
+                        "env PDSERVE_KV_SECRET)")
     return parser
 
 
@@ -130,8 +135,15 @@ def _engine_fields() -> list[str]:
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
     """Flags -> ServerConfig (raises ValueError with the dataclasses' own message on a bad value)."""
+    from pdserve.kv.secret import load_secret  # the KV package only when a flag set needs it
+
     ns = vars(args)
-    kv = KVTransferConfig(**{field: ns[flag] for flag, field in KV_FLAGS.items()})
+    secret = load_secret(ns.get("kv_secret"), ns.get("kv_secret_file")) if ns["role"] != "both" else None
+    if ns["role"] != "both" and secret is None:
+        raise ValueError(f"a {ns['role']} instance needs the deployment's KV secret, the same on every instance: "
+                         "--kv-secret-file FILE (or PDSERVE_KV_SECRET_FILE, PDSERVE_KV_SECRET); `pdserve serve "
+                         "--prefill X --decode Y` makes one for the instances it starts")
+    kv = KVTransferConfig(**{field: ns[flag] for flag, field in KV_FLAGS.items()}, secret=secret)
     engine = EngineConfig(**{name: ns[name] for name in _engine_fields()}, kv_transfer=kv)
     return ServerConfig(engine=engine, **{field: ns[flag] for flag, field in SERVER_FLAGS.items()})
 

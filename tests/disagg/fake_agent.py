@@ -1,7 +1,8 @@
 """An in-process stand-in for KV agents, so each PD side can be tested without sockets: agents on one `Fabric`
 copy blocks between the tensors they registered and deliver real `Notification`s (msgpack payloads) on the
 fabric's own thread, as a real agent delivers them on its thread. `Fabric.hold()` parks every push until
-`release()`, to abort or expire things while a copy is in flight."""
+`release()`, to abort or expire things while a copy is in flight. Grants are enforced as the real agent enforces
+them: a write or notification under a key the receiver did not grant (or revoked) is refused."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from pdserve.kv.errors import PeerUnreachableError
+from pdserve.kv.errors import AccessDeniedError, PeerUnreachableError
 from pdserve.kv.notify import Notification, encode_notif
 
 
@@ -55,11 +56,13 @@ class FakeAgent:
         self.names: dict[str, int] = {}
         self.notif_callbacks: list = []
         self.lost_callbacks: list = []
+        self.grants: dict[str, set[int]] = {}  # key -> block ids the key may write
+        self.refused = 0
         self.closed = False
         self._xfer = 0
 
     # ---- ThreadedAgent surface
-    def register(self, tensor, name: str | None = None) -> int:
+    def register(self, tensor, name: str | None = None, unit_bytes: int = 0) -> int:
         rid = len(self.regions)
         self.regions[rid] = tensor
         if name:
@@ -74,6 +77,15 @@ class FakeAgent:
 
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.fabric.loop)
+
+    def grant_blocks(self, key: str, region, block_ids, block_bytes: int, mode: str, deadline: float,
+                     peer: str | None = None) -> None:
+        assert mode == "w" and deadline > time.time()
+        self.grants[key] = set(block_ids)
+
+    def revoke(self, key: str) -> int:
+        self.grants.pop(key, None)
+        return 0
 
     def peer_region_id(self, peer: str, name: str) -> int:
         return self.fabric.agents[peer].names[name]
@@ -90,33 +102,43 @@ class FakeAgent:
             raise PeerUnreachableError(f"no fake agent at {address}")
         return address
 
-    async def notify(self, peer: str, payload: dict) -> None:
-        self._deliver(peer, encode_notif(payload), "notify", None)
+    async def notify(self, peer: str, payload: dict, key: str | None = None) -> None:
+        self._check(peer, key, [])
+        self._deliver(peer, encode_notif(payload), "notify", None, key)
 
     async def write_blocks(self, peer: str, src: list[int], dst: list[int], block_bytes: int, local_region: int,
-                           remote_region: int | str, notif: dict | None = None, **kw):
+                           remote_region: int | str, notif: dict | None = None, key: str | None = None, **kw):
         t0 = time.perf_counter()
         await asyncio.to_thread(self.fabric.gate.wait, 30)
         target = self.fabric.agents.get(peer)
         if target is None:
             raise PeerUnreachableError(f"no fake agent at {peer}")
+        self._check(peer, key, dst)
         rr = target.names[remote_region] if isinstance(remote_region, str) else remote_region
         src_t, dst_t = self.regions[local_region], target.regions[rr]
         for s, d in zip(src, dst):
             dst_t[d].copy_(src_t[s])
         self.fabric.pushes += 1
         if notif is not None:
-            self._deliver(peer, encode_notif(notif), "write", None)
+            self._deliver(peer, encode_notif(notif), "write", None, key)
         return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=len(src) * block_bytes, transport="fake")
 
-    def _deliver(self, peer: str, payload: bytes, op: str, error: str | None) -> None:
+    def _check(self, peer: str, key: str | None, dst: list[int]) -> None:
+        target = self.fabric.agents[peer]
+        allowed = target.grants.get(key) if key is not None else None
+        if allowed is None or not set(dst) <= allowed:
+            target.refused += 1
+            raise AccessDeniedError(f"{peer} granted no write of blocks {sorted(set(dst))[:4]} under key {key!r}")
+
+    def _deliver(self, peer: str, payload: bytes, op: str, error: str | None, key: str | None) -> None:
         self._xfer += 1
-        n = Notification(self.address, self._xfer, op, payload, time.perf_counter_ns(), error)
+        n = Notification(self.address, self._xfer, op, payload, time.perf_counter_ns(), error, key)
         for cb in self.fabric.agents[peer].notif_callbacks:
             cb(n)
 
-    def inject(self, payload: bytes, error: str | None = None, sender: str = "fake-intruder:1") -> None:
+    def inject(self, payload: bytes, error: str | None = None, sender: str = "fake-intruder:1",
+               key: str | None = None) -> None:
         """Deliver a raw notification to this agent as if `sender` sent it (malformed-input tests)."""
-        n = Notification(sender, 0, "notify", payload, time.perf_counter_ns(), error)
+        n = Notification(sender, 0, "notify", payload, time.perf_counter_ns(), error, key)
         for cb in self.notif_callbacks:
             cb(n)

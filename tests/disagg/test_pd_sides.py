@@ -171,8 +171,12 @@ def test_abort_during_a_push_frees_blocks_only_after_the_copy(cluster):
     assert p.core.kv.pool.num_free == held  # the copy may still read these blocks
     assert d.core.stats()["pd"]["quarantine_blocks"] == 6  # ... and write those
     fabric.release()
-    until(lambda: p.event(ExportFinished, "p-r") is not None and not d.core.kv.quarantine, p, d)
-    whole(p, d)  # the late notification released the decode side's quarantine at once
+    until(lambda: p.event(ExportFinished, "p-r") is not None, p, d)
+    assert "AccessDenied" in p.event(ExportFinished, "p-r").error  # the abort withdrew the grant: nothing written
+    assert fabric.agents["fake-decode:1"].refused == 1
+    assert d.core.kv.quarantine  # until the prefill instance's answer says it is done
+    d.core.remote_prefill_done("r")  # what the decode driver does when that answer arrives
+    whole(p, d)
 
 
 def test_abort_before_the_push_reports_the_export_finished(cluster):
@@ -199,11 +203,12 @@ def test_malformed_notifications_are_dropped_and_fail_nothing(cluster):
             msgpack.packb({"request_id": "r", "first_token": 3, "t_prefill_done": float("nan")}),
             msgpack.packb({"request_id": "r", "first_token": True, "t_prefill_done": 1.0}),
             msgpack.packb({"request_id": "r", "first_token": 3, "t_prefill_done": 1.0, "logprob": [0.0, [[-1, 0]]]}),
-            msgpack.packb({"request_id": "x" * 10_000, "first_token": 3, "t_prefill_done": 1.0})]
+            msgpack.packb({"first_token": "3", "t_prefill_done": 1.0})]
     for payload in junk:
-        dec_agent.inject(payload)
+        dec_agent.inject(payload, key="r")
+    dec_agent.inject(msgpack.packb({"first_token": 3, "t_prefill_done": 1.0}))  # no key: names no request
     d.step()
-    assert d.core.stats()["pd"]["dropped_notifications"] == len(junk)
+    assert d.core.stats()["pd"]["dropped_notifications"] == len(junk) + 1
     assert d.core.scheduler.requests["r"].t_reserved is not None  # still waiting for the real KV
     fabric.release()
     until(lambda: "r" in d.finished, p, d)
@@ -219,7 +224,7 @@ def test_a_failed_push_is_never_decoded_on(cluster):
     d.core.add_request("r", PROMPT, params, IMPORT)
     until(lambda: d.event(KVReserved, "r") is not None, d)
     fabric.agents["fake-decode:1"].inject(msgpack.packb({"request_id": "r"}), error="link down",
-                                          sender="fake-prefill:1")
+                                          sender="fake-prefill:1", key="r")
     until(lambda: "r" in d.finished, d)
     assert "link down" in d.event(KVFallback, "r").reason and d.tokens["r"] == want
     whole(d)

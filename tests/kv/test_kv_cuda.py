@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from pdserve.bench.transfer import Remote  # noqa: E402
+from tests.kv.kv_helpers import OPEN  # noqa: E402
 
 BB = 36 * 2 * 16 * 8 * 128 * 2  # one qwen3-8b block of 16 tokens
 NB = 64
@@ -20,7 +21,7 @@ def _pair(transport: str, copy: str = "auto") -> tuple[Remote, Remote, str]:
     devs = ["cuda:0", "cuda:1"] if n >= 2 else ["cuda:0", "cuda:0"]
     ctx = mp.get_context("spawn")
     rs = [Remote(ctx, name, {"num_blocks": NB, "block_bytes": BB, "backend": "torch", "device": d,
-                             "agent": {"transport": transport, "cuda_copy": copy, "name": name}}, timeout=120)
+                             "agent": {"transport": transport, "cuda_copy": copy, "name": name, **OPEN}}, timeout=120)
           for name, d in zip(("ga", "gb"), devs)]
     peer = rs[0].call("connect", address=rs[1].call("info")["address"])
     return rs[0], rs[1], peer
@@ -51,3 +52,37 @@ def test_gpu_blocks_arrive_byte_exact(transport, copy):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mac_payload", [False, True])
+def test_gpu_memory_over_tcp_under_grants(mac_payload):
+    """GPU pools (staged through pinned buffers) with the serving configuration: a granted write lands exactly, an
+    overrunning one moves nothing, payload MACs cover staged bytes too; NVTX ranges run for real."""
+    import asyncio
+    import time
+
+    from pdserve.kv import AccessDeniedError, AgentConfig, KVAgent
+    from tests.kv.kv_helpers import GRANTS
+
+    async def main():
+        kw = {"transport": "tcp", "mac_payload": mac_payload, "nvtx": True, "tcp_stripe_min_bytes": 1 << 20, **GRANTS}
+        a, b = KVAgent(AgentConfig(name="ga", **kw)), KVAgent(AgentConfig(name="gb", **kw))
+        dev_b = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+        pa = torch.randint(0, 255, (NB, BB), dtype=torch.uint8, device="cuda:0")
+        pb = torch.zeros((NB, BB), dtype=torch.uint8, device=dev_b)
+        ra = a.register(pa, "kv", unit_bytes=BB)
+        b.register(pb, "kv", unit_bytes=BB)
+        await b.start()
+        peer = await a.connect(b.address)
+        b.grant_blocks("r", "kv", list(range(8, 16)), BB, "w", time.time() + 60, peer="ga")
+        await a.write_blocks(peer, list(range(8)), list(range(8, 16)), BB, ra, "kv", notif={"request_id": "r"}, key="r")
+        note = await b.wait_notification(timeout=30)
+        assert note.key == "r" and torch.equal(pb[8:16].cpu(), pa[:8].cpu())
+        with pytest.raises(AccessDeniedError):
+            await a.write_blocks(peer, [0, 1], [15, 16], BB, ra, "kv", key="r")
+        assert not pb[16].any()
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())

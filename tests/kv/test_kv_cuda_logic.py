@@ -62,7 +62,7 @@ class _Recorder:
 
 def test_batched_copy_pointers_for_write_and_read():
     t = CudaIpcTransport.__new__(CudaIpcTransport)  # no CUDA needed for the arithmetic
-    t.agent = type("A", (), {"regions": _Regions({1: _Reg(0x1000_0000, 0), 2: _Reg(0x2000_0000, 0)})})()
+    t.ctx = type("C", (), {"regions": _Regions({1: _Reg(0x1000_0000, 0), 2: _Reg(0x2000_0000, 0)})})()
     rec = _Recorder()
     t._copier = rec
     mapped = {7: _Mapped(0x9000_0000), 8: _Mapped(0xA000_0000)}

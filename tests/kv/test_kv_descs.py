@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pdserve.kv.descs import XferList, block_xfers, validate
+from pdserve.kv.descs import XferList, block_xfers, validate, validate_side
 from pdserve.kv.errors import InvalidDescriptorError
 
 
@@ -75,3 +75,33 @@ def test_validate_bounds_unknown_regions_and_overlap():
         validate(XferList.from_tuples([(1, -8, 2, 0, 8)]), sizes, sizes, op="read")
     # for a READ the local side is the destination: overlaps there are rejected, on the remote side allowed
     validate(XferList.from_tuples([(1, 0, 2, 0, 100), (1, 200, 2, 50, 100)]), sizes, sizes, op="read")
+
+
+def test_validate_refuses_lengths_that_overflow_int64():
+    sizes = {2: 1 << 40}
+    huge = (1 << 63) - 1  # offset + huge wraps around to a negative int64: the old check let it pass
+
+    def side(off, n):
+        validate_side(np.array([2]), np.array([off], dtype=np.int64), np.array([n], dtype=np.int64), sizes,
+                      side="destination", check_overlap=True)
+
+    for off in (1, 8, 999):
+        with pytest.raises(InvalidDescriptorError, match="fall outside region 2"):
+            side(off, huge)
+    with pytest.raises(InvalidDescriptorError, match="fall outside region 2"):
+        side(1 << 62, 1 << 62)
+    side((1 << 40) - 10, 10)  # the region's last bytes: fine
+
+
+def test_wire_descriptors_beyond_63_bits_are_refused():
+    from pdserve.kv.wire import DESC, unpack_descs
+
+    a = np.zeros(2, dtype=DESC)
+    a["region"], a["offset"], a["length"] = 1, [0, 1 << 63], [8, 8]
+    with pytest.raises(InvalidDescriptorError, match="63 bits"):
+        unpack_descs(a.tobytes())
+    a["offset"][1], a["length"][1] = 0, (1 << 64) - 1
+    with pytest.raises(InvalidDescriptorError, match="63 bits"):
+        unpack_descs(a.tobytes())
+    with pytest.raises(InvalidDescriptorError, match="whole number"):
+        unpack_descs(a.tobytes()[:-1])

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pdserve.kv import AgentConfig, KVAgent, PeerUnreachableError
 from pdserve.kv.metadata import decode_range, prefix_end, put_request, range_request
+from tests.kv.kv_helpers import OPEN
 
 
 def test_request_encoding():
@@ -78,7 +79,8 @@ class FakeEtcd:
 
 
 async def _roundtrip(url: str) -> None:
-    cfg = {"transport": "tcp", "metadata": "etcd", "etcd_url": url, "etcd_prefix": f"/pdserve-test-{time.time_ns()}/"}
+    cfg = {"transport": "tcp", "metadata": "etcd", "etcd_url": url, "etcd_prefix": f"/pdserve-test-{time.time_ns()}/",
+           **OPEN}
     a = KVAgent(AgentConfig(name="prefill-0", **cfg))
     b = KVAgent(AgentConfig(name="decode-0", **cfg))
     await a.start()

@@ -18,13 +18,13 @@ from pdserve.kv import (
     RegionError,
     TransferTimeoutError,
 )
-from tests.kv.kv_helpers import BIG, big_peer, local_agent, spawn_peer
+from tests.kv.kv_helpers import BIG, OPEN, big_peer, local_agent, spawn_peer
 from tests.kv.kv_helpers import xfer as _x
 
 
 def big_agent(io_timeout: float) -> tuple[KVAgent, np.ndarray, int]:
     buf = np.random.default_rng(0).integers(0, 256, BIG, dtype=np.uint8)
-    agent = KVAgent(AgentConfig(transport="tcp", io_timeout_s=io_timeout, tcp_connections=2))
+    agent = KVAgent(AgentConfig(transport="tcp", io_timeout_s=io_timeout, tcp_connections=2, **OPEN))
     return agent, buf, agent.register(buf, name="big")
 
 

@@ -1,6 +1,7 @@
 """Regions: what can be registered, and the engine's block-major torch KV pool moved block by block over tcp."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from pdserve.kv import AgentConfig, KVAgent, RegionError
 from pdserve.kv.regions import RegionTable
+from tests.kv.kv_helpers import OPEN
 
 
 def test_region_kinds_and_errors():
@@ -35,7 +37,9 @@ def test_block_major_torch_pool_blocks_move_exactly():
     shape = (32, 4, 2, 16, 2, 64)  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
     async def main():
-        prefill, decode = KVAgent(AgentConfig(transport="tcp")), KVAgent(AgentConfig(transport="tcp"))
+        secret = OPEN["secret"]
+        prefill = KVAgent(AgentConfig(transport="tcp", secret=secret))
+        decode = KVAgent(AgentConfig(transport="tcp", secret=secret))
         kv_p = torch.randn(shape, dtype=torch.bfloat16)
         kv_d = torch.zeros(shape, dtype=torch.bfloat16)
         rp, _ = prefill.register(kv_p, "kv"), decode.register(kv_d, "kv")
@@ -43,10 +47,11 @@ def test_block_major_torch_pool_blocks_move_exactly():
         peer = await prefill.connect(decode.address)
         block_bytes = kv_p[0].numel() * kv_p.element_size()
         src, dst = [3, 4, 5, 9, 0], [10, 11, 12, 1, 31]
-        res = await prefill.write_blocks(peer, src, dst, block_bytes, rp, "kv", notif={"request_id": "abc"})
+        decode.grant_blocks("abc", "kv", dst, block_bytes, "w", time.time() + 30, peer=prefill.name)
+        res = await prefill.write_blocks(peer, src, dst, block_bytes, rp, "kv", notif={"request_id": "abc"}, key="abc")
         assert (res.descs_in, res.descs_out) == (5, 3)  # 3,4,5 -> 10,11,12 became one descriptor
         note = await decode.wait_notification(peer=prefill.name, timeout=5)
-        assert note.unpack()["request_id"] == "abc"
+        assert note.unpack()["request_id"] == "abc" and note.key == "abc"
         assert torch.equal(kv_d[dst], kv_p[src])
         others = [i for i in range(shape[0]) if i not in dst]
         assert not kv_d[others].any()

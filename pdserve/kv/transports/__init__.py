@@ -11,23 +11,23 @@ from pdserve.kv.transports.base import Transport
 from pdserve.kv.transports.tcp import TcpTransport
 
 if TYPE_CHECKING:
-    from pdserve.kv.agent import KVAgent
+    from pdserve.kv.context import TransportContext
 
 log = logging.getLogger(__name__)
 
 
-def build_transports(agent: KVAgent) -> dict[str, Transport]:
+def build_transports(ctx: TransportContext) -> dict[str, Transport]:
     """tcp always; cuda_ipc when CUDA is usable; nixl when importable and allowed by the configuration.
 
     A transport forced by configuration but unavailable is an error here, at construction, not at first transfer.
     """
-    want = agent.config.transport
-    out: dict[str, Transport] = {"tcp": TcpTransport(agent)}
+    want = ctx.config.transport
+    out: dict[str, Transport] = {"tcp": TcpTransport(ctx)}
     if want in ("auto", "cuda_ipc"):
         from pdserve.kv.transports.cuda_ipc import CudaIpcTransport
 
         if CudaIpcTransport.available():
-            out["cuda_ipc"] = CudaIpcTransport(agent)
+            out["cuda_ipc"] = CudaIpcTransport(ctx)
         elif want == "cuda_ipc":
             raise TransportUnavailableError("transport cuda_ipc needs torch with CUDA and a visible GPU")
     if want in ("auto", "nixl"):
@@ -35,7 +35,7 @@ def build_transports(agent: KVAgent) -> dict[str, Transport]:
 
         if NixlTransport.available():
             try:
-                out["nixl"] = NixlTransport(agent)
+                out["nixl"] = NixlTransport(ctx)
             except Exception as e:
                 if want == "nixl":
                     raise TransportUnavailableError(f"cannot start a NIXL agent: {e}") from e

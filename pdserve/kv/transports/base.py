@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.kv.descs import XferList
 
 if TYPE_CHECKING:
-    from pdserve.kv.agent import KVAgent
+    from pdserve.kv.context import TransportContext
     from pdserve.kv.peer import Peer
     from pdserve.kv.regions import MemoryRegion, RemoteRegion
 
@@ -23,8 +23,8 @@ class Transport(ABC):
 
     name: str = ""
 
-    def __init__(self, agent: KVAgent) -> None:
-        self.agent = agent
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
 
     @classmethod
     def available(cls) -> bool:
@@ -32,7 +32,7 @@ class Transport(ABC):
         return True
 
     def export_region(self, region: MemoryRegion) -> dict[str, Any] | None:
-        """Sharing information peers need for `region` (sent in each handshake; None if not applicable)."""
+        """Sharing information peers need for `region` (sent only to authenticated peers; None if not applicable)."""
         return None
 
     def on_register(self, region: MemoryRegion) -> None:
@@ -61,8 +61,9 @@ class Transport(ABC):
 
     @abstractmethod
     async def transfer(self, op: str, peer: Peer, xfers: XferList, notif: bytes | None, xfer_id: int,
-                       deadline: float, wait_event: Any = None) -> bool:
-        """Move the bytes of `xfers` (op 'write': local -> remote, 'read': remote -> local) before `deadline`."""
+                       deadline: float, wait_event: Any = None, key: str | None = None) -> bool:
+        """Move the bytes of `xfers` (op 'write': local -> remote, 'read': remote -> local) before `deadline`,
+        under the peer's grant for `key` (the request id): a receiver that checks grants refuses anything else."""
 
     async def close(self) -> None:
         """Release everything (called once, at agent close)."""

@@ -27,6 +27,7 @@ from pdserve.kv.errors import TransferTimeoutError
 from pdserve.kv.transports.base import Transport
 
 if TYPE_CHECKING:
+    from pdserve.kv.context import TransportContext
     from pdserve.kv.peer import Peer
     from pdserve.kv.regions import MemoryRegion, RemoteRegion
 
@@ -57,8 +58,8 @@ def _bases(ids: np.ndarray, ptr_of: Any) -> np.ndarray:
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
 
-    def __init__(self, agent: Any) -> None:
-        super().__init__(agent)
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
         self._copier: Any = None
         self._streams: dict[tuple[int, int], Any] = {}
         self._peer_ok: set[tuple[int, int]] = set()
@@ -78,7 +79,7 @@ class CudaIpcTransport(Transport):
         if self._copier is None:
             from pdserve.kv.transports.cuda_copy import make_copier
 
-            self._copier = make_copier(self.agent.config.cuda_copy)
+            self._copier = make_copier(self.ctx.config.cuda_copy)
             log.info("cuda_ipc copy engine: %s", self._copier.name)
         return self._copier
 
@@ -124,10 +125,10 @@ class CudaIpcTransport(Transport):
         self._peer_ok.update({(a, b), (b, a)})
 
     async def on_peer(self, peer: Peer) -> None:
-        if peer.host_id != self.agent.host_id:
+        if peer.host_id != self.ctx.host_id:
             return
         mapped: dict[int, Any] = peer.extra.setdefault(self.name, {})
-        local_devs = {r.device for r in self.agent.regions.all() if r.kind == "cuda"}
+        local_devs = {r.device for r in self.ctx.regions.all() if r.kind == "cuda"}
         for rid, remote in peer.regions.items():
             if rid in mapped or remote.kind != "cuda" or "cuda_ipc" not in remote.export:
                 continue
@@ -146,7 +147,7 @@ class CudaIpcTransport(Transport):
         return peer.extra[self.name][remote_region]
 
     def supports(self, peer: Peer, local: list[MemoryRegion], remote: list[RemoteRegion]) -> str | None:
-        if peer.host_id != self.agent.host_id:
+        if peer.host_id != self.ctx.host_id:
             return "peer is on another host"
         if any(r.kind != "cuda" for r in local):
             return "a local region is not CUDA memory"
@@ -167,18 +168,20 @@ class CudaIpcTransport(Transport):
     def _split(self, x: XferList) -> list[XferList]:
         """Big batched transfers go out on several streams (each a cuMemcpyBatchAsync), so the copy engines share
         the work; small ones stay on one stream, where a second launch would only add latency."""
-        n = min(self.agent.config.cuda_streams, len(x))
+        n = min(self.ctx.config.cuda_streams, len(x))
         if n <= 1 or self.copier.name != "batch" or int(x.length.sum()) < (64 << 20):
             return [x]
         return [x.take(np.arange(k, len(x), n)) for k in range(n)]
 
     # ---- moving bytes ------------------------------------------------------------------------------------------
     async def transfer(self, op: str, peer: Peer, xfers: XferList, notif: bytes | None, xfer_id: int,
-                       deadline: float, wait_event: Any = None) -> bool:
+                       deadline: float, wait_event: Any = None, key: str | None = None) -> bool:
+        # one-sided: the peer's memory is mapped here, so the receiver cannot check this copy against its grants;
+        # authentication gated the mapping, and the receiver still checks the notification against the key's grant
         import torch
 
         mapped = peer.extra[self.name]
-        regions = self.agent.regions
+        regions = self.ctx.regions
         events = []
         devs = {r: regions.get(r).device for r in distinct(xfers.local_region)}
         for dev in sorted(set(devs.values())):
@@ -211,14 +214,14 @@ class CudaIpcTransport(Transport):
                 return
             except Exception as e:
                 name = self.copier.name
-                if self.agent.config.cuda_copy != "auto" or name == METHODS[-1]:
+                if self.ctx.config.cuda_copy != "auto" or name == METHODS[-1]:
                     raise
                 self._copier = make_copier("auto", after=name)
                 log.warning("cuda copy engine %s failed (%s: %s); switched to %s", name, type(e).__name__, e,
                             self._copier.name)
 
     def _enqueue(self, op: str, x: XferList, mapped: dict[int, Any], dev: int, stream: Any) -> None:
-        regions = self.agent.regions
+        regions = self.ctx.regions
         copier = self.copier
         if copier.name == "batch":
             lp = _bases(x.local_region, lambda r: regions.get(r).ptr) + x.local_offset

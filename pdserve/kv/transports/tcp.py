@@ -1,83 +1,94 @@
 """tcp: any memory, any hosts. Striped over parallel data connections; GPU memory staged through pinned buffers.
 
-Why blocking sockets in threads and not asyncio streams: a KV transfer is a few large runs of bytes, and the fastest
+Why blocking sockets in threads on the sending side: a KV transfer is a few large runs of bytes, and the fastest
 path is `sendall(memoryview of the region)` straight from registered memory and `recv_into(memoryview of the
 region)` straight into it (no intermediate copies, no per-chunk Python objects); both release the GIL, so stripes
-on several connections proceed in parallel. Asyncio only awaits the stripes.
+on several connections proceed in parallel. Asyncio only awaits the stripes. The receiving side
+(tcp_server.TcpServer) keeps idle connections in asyncio and copies in a bounded thread pool.
+
+Data connections are authenticated like control connections (pdserve.kv.auth: same handshake, role "data") and
+pooled per peer, so the handshake is paid once per connection, not per transfer.
 
 Data-channel protocol (initiator -> server, one request at a time per connection):
-    REQ header, descriptors of the server's memory, notification bytes, then for a WRITE the data;
-    the server answers RESP (status, message) after the data landed (WRITE) or before sending data (READ).
-The server validates descriptors against its own region table before touching memory; a bad WRITE is drained and
-answered with an error, so the connection stays usable and nothing is written.
+    REQ header + its MAC, body (descriptors of the server's memory, the request key, notification bytes) + its MAC,
+    then for a WRITE the data (followed by its MAC when payload MACs are on);
+    the server answers RESP (status, message) + MAC after the data landed (WRITE) or before sending the data (READ).
+Payload bytes are not MACed by default (AgentConfig.mac_payload): see the README's security section for why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import socket
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.kv.descs import XferList, validate_side
-from pdserve.kv.errors import InvalidDescriptorError, KVTransferError, PeerDisconnectedError, TransferTimeoutError
+from pdserve.kv.auth import Session
+from pdserve.kv.descs import XferList
+from pdserve.kv.errors import (
+    AccessDeniedError,
+    InvalidDescriptorError,
+    KVTransferError,
+    LimitExceededError,
+    PeerAuthenticationError,
+    PeerDisconnectedError,
+    TransferTimeoutError,
+)
+from pdserve.kv.handshake import initiate_blocking
 from pdserve.kv.transports.base import Transport
+from pdserve.kv.transports.tcp_io import RegionIO, recv_into_by, split_address, tune_socket
+from pdserve.kv.transports.tcp_server import FLAG_NOTIF, FLAG_PAYLOAD_MAC, TcpServer
 from pdserve.kv.wire import (
-    DESC,
+    BODY_LABEL,
     MAGIC,
-    MAX_DESCS,
+    MAX_RESP_MSG,
     OP_READ,
     OP_WRITE,
     PREAMBLE_DATA,
     REQ,
+    REQ_LABEL,
     RESP,
+    RESP_LABEL,
+    ST_DENIED,
+    ST_LIMIT,
+    ST_PAYLOAD_MAC,
+    TAG,
+    ProtocolError,
     pack_descs,
     recv_exact,
-    recv_into_exact,
-    unpack_descs,
 )
 
 if TYPE_CHECKING:
+    from pdserve.kv.context import TransportContext
     from pdserve.kv.peer import Peer
     from pdserve.kv.regions import MemoryRegion, RemoteRegion
 
 log = logging.getLogger(__name__)
-FLAG_NOTIF = 1
-_DRAIN_LIMIT = 1 << 32  # a bad WRITE larger than this closes the connection instead of being drained
+
+__all__ = ["TcpTransport", "split_address", "tune_socket"]
 
 
 class RemoteRejected(KVTransferError):
-    """The peer refused a request (bad descriptor, unknown region); the connection is still in sync."""
+    """The peer refused a request (bad descriptor, no grant, a limit); the connection is still in sync."""
+
+    def __init__(self, status: int, msg: str) -> None:
+        super().__init__(msg)
+        self.status = status
 
 
-def tune_socket(sock: socket.socket, bufsize: int) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, bufsize)
-        except OSError:
-            pass
+_REJECTED = {ST_DENIED: AccessDeniedError, ST_LIMIT: LimitExceededError, ST_PAYLOAD_MAC: KVTransferError}
 
 
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"address must be host:port, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-class _Staging(threading.local):
-    """Per-thread pinned buffers for GPU memory (allocated on first use, reused for every chunk)."""
-
-    buf: Any = None
-    views: Any = None
-    stream: Any = None
-    events: Any = None
-    device: int = -1
+@dataclass
+class _Conn:
+    sock: socket.socket
+    session: Session
+    last_used: float
 
 
 class _XferConns:
@@ -111,25 +122,27 @@ class _XferConns:
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, agent: Any) -> None:
-        super().__init__(agent)
-        cfg = agent.config
-        self._pools: dict[str, list[socket.socket]] = {}
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.config
+        self._pools: dict[str, list[_Conn]] = {}
         self._pool_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=max(8, cfg.tcp_connections * 4), thread_name_prefix="kv-tcp")
-        self._staging = _Staging()
-        self._landed: dict[tuple[str, int], list[Any]] = {}
-        self._landed_lock = threading.Lock()
-        self._served: set[socket.socket] = set()
+        self.io = RegionIO(cfg.tcp_staging_bytes)
+        self.server = TcpServer(ctx, self.io)
         self._closed = False
+
+    async def serve(self, sock: socket.socket, session: Session) -> None:
+        """Serve an authenticated incoming data connection (called by the agent's listener)."""
+        await self.server.serve(sock, session)
 
     # ---- client side -------------------------------------------------------------------------------------------
     def supports(self, peer: Peer, local: list[MemoryRegion], remote: list[RemoteRegion]) -> str | None:
         return None
 
     async def transfer(self, op: str, peer: Peer, xfers: XferList, notif: bytes | None, xfer_id: int,
-                       deadline: float, wait_event: Any = None) -> bool:
-        cfg = self.agent.config
+                       deadline: float, wait_event: Any = None, key: str | None = None) -> bool:
+        cfg = self.ctx.config
         if wait_event is not None:
             await asyncio.get_running_loop().run_in_executor(self._executor, wait_event.synchronize)
         stripes = xfers.split_bytes(cfg.tcp_connections, min_bytes=cfg.tcp_stripe_min_bytes)
@@ -138,8 +151,9 @@ class TcpTransport(Transport):
         opcode = OP_WRITE if op == "write" else OP_READ
         flags = FLAG_NOTIF if (notif is not None and op == "write") else 0
         payload = notif if flags else b""
+        key_b = key.encode() if key is not None else b""
         futs = [loop.run_in_executor(self._executor, self._run_stripe, opcode, flags, peer, s, i, len(stripes),
-                                     payload if i == 0 else b"", xfer_id, conns, deadline)
+                                     payload if i == 0 else b"", xfer_id, conns, deadline, key_b)
                 for i, s in enumerate(stripes)]
         done, pending = await asyncio.wait(futs, timeout=max(0.0, deadline - time.monotonic()),
                                            return_when=asyncio.FIRST_EXCEPTION)
@@ -154,7 +168,8 @@ class TcpTransport(Transport):
             if failed:
                 err = failed[0].exception()
                 if isinstance(err, RemoteRejected):
-                    raise InvalidDescriptorError(f"{op} {xfer_id} rejected by {peer.describe()}: {err}") from err
+                    cls = _REJECTED.get(err.status, InvalidDescriptorError)
+                    raise cls(f"{op} {xfer_id} rejected by {peer.describe()}: {err}") from err
                 if isinstance(err, KVTransferError):
                     raise err
                 if isinstance(err, TimeoutError):
@@ -166,261 +181,137 @@ class TcpTransport(Transport):
                                        f"({xfers.total_bytes} bytes over {len(stripes)} connection(s))")
         return bool(flags)
 
-    def _connect(self, peer: Peer) -> socket.socket:
-        cfg = self.agent.config
+    def _connect(self, peer: Peer, deadline: float) -> _Conn:
+        cfg = self.ctx.config
         host, port = split_address(peer.address)
         try:
             s = socket.create_connection((host, port), timeout=cfg.connect_timeout_s)
         except OSError as e:
             raise PeerDisconnectedError(f"cannot open a data connection to {peer.describe()}: {e}") from e
-        tune_socket(s, cfg.tcp_socket_buffer)
+        try:
+            # each handshake step is one socket operation: a stalled peer fails it within the io timeout
+            s.settimeout(max(0.001, min(cfg.io_timeout_s, deadline - time.monotonic())))
+            tune_socket(s, cfg.tcp_socket_buffer)
+            s.sendall(PREAMBLE_DATA)
+            session = initiate_blocking(s, cfg.secret, "data", self.ctx.name, peer.address)
+        except PeerAuthenticationError:
+            s.close()
+            raise
+        except TimeoutError as e:
+            s.close()
+            raise TransferTimeoutError(f"data connection handshake with {peer.describe()} stalled: {e}") from e
+        except (OSError, ProtocolError) as e:
+            s.close()
+            raise PeerDisconnectedError(f"data connection handshake with {peer.describe()} failed: {e}") from e
+        if session.peer != peer.name:
+            s.close()
+            raise PeerAuthenticationError(f"KV peer authentication failed: the agent at {peer.address} is "
+                                          f"{session.peer!r}, not {peer.name!r}")
         s.settimeout(cfg.io_timeout_s)
-        name = self.agent.name.encode()
-        s.sendall(PREAMBLE_DATA + struct.pack("<H", len(name)) + name)
-        return s
+        return _Conn(s, session, time.monotonic())
 
-    def _acquire(self, peer: Peer) -> socket.socket:
+    def _acquire(self, peer: Peer, deadline: float) -> _Conn:
+        """A pooled connection to `peer`, or a new one. Pooled connections idle for more than half the server's
+        idle timeout are closed rather than reused (the server may be closing them right now)."""
+        stale: list[_Conn] = []
+        got = None
+        horizon = time.monotonic() - self.ctx.config.data_idle_timeout_s / 2
         with self._pool_lock:
             pool = self._pools.get(peer.name)
-            if pool:
-                return pool.pop()
-        return self._connect(peer)
+            while pool:
+                c = pool.pop()
+                if c.last_used >= horizon:
+                    got = c
+                    break
+                stale.append(c)
+        for c in stale:
+            c.sock.close()
+        return got if got is not None else self._connect(peer, deadline)
 
-    def _release(self, peer: Peer, s: socket.socket) -> None:
+    def _release(self, peer: Peer, c: _Conn) -> None:
+        c.last_used = time.monotonic()
         with self._pool_lock:
             if peer.alive and not self._closed:
-                self._pools.setdefault(peer.name, []).append(s)
+                self._pools.setdefault(peer.name, []).append(c)
                 return
-        s.close()
+        c.sock.close()
 
     def _run_stripe(self, opcode: int, flags: int, peer: Peer, x: XferList, stripe: int, nstripes: int,
-                    notif: bytes, xfer_id: int, conns: _XferConns, deadline: float) -> None:
-        s = self._acquire(peer)
+                    notif: bytes, xfer_id: int, conns: _XferConns, deadline: float, key: bytes) -> None:
+        c = self._acquire(peer, deadline)
+        s, session = c.sock, c.session
         ok = False
         try:
             conns.add(s)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeoutError(f"transfer {xfer_id} to {peer.describe()} passed its deadline")
-            s.settimeout(min(self.agent.config.io_timeout_s, remaining))
-            hdr = REQ.pack(MAGIC, opcode, flags, stripe, nstripes, len(x), len(notif), xfer_id, x.total_bytes)
-            s.sendall(hdr + pack_descs(x.remote_region, x.remote_offset, x.length) + notif)
-            regions = self.agent.regions
+            s.settimeout(min(self.ctx.config.io_timeout_s, remaining))
+            macd = self.ctx.config.mac_payload
+            fl = flags | (FLAG_PAYLOAD_MAC if macd else 0)
+            hdr = REQ.pack(MAGIC, opcode, fl, stripe, nstripes, len(key), len(x), len(notif), xfer_id, x.total_bytes)
+            body = pack_descs(x.remote_region, x.remote_offset, x.length) + key + notif
+            s.sendall(hdr + session.seal(REQ_LABEL, hdr) + body + session.seal(BODY_LABEL, body))
+            regions = self.ctx.regions
+            runs = zip(x.local_region.tolist(), x.local_offset.tolist(), x.length.tolist())
             if opcode == OP_WRITE:
-                for r, o, n in zip(x.local_region.tolist(), x.local_offset.tolist(), x.length.tolist()):
-                    self._send_region(s, regions.get(r), o, n)
-                self._read_resp(s, xfer_id)
+                mac = session.stream_mac(sending=True) if macd else None
+                for r, o, n in runs:
+                    self.io.send(s, regions.get(r), o, n, mac)
+                if mac is not None:
+                    s.sendall(mac.digest())
+                self._read_resp(s, session, xfer_id, deadline)
             else:
-                self._read_resp(s, xfer_id)
-                for r, o, n in zip(x.local_region.tolist(), x.local_offset.tolist(), x.length.tolist()):
-                    self._recv_region(s, regions.get(r), o, n)
+                self._read_resp(s, session, xfer_id, deadline)
+                mac = session.stream_mac(sending=False) if macd else None
+                for r, o, n in runs:
+                    self.io.recv(s, regions.get(r), o, n, deadline, mac)
+                if mac is not None and not hmac.compare_digest(recv_exact(s, TAG), mac.digest()):
+                    raise ProtocolError(f"the data of read {xfer_id} from {peer.describe()} failed its "
+                                        "authentication check; do not use it")
             ok = True
-        except RemoteRejected:
-            ok = True  # the server drained the request: the connection is still in sync
+        except RemoteRejected as e:
+            # the server answered (a refused WRITE's data drained): the connection is still in step, except after
+            # a limit, where the server could not read past the request and closes it
+            ok = e.status != ST_LIMIT
             raise
         finally:
             conns.discard(s)
             if ok:
-                self._release(peer, s)
+                self._release(peer, c)
             else:
                 s.close()
 
     @staticmethod
-    def _read_resp(s: socket.socket, xfer_id: int) -> None:
-        magic, status, mlen, xid = RESP.unpack(recv_exact(s, RESP.size))
-        msg = recv_exact(s, mlen).decode(errors="replace") if mlen else ""
-        if magic != MAGIC or xid != xfer_id:
-            raise ConnectionError(f"protocol error on data connection (response for {xid}, expected {xfer_id})")
+    def _read_resp(s: socket.socket, session: Session, xfer_id: int, deadline: float) -> None:
+        head = bytearray(RESP.size)
+        recv_into_by(s, memoryview(head), deadline)
+        magic, status, mlen, xid = RESP.unpack(head)
+        if magic != MAGIC or mlen > MAX_RESP_MSG:
+            raise ProtocolError("malformed response on a data connection")
+        rest = bytearray(mlen + TAG)
+        recv_into_by(s, memoryview(rest), deadline)
+        msg = bytes(rest[:mlen])
+        if not session.open(bytes(rest[mlen:]), RESP_LABEL, bytes(head), msg):
+            raise ProtocolError("a response failed its authentication check")
+        if xid != xfer_id:
+            raise ProtocolError(f"response for transfer {xid}, expected {xfer_id}")
         if status != 0:
-            raise RemoteRejected(msg)
-
-    # ---- moving bytes between a socket and a region ------------------------------------------------------------
-    def _stage(self, device: int) -> tuple[list[Any], list[memoryview], Any, list[Any]]:
-        """This thread's two pinned half-buffers, their byte views, a copy stream on `device` and two events.
-
-        Two buffers so the GPU copy of one chunk overlaps the socket transfer of the other."""
-        st = self._staging
-        if st.buf is None or st.device != device:
-            import torch
-
-            half = max(1 << 20, self.agent.config.tcp_staging_bytes // 2)
-            st.buf = [torch.empty(half, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            st.views = [memoryview(b.numpy()) for b in st.buf]
-            st.stream = torch.cuda.Stream(device=device)
-            st.events = [torch.cuda.Event(), torch.cuda.Event()]
-            st.device = device
-        return st.buf, st.views, st.stream, st.events
-
-    def _send_region(self, s: socket.socket, reg: MemoryRegion, off: int, n: int) -> None:
-        if reg.host_view is not None:
-            s.sendall(reg.host_view[off:off + n])
-            return
-        import torch
-
-        bufs, views, stream, events = self._stage(reg.device)
-        step = bufs[0].numel()
-        chunks = [(p, min(step, n - p)) for p in range(0, n, step)]
-        src = reg.tensor
-        with torch.cuda.device(reg.device), torch.cuda.stream(stream):
-            stream.wait_stream(torch.cuda.default_stream(reg.device))  # after the producer's queued work
-
-            def fetch(k: int) -> None:
-                p, c = chunks[k]
-                bufs[k % 2][:c].copy_(src[off + p:off + p + c], non_blocking=True)  # device -> pinned
-                events[k % 2].record(stream)
-
-            fetch(0)
-            for k, (_, c) in enumerate(chunks):
-                if k + 1 < len(chunks):
-                    fetch(k + 1)  # its buffer was sent (synchronously) in the previous iteration
-                events[k % 2].synchronize()
-                s.sendall(views[k % 2][:c])
-
-    def _recv_region(self, s: socket.socket, reg: MemoryRegion, off: int, n: int) -> None:
-        if reg.host_view is not None:
-            recv_into_exact(s, reg.host_view[off:off + n])
-            return
-        import torch
-
-        bufs, views, stream, events = self._stage(reg.device)
-        step = bufs[0].numel()
-        dst = reg.tensor
-        with torch.cuda.device(reg.device), torch.cuda.stream(stream):
-            for k, p in enumerate(range(0, n, step)):
-                c = min(step, n - p)
-                if k >= 2:
-                    events[k % 2].synchronize()  # the copy that last read this buffer is done
-                recv_into_exact(s, views[k % 2][:c])
-                dst[off + p:off + p + c].copy_(bufs[k % 2][:c], non_blocking=True)  # pinned -> device
-                events[k % 2].record(stream)
-            stream.synchronize()  # landed before the response (and the notification) goes out
-
-    # ---- server side -------------------------------------------------------------------------------------------
-    def serve(self, s: socket.socket, peer_name: str) -> None:
-        """Serve one data connection until EOF (runs in its own thread)."""
-        cfg = self.agent.config
-        tune_socket(s, cfg.tcp_socket_buffer)
-        with self._landed_lock:
-            self._served.add(s)
-        try:
-            while not self._closed:
-                hdr = self._wait_header(s)
-                if hdr is None:
-                    return
-                self._serve_one(s, peer_name, hdr)
-        except (OSError, ConnectionError, KVTransferError) as e:
-            if not self._closed:
-                log.warning("data connection from %s failed: %s", peer_name, e)
-        finally:
-            with self._landed_lock:
-                self._served.discard(s)
-            s.close()
-
-    def _wait_header(self, s: socket.socket) -> bytes | None:
-        """Next request header, waiting idle as long as needed; None on a clean close between requests."""
-        buf = bytearray(REQ.size)
-        view = memoryview(buf)
-        got = 0
-        s.settimeout(self.agent.config.io_timeout_s)
-        while got < REQ.size:
-            try:
-                k = s.recv_into(view[got:], REQ.size - got)
-            except TimeoutError:
-                if got == 0 and not self._closed:
-                    continue  # idle pooled connection
-                raise
-            if k == 0:
-                if got == 0:
-                    return None
-                raise ConnectionResetError("connection closed inside a request header")
-            got += k
-        return bytes(buf)
-
-    def _serve_one(self, s: socket.socket, peer_name: str, hdr: bytes) -> None:
-        magic, op, flags, stripe, nstripes, ndescs, notif_len, xfer_id, total = REQ.unpack(hdr)
-        if magic != MAGIC or op not in (OP_WRITE, OP_READ) or ndescs > MAX_DESCS or notif_len > (64 << 20):
-            raise ConnectionError(f"protocol error from {peer_name}: bad request header")
-        region, offset, length = unpack_descs(recv_exact(s, ndescs * DESC.itemsize))
-        notif = recv_exact(s, notif_len) if notif_len else b""
-        err = ""
-        try:
-            validate_side(region, offset, length, self.agent.regions.sizes(), side="destination" if op == OP_WRITE
-                          else "source", check_overlap=op == OP_WRITE)
-            if int(length.sum()) != total:
-                raise InvalidDescriptorError(f"descriptor lengths sum to {int(length.sum())}, header says {total}")
-            regs = [self.agent.regions.get(int(r)) for r in region.tolist()]
-        except (InvalidDescriptorError, KVTransferError) as e:
-            err = str(e)
-        if op == OP_WRITE:
-            if err:
-                if total > _DRAIN_LIMIT:
-                    raise ConnectionError(f"rejected oversized write from {peer_name}: {err}")
-                self._drain(s, total)
-                self._respond(s, 1, xfer_id, err)
-                log.warning("rejected write %d from %s: %s", xfer_id, peer_name, err)
-                return
-            for reg, o, n in zip(regs, offset.tolist(), length.tolist()):
-                self._recv_region(s, reg, o, n)
-            self._respond(s, 0, xfer_id, "")
-            if flags & FLAG_NOTIF:
-                self._landed_stripe(peer_name, xfer_id, nstripes, notif if stripe == 0 else None)
-        else:
-            if err:
-                self._respond(s, 1, xfer_id, err)
-                return
-            self._respond(s, 0, xfer_id, "")
-            for reg, o, n in zip(regs, offset.tolist(), length.tolist()):
-                self._send_region(s, reg, o, n)
-
-    @staticmethod
-    def _respond(s: socket.socket, status: int, xfer_id: int, msg: str) -> None:
-        m = msg.encode()
-        s.sendall(RESP.pack(MAGIC, status, len(m), xfer_id) + m)
-
-    @staticmethod
-    def _drain(s: socket.socket, n: int) -> None:
-        buf = memoryview(bytearray(min(n, 1 << 20) or 1))
-        while n > 0:
-            k = s.recv_into(buf, min(n, buf.nbytes))
-            if k == 0:
-                raise ConnectionResetError("connection closed while draining a rejected write")
-            n -= k
-
-    def _landed_stripe(self, peer_name: str, xfer_id: int, nstripes: int, notif: bytes | None) -> None:
-        """Count landed stripes; when all of a transfer's stripes are in memory, deliver its notification."""
-        key = (peer_name, xfer_id)
-        with self._landed_lock:
-            ent = self._landed.setdefault(key, [0, b""])
-            ent[0] += 1
-            if notif is not None:
-                ent[1] = notif
-            if ent[0] < nstripes:
-                return
-            del self._landed[key]
-        self.agent.deliver_threadsafe(peer_name, xfer_id, "write", ent[1])
+            raise RemoteRejected(status, msg.decode(errors="replace"))
 
     def on_peer_lost(self, peer: Peer) -> None:
         with self._pool_lock:
             pool = self._pools.pop(peer.name, [])
-        for s in pool:
-            s.close()
-        with self._landed_lock:
-            for k in [k for k in self._landed if k[0] == peer.name]:
-                del self._landed[k]
+        for c in pool:
+            c.sock.close()
+        self.server.forget_peer(peer.name)
 
     async def close(self) -> None:
         self._closed = True
         with self._pool_lock:
             pools, self._pools = self._pools, {}
         for pool in pools.values():
-            for s in pool:
-                s.close()
-        with self._landed_lock:
-            served = list(self._served)
-        for s in served:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for c in pool:
+                c.sock.close()
+        self.server.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-

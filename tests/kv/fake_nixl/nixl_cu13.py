@@ -6,7 +6,9 @@ import ctypes
 import json
 
 _AGENTS: dict[str, "nixl_agent"] = {}
-CALLS: list[str] = []
+CALLS: list[str] = []  # one entry per posted transfer: its op
+PREPS: list[tuple[str, int]] = []  # one entry per prepared descriptor list: (agent name, entries)
+XFERS: list[tuple[int, int]] = []  # one entry per prepped transfer: (local indices, remote indices)
 
 
 class nixl_agent_config:  # noqa: N801 - the real API's name
@@ -43,16 +45,19 @@ class nixl_agent:  # noqa: N801
     def remove_remote_agent(self, name):
         self.remotes.pop(name)
 
-    def prep_xfer_dlist(self, agent_name, xfer_list, mem_type):
+    def prep_xfer_dlist(self, agent_name, xfer_list, mem_type=None, backends=()):
         regs = self.regs if agent_name == "NIXL_INIT_AGENT" else self.remotes[agent_name]
         rows = [tuple(int(v) for v in row) for row in xfer_list]
+        PREPS.append((agent_name, len(rows)))
         for addr, n, dev in rows:
             assert any(r[0] <= addr and addr + n <= r[0] + r[1] and r[2] == dev and r[3] == mem_type for r in regs), \
                 f"descriptor ({addr:#x}, {n}, {dev}) outside the memory {agent_name} registered"
         return {"rows": rows}
 
-    def make_prepped_xfer(self, op, lh, lidx, rh, ridx, notif):
+    def make_prepped_xfer(self, op, lh, lidx, rh, ridx, notif=b"", backends=(), skip_desc_merge=False):
         assert op in ("WRITE", "READ") and len(lidx) == len(ridx)
+        assert getattr(lidx, "dtype", None) is None or str(lidx.dtype) == "int32", "indices must be int32"
+        XFERS.append((len(lidx), len(ridx)))
         return {"op": op, "pairs": [(lh["rows"][i], rh["rows"][j]) for i, j in zip(lidx, ridx)], "state": "PROC"}
 
     def transfer(self, h):
