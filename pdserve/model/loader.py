@@ -161,9 +161,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)} "
                              f"at {where}")
         part = (target.param, repr(target.index))
-        if part in parts:
-            raise ValueError(f"weight {name} writes {target.param}{list(target.index)} a second time: the checkpoint "
-                             "holds the same weights twice (per-expert and stacked?)")
+        if part in parts or written.get(target.param, 0) + tensor.numel() > params[target.param].numel():
+            raise ValueError(f"weight {name} writes part of {target.param} a second time: the checkpoint holds the "
+                             "same weights twice (per expert and stacked?)")
         parts.add(part)
         with torch.no_grad():
             dest.copy_(tensor)
