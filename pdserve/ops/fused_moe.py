@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.ops.fused_moe_config import MoEKernelConfig, get_config
-from pdserve.ops.moe_align import moe_align
+from pdserve.ops.fused_moe_config import GemmTile, MoEKernelConfig, get_config
+from pdserve.ops.moe_align import AlignedRows, moe_align
 
 try:
     import triton
@@ -158,6 +158,47 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
         raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
 
 
+def gate_up(x: torch.Tensor, w13: torch.Tensor, aligned: AlignedRows, top_k: int, activation: str,
+            tile: GemmTile) -> torch.Tensor:
+    """act(x[t] @ gate_e^T) * (x[t] @ up_e^T) for every routed row (t, k), in flat row order: [T * K, I]."""
+    T, H = x.shape
+    inter = w13.shape[1] // 2
+    n_pairs = T * top_k
+    act = torch.empty((n_pairs, inter), dtype=x.dtype, device=x.device)
+    grid = (aligned.max_blocks * triton.cdiv(inter, tile.BLOCK_N),)
+    _gate_up_kernel[grid](
+        x, w13, act, aligned.sorted_ids, aligned.expert_ids, aligned.num_rows,
+        n_pairs, top_k, H, inter, aligned.max_blocks,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
+        BLOCK_M=aligned.block_m, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+        ACT=ACTIVATIONS[activation], PRECISION=_precision(x.dtype), num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return act
+
+
+def down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, aligned: AlignedRows,
+         tile: GemmTile) -> torch.Tensor:
+    """w[t, k] * (act[row] @ down_e^T) for every routed row, in flat row order: [T * K, H]."""
+    n_pairs, inter = act.shape
+    H = w2.shape[1]
+    out = torch.empty((n_pairs, H), dtype=act.dtype, device=act.device)
+    weights = topk_weights.reshape(-1)
+    grid = (aligned.max_blocks * triton.cdiv(H, tile.BLOCK_N),)
+    _down_kernel[grid](
+        act, w2, out, weights, aligned.sorted_ids, aligned.expert_ids, aligned.num_rows,
+        n_pairs, inter, H, aligned.max_blocks,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
+        BLOCK_M=aligned.block_m, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+        PRECISION=_precision(act.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu",
               config: MoEKernelConfig | None = None) -> torch.Tensor:
@@ -169,36 +210,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _check(x, w13, w2, topk_weights, topk_ids)
     T, H = x.shape
     E, two_i, _ = w13.shape
-    inter = two_i // 2
     K = topk_ids.shape[1]
     if T == 0:
         return x.new_zeros((0, H))
-    cfg = config or get_config(E, inter, H, x.dtype, T, K, x.device)
+    cfg = config or get_config(E, two_i // 2, H, x.dtype, T, K, x.device)
     aligned = moe_align(topk_ids, E, cfg.BLOCK_M)
-    num_pid_m = aligned.max_blocks
-    n_pairs = T * K
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    act = torch.empty((n_pairs, inter), dtype=x.dtype, device=x.device)
-    gu = cfg.gate_up
-    grid = (num_pid_m * triton.cdiv(inter, gu.BLOCK_N),)
-    _gate_up_kernel[grid](
-        x, w13, act, aligned.sorted_ids, aligned.expert_ids, aligned.num_rows,
-        n_pairs, K, H, inter, num_pid_m,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=gu.BLOCK_N, BLOCK_K=gu.BLOCK_K, GROUP_M=gu.GROUP_M,
-        ACT=ACTIVATIONS[activation], PRECISION=precision, num_warps=gu.num_warps, num_stages=gu.num_stages,
-    )
-    per_row = torch.empty((n_pairs, H), dtype=x.dtype, device=x.device)
-    dn = cfg.down
-    weights = topk_weights.reshape(-1)
-    grid = (num_pid_m * triton.cdiv(H, dn.BLOCK_N),)
-    _down_kernel[grid](
-        act, w2, per_row, weights, aligned.sorted_ids, aligned.expert_ids, aligned.num_rows,
-        n_pairs, inter, H, num_pid_m,
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), per_row.stride(0), per_row.stride(1),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=dn.BLOCK_N, BLOCK_K=dn.BLOCK_K, GROUP_M=dn.GROUP_M,
-        PRECISION=precision, num_warps=dn.num_warps, num_stages=dn.num_stages,
-    )
+    per_row = down(gate_up(x, w13, aligned, K, activation, cfg.gate_up), w2, topk_weights, aligned, cfg.down)
     if K == 1:
         return per_row
     return per_row.view(T, K, H).sum(dim=1)  # float32 accumulation inside the reduction

@@ -5,10 +5,11 @@ E = experts, N = the experts' intermediate size (I), K = the hidden size (H). Bo
 padding of `moe_align`; each has its own N/K tiles, grouping, warps and pipeline stages. Tables are JSON files under
 `pdserve/ops/configs/fused_moe/`, written by benchmarks/moe/tune_fused_moe.py:
 
-    {"key": {"E": 128, "N": 768, "K": 2048, "dtype": "bfloat16", "device": "NVIDIA H200"},
+    {"key": {"E": 128, "N": 768, "K": 2048, "dtype": "bfloat16", "device": "NVIDIA H200"}, "top_k": 8,
      "configs": {"1": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 32, ...}, "down": {...}}, "2": ..., "4096": ...}}
 
-A token count takes the smallest tuned bucket at or above it (the largest past the end).
+A token count takes the smallest tuned bucket at or above it (the largest past the end); a table tuned for another
+top_k is not used.
 """
 
 from __future__ import annotations
@@ -55,14 +56,21 @@ def config_file_name(E: int, N: int, K: int, dtype: torch.dtype, device_name: st
     return f"E={E},N={N},K={K},dtype={dtype_name(dtype)},device={device_name.replace(' ', '_')}.json"
 
 
+@dataclass(frozen=True)
+class TunedTable:
+    top_k: int | None  # the routing the table was tuned for (rows per expert = tokens * top_k / E)
+    configs: dict[int, MoEKernelConfig]
+
+
 @functools.lru_cache(maxsize=64)
-def load_table(path: str) -> dict[int, MoEKernelConfig] | None:
+def load_table(path: str) -> TunedTable | None:
     p = Path(path)
     if not p.exists():
         return None
     with open(p) as f:
         data = json.load(f)
-    return {int(k): MoEKernelConfig.from_dict(v) for k, v in data["configs"].items()}
+    configs = {int(k): MoEKernelConfig.from_dict(v) for k, v in data["configs"].items()}
+    return TunedTable(data.get("top_k"), configs) if configs else None
 
 
 def pick_bucket(table: dict[int, MoEKernelConfig], num_tokens: int) -> MoEKernelConfig:
@@ -114,6 +122,6 @@ def get_config(E: int, N: int, K: int, dtype: torch.dtype, num_tokens: int, top_
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         table = load_table(str(CONFIG_DIR / config_file_name(E, N, K, dtype, _device_name(index))))
-        if table:
-            return pick_bucket(table, num_tokens)
+        if table is not None and table.top_k in (None, top_k):
+            return pick_bucket(table.configs, num_tokens)
     return default_config(E, N, K, dtype, num_tokens, top_k)

@@ -82,6 +82,12 @@ def write_tiny_model(arch: str, out: Path, seed: int = 0) -> Path:
 
 
 def hf_model(path: Path):
+    import json
+
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    kw = {}
+    if "moe" in json.loads((Path(path) / "config.json").read_text()).get("model_type", ""):
+        kw["experts_implementation"] = "eager"  # transformers' plain loop over experts, the clearest oracle
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                             **kw).eval()
