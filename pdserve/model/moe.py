@@ -23,7 +23,16 @@ import torch
 from torch import nn
 
 from pdserve.model.loader import WeightTarget
+from pdserve.model.shapes import num_experts
 from pdserve.ops.fused_moe import ACTIVATIONS, fused_moe_ref
+
+
+def is_sparse_layer(cfg, layer_idx: int) -> bool:
+    """transformers' rule for the Qwen MoE families: layer i is sparse unless listed in `mlp_only_layers`, when
+    the model has experts and (i + 1) is a multiple of `decoder_sparse_step`."""
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return (layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and num_experts(cfg) > 0 and (layer_idx + 1) % step == 0)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,16 +16,11 @@ from torch import nn
 
 from pdserve.model.layers import GatedMLP
 from pdserve.model.llama import LlamaForCausalLM
-from pdserve.model.moe import FusedMoE, moe_checkpoint_target
+from pdserve.model.moe import FusedMoE, is_sparse_layer, moe_checkpoint_target
 from pdserve.model.qwen3 import Qwen3Model
 from pdserve.model.shapes import num_experts
 
-
-def is_sparse_layer(cfg, layer_idx: int) -> bool:
-    """transformers' rule for which Qwen3-MoE layers are sparse."""
-    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-    return (layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
-            and num_experts(cfg) > 0 and (layer_idx + 1) % step == 0)
+__all__ = ["Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeSparseBlock", "is_sparse_layer"]
 
 
 class Qwen3MoeSparseBlock(nn.Module):

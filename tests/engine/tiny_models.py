@@ -56,6 +56,17 @@ TINY = {
         moe=True,
         save_kw=dict(save_original_format=False),
     ),
+    # Qwen2-MoE: biased q/k/v, top-2 of 8 plus a sigmoid-gated shared expert; layer 1 dense
+    "qwen2_moe": dict(
+        cls="Qwen2MoeConfig",
+        kw=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1000000.0,
+                num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+                bos_token_id=1, eos_token_id=2),
+        model="Qwen2MoeForCausalLM",
+        moe=True,
+    ),
 }
 
 
@@ -73,6 +84,8 @@ def write_tiny_model(arch: str, out: Path, seed: int = 0) -> Path:
             elif spec.get("moe") and (".mlp.gate." in name or ".mlp.experts." in name):
                 # unit-scale routers and experts: decisive routing, and experts that move the logits
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+            elif spec.get("moe") and name.endswith(".bias"):  # biases start at zero: make them count
+                p.copy_(torch.randn_like(p) * 0.1)
     save_kw = spec.get("save_kw", {})
     try:
         model.save_pretrained(out, **save_kw)

@@ -2,7 +2,7 @@ import pytest
 
 from tests.engine.tiny_models import write_tiny_model
 
-MOE_ARCHS = ("qwen3_moe", "qwen3_moe_step2")
+MOE_ARCHS = ("qwen3_moe", "qwen3_moe_step2", "qwen2_moe")
 
 
 @pytest.fixture(scope="session")

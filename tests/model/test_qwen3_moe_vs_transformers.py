@@ -1,7 +1,8 @@
-"""Qwen3-MoE in the engine against transformers on identical tiny checkpoints: logits at every sampled position and
-greedy tokens, with batching, chunked prefill, prefix-cache hits and preemption. Two checkpoints: top-2 of 8
+"""Qwen3-MoE (and Qwen2-MoE) in the engine against transformers on identical tiny checkpoints: logits at every sampled
+position and greedy tokens, with batching, chunked prefill, prefix-cache hits and preemption. Checkpoints: top-2 of 8
 renormalised with a dense layer (mlp_only_layers), experts saved one by one; top-3 of 8 not renormalised, every
-second layer sparse (decoder_sparse_step=2), experts saved stacked."""
+second layer sparse (decoder_sparse_step=2), experts saved stacked; Qwen2-MoE with its shared expert and q/k/v bias.
+At Qwen3-30B-A3B's shapes on CUDA: one sparse block, and two layers through the engine."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import pdserve.ops.fused_moe as fused_moe_ops
-from pdserve.model.moe import FusedMoE
+from pdserve.model.moe import FusedMoE, is_sparse_layer
 from pdserve.model.qwen3_moe import Qwen3MoeSparseBlock
 from tests.model.conftest import MOE_ARCHS
 from tests.model.engine_check import check_against_transformers
@@ -22,8 +23,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_logits_and_greedy_tokens_match_transformers(arch, device, moe_model_dirs):
     core = check_against_transformers(moe_model_dirs[arch], device)
-    blocks = [m for m in core.model.modules() if isinstance(m, Qwen3MoeSparseBlock)]
-    assert len(blocks) == (3 if arch == "qwen3_moe" else 2)
+    sparse = [i for i in range(core.hf_config.num_hidden_layers) if is_sparse_layer(core.hf_config, i)]
+    assert sparse and len(sparse) < core.hf_config.num_hidden_layers  # dense and sparse layers both in play
+    for i, layer in enumerate(core.model.model.layers):
+        assert type(layer.mlp).__name__.endswith("SparseBlock") == (i in sparse)
 
 
 def test_triton_experts_in_the_interpreter_match_transformers(moe_model_dirs, monkeypatch):
