@@ -76,7 +76,7 @@ if triton is not None:
                         num_pairs, top_k, H, INTER, NUM_PID_M,
                         stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        ACT: tl.constexpr, PRECISION: tl.constexpr):
+                        ACT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
         pid_m, pid_n = _grouped_pid(NUM_PID_M, tl.cdiv(INTER, BLOCK_N), GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -94,10 +94,15 @@ if triton is not None:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            k_ok = offs_k < H - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if EVEN_K:  # no K mask: the loads pipeline unpredicated
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < H - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_xk
@@ -116,7 +121,7 @@ if triton is not None:
                      num_pairs, INTER, H, NUM_PID_M,
                      stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
         pid_m, pid_n = _grouped_pid(NUM_PID_M, tl.cdiv(H, BLOCK_N), GROUP_M)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -132,9 +137,13 @@ if triton is not None:
         w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
-            k_ok = offs_k < INTER - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < INTER - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
@@ -171,8 +180,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, aligned: AlignedRows, top_k: int
         n_pairs, top_k, H, inter, aligned.max_blocks,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
         BLOCK_M=aligned.block_m, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        ACT=ACTIVATIONS[activation], PRECISION=_precision(x.dtype), num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        ACT=ACTIVATIONS[activation], PRECISION=_precision(x.dtype), EVEN_K=H % tile.BLOCK_K == 0,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return act
 
@@ -190,7 +199,8 @@ def down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, aligne
         n_pairs, inter, H, aligned.max_blocks,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=aligned.block_m, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        PRECISION=_precision(act.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PRECISION=_precision(act.dtype), EVEN_K=inter % tile.BLOCK_K == 0, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return out
 
