@@ -174,20 +174,51 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
 
 
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr_(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic), into a new tensor."""
+    return torch.bitwise_right_shift(z, s).bitwise_and_((1 << (64 - s)) - 1)
+
+
+def hash_uniform(start: int, n: int, key: int, device: torch.device) -> torch.Tensor:
+    """Values start..start+n-1 of a stream of float32 in [-1, 1): a counter-based hash (splitmix64's finaliser) of
+    (key, counter), two 24-bit values per 64-bit hash. Integer arithmetic wraps identically everywhere, so the
+    values are the same on CPU and any GPU; on a GPU a billion take milliseconds."""
+    first, last = start // 2, (start + n + 1) // 2
+    z = torch.arange(first, last, dtype=torch.int64, device=device)
+    z.add_(_signed64((key * _GOLDEN) % (1 << 64)))
+    z.bitwise_xor_(_shr_(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shr_(z, 27)).mul_(_MIX2)
+    z.bitwise_xor_(_shr_(z, 31))
+    pair = torch.stack((_shr_(z, 40), torch.bitwise_right_shift(z, 16).bitwise_and_((1 << 24) - 1)), dim=1)
+    out = pair.view(-1)[start - 2 * first: start - 2 * first + n].to(torch.float32)
+    return out.mul_(2.0**-23).sub_(1.0)
+
+
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of a realistic scale, so benchmark runs need no checkpoint."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of a realistic scale (uniform in ±0.02; norms at their neutral value), so benchmark runs need
+    no checkpoint. Each parameter's values depend only on (seed, its name, position): identical on every device and
+    in every process, generated where the parameter lives."""
+    import zlib
+
+    gemma = type(model).__name__.startswith("Gemma3")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.fill_(0.0 if type(model).__name__.startswith("Gemma3") else 1.0)
+                p.fill_(0.0 if gemma else 1.0)
                 continue
-            # generate on CPU in chunks for determinism across devices, then copy
+            key = (seed << 32) ^ zlib.crc32(name.encode())
             flat = p.view(-1)
             step = 1 << 24
             for i in range(0, flat.numel(), step):
                 n = min(step, flat.numel() - i)
-                flat[i : i + n].copy_((torch.rand(n, generator=gen) * 2 - 1) * 0.02)
+                flat[i : i + n].copy_(hash_uniform(i, n, key, p.device).mul_(0.02))
 
 
 def choose_dtype(dtype: str, device: torch.device, cfg) -> torch.dtype:
