@@ -132,10 +132,12 @@ def test_sparse_layers_follow_transformers(step, dense):
             assert ours.model.layers[i].mlp.down_proj.weight.shape == (kw["hidden_size"], kw["intermediate_size"])
 
 
-def test_shipped_qwen3_30b_a3b_shape():
+def test_shipped_qwen3_30b_a3b_shape(tmp_path, monkeypatch):
     from pathlib import Path
 
     import pdserve.model.loader as loader
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.model.dummy_tokenizer import tokenizer_path_for
 
     src = resolve_model("qwen3-30b-a3b")
     assert src.kind == "shipped"
@@ -153,6 +155,10 @@ def test_shipped_qwen3_30b_a3b_shape():
     assert round(total / 1e9, 1) == 30.5  # the model card's "30.5B in total"
     with pytest.raises(ValueError, match="--load-format dummy"):
         build_model(cfg, src, torch.device("meta"), torch.bfloat16, "safetensors", 0)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # the word-level tokenizer shipped shapes get
+    tok = Tokenizer.load(tokenizer_path_for(src, cfg))
+    assert tok.vocab_size == raw["vocab_size"] and tok.eos_token_id == raw["eos_token_id"]
+    assert tok.decode(tok.encode("t5 t151000", add_special_tokens=False)) == "t5 t151000"
 
 
 def test_dummy_weights_fill_the_stacked_experts(tmp_path):
