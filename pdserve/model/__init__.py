@@ -8,8 +8,21 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pdserve.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("pdserve.model.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("pdserve.model.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("pdserve.model.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("pdserve.model.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Gemma3ForCausalLM": ("pdserve.model.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("pdserve.model.gemma3", "Gemma3ForCausalLM"),
+}
+
+# The architecture a config without `architectures` (or a GGUF's converted config) means, by its model_type.
+MODEL_TYPE_TO_ARCH: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 

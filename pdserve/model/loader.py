@@ -1,36 +1,27 @@
 """Find a model's config and weights (Hugging Face directory, GGUF file, or a shipped shape for dummy weights) and
 build it on the target device.
 
-GGUF files are dequantized once with transformers' GGUF reader (which knows each architecture's tensor names and
-conventions) and cached as a Hugging Face directory, so later starts load safetensors in about a second.
+GGUF files are dequantized once into a cached Hugging Face directory (pdserve.model.gguf), so every model loads from
+safetensors. Checkpoint tensors are read one at a time and copied into the model's parameters by name; a model whose
+parameters do not match the checkpoint's names one to one (stacked MoE experts) maps each name to a parameter and
+the part of it the tensor fills (`WeightTarget`, through the model's `checkpoint_target(name)`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from pdserve.envs import cache_dir
-from pdserve.model import get_model_class
+from pdserve.model import MODEL_TYPE_TO_ARCH, get_model_class
 
 log = logging.getLogger(__name__)
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "gemma3": "Gemma3ForConditionalGeneration",
-}
 
 
 @dataclass
@@ -94,53 +85,17 @@ def text_config(cfg):
 
 def load_config(source: ModelSource):
     if source.kind == "gguf":
+        from pdserve.model.gguf import gguf_to_hf_dir
+
         source = ModelSource("hf_dir", gguf_to_hf_dir(source.path), source.name)
     cfg_path = source.path / "config.json" if source.kind == "hf_dir" else source.path
     with open(cfg_path) as f:
         d = json.load(f)
-    archs = d.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "?")]
+    archs = d.get("architectures") or [MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "?")]
     get_model_class(archs)  # fail early, naming the architecture
     cfg = text_config(_config_from_dict(d))
     cfg.architectures = archs
     return cfg, source
-
-
-def _fingerprint(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-
-
-def gguf_to_hf_dir(gguf_path: Path) -> Path:
-    """Dequantize a GGUF into a cached HF directory (config.json + model.safetensors), once per file."""
-    out = cache_dir() / "converted" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
-    if (out / ".complete").exists():
-        return out
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    print(f"pdserve: converting {gguf_path.name} to a cached Hugging Face directory in {out} (once)", file=sys.stderr)
-    cfg = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(cfg)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=meta_model)["tensors"]
-    if getattr(cfg, "tie_word_embeddings", False):
-        tensors.pop("lm_head.weight", None)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-    d = cfg.to_dict()
-    d["architectures"] = [_MODEL_TYPE_TO_ARCH.get(d["model_type"], d["model_type"])]
-    with open(tmp / "config.json", "w") as f:
-        json.dump(d, f, indent=1)
-    (tmp / ".complete").write_text(str(gguf_path))
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process won the race: its copy is equally good
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _map_name(name: str) -> str | None:
@@ -176,43 +131,98 @@ def _iter_safetensors(model_dir: Path):
                 yield k, f.get_tensor(k)
 
 
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: model parameter `param`, or the part of it that `index` selects
+    (e.g. `(expert, slice(0, I))`, an expert's gate rows in a stacked `w13 [E, 2I, H]`)."""
+
+    param: str
+    index: tuple = ()
+
+
 def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its parameter (or part of one), one tensor in memory at a time; fail on a
+    shape mismatch, on a part written twice, and on any parameter not completely written."""
     params = dict(model.named_parameters())
     kv_scales = {n: b for n, b in model.named_buffers() if n.endswith((".k_scale", ".v_scale"))}  # fp8 KV, optional
     tied = getattr(model.config, "tie_word_embeddings", False) or type(model).__name__.startswith("Gemma3")
-    loaded: set[str] = set()
+    target_of = getattr(model, "checkpoint_target", None)
+    written: dict[str, int] = {}  # parameter -> elements written
+    parts: set[tuple[str, str]] = set()
     for name, tensor in _iter_safetensors(model_dir):
         mapped = _map_name(name)
         if mapped in kv_scales:
             kv_scales[mapped].copy_(tensor.reshape(()).float())
             continue
-        if mapped is None or mapped not in params:
+        if mapped is None:
             continue
-        p = params[mapped]
-        if tuple(p.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}")
+        target = (target_of(mapped) if target_of is not None else None) or WeightTarget(mapped)
+        if target.param not in params:
+            continue
+        dest = params[target.param].data[target.index] if target.index else params[target.param].data
+        if tuple(dest.shape) != tuple(tensor.shape):
+            where = f"{target.param}{list(target.index) if target.index else ''}"
+            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)} "
+                             f"at {where}")
+        part = (target.param, repr(target.index))
+        if part in parts or written.get(target.param, 0) + tensor.numel() > params[target.param].numel():
+            raise ValueError(f"weight {name} writes part of {target.param} a second time: the checkpoint holds the "
+                             "same weights twice (per expert and stacked?)")
+        parts.add(part)
         with torch.no_grad():
-            p.copy_(tensor.to(p.dtype))
-        loaded.add(mapped)
-    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+            dest.copy_(tensor)
+        written[target.param] = written.get(target.param, 0) + tensor.numel()
+    missing = [n for n, p in params.items()
+               if written.get(n, 0) < p.numel() and not (tied and n == "lm_head.weight")]
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
 
 
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr_(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic), into a new tensor."""
+    return torch.bitwise_right_shift(z, s).bitwise_and_((1 << (64 - s)) - 1)
+
+
+def hash_uniform(start: int, n: int, key: int, device: torch.device) -> torch.Tensor:
+    """Values start..start+n-1 of a stream of float32 in [-1, 1): a counter-based hash (splitmix64's finaliser) of
+    (key, counter), two 24-bit values per 64-bit hash. Integer arithmetic wraps identically everywhere, so the
+    values are the same on CPU and any GPU; on a GPU a billion take milliseconds."""
+    first, last = start // 2, (start + n + 1) // 2
+    z = torch.arange(first, last, dtype=torch.int64, device=device)
+    z.add_(_signed64((key * _GOLDEN) % (1 << 64)))
+    z.bitwise_xor_(_shr_(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shr_(z, 27)).mul_(_MIX2)
+    z.bitwise_xor_(_shr_(z, 31))
+    pair = torch.stack((_shr_(z, 40), torch.bitwise_right_shift(z, 16).bitwise_and_((1 << 24) - 1)), dim=1)
+    out = pair.view(-1)[start - 2 * first: start - 2 * first + n].to(torch.float32)
+    return out.mul_(2.0**-23).sub_(1.0)
+
+
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of a realistic scale, so benchmark runs need no checkpoint."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of a realistic scale (uniform in ±0.02; norms at their neutral value), so benchmark runs need
+    no checkpoint. Each parameter's values depend only on (seed, its name, position): identical on every device and
+    in every process, generated where the parameter lives."""
+    import zlib
+
+    gemma = type(model).__name__.startswith("Gemma3")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.fill_(0.0 if type(model).__name__.startswith("Gemma3") else 1.0)
+                p.fill_(0.0 if gemma else 1.0)
                 continue
-            # generate on CPU in chunks for determinism across devices, then copy
+            key = (seed << 32) ^ zlib.crc32(name.encode())
             flat = p.view(-1)
             step = 1 << 24
             for i in range(0, flat.numel(), step):
                 n = min(step, flat.numel() - i)
-                flat[i : i + n].copy_((torch.rand(n, generator=gen) * 2 - 1) * 0.02)
+                flat[i : i + n].copy_(hash_uniform(i, n, key, p.device).mul_(0.02))
 
 
 def choose_dtype(dtype: str, device: torch.device, cfg) -> torch.dtype:

@@ -1,0 +1,140 @@
+"""The mixture-of-experts layer the MoE families share: routing, stacked expert weights, the fused experts.
+
+`FusedMoE` holds every expert's weights stacked, `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`, and
+turns router logits into the experts' weighted sum: a routing function picks top-k experts and their weights, then
+`pdserve.ops.fused_moe` runs the experts (the Triton kernels on CUDA, the torch reference elsewhere).
+
+A family is a few lines on top: Qwen3-MoE is a router linear `gate` plus FusedMoE (qwen3_moe.py); Mixtral is the
+same with `ExpertNames("w1", "w3", "w2")` under `block_sparse_moe`; Qwen2-MoE adds a dense shared expert scaled by
+sigmoid(shared_expert_gate(x)) to FusedMoE's output.
+
+Checkpoints store experts one by one (`experts.<e>.gate_proj.weight` [I, H], ...) or, as transformers 5 keeps them
+in memory, stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); `checkpoint_target` tells the
+loader which part of w13/w2 each tensor fills, so loading stacks in place with one tensor in memory at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.model.loader import WeightTarget
+from pdserve.model.shapes import num_experts
+from pdserve.ops.fused_moe import ACTIVATIONS, fused_moe_ref
+
+
+def is_sparse_layer(cfg, layer_idx: int) -> bool:
+    """transformers' rule for the Qwen MoE families: layer i is sparse unless listed in `mlp_only_layers`, when
+    the model has experts and (i + 1) is a multiple of `decoder_sparse_step`."""
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return (layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and num_experts(cfg) > 0 and (layer_idx + 1) % step == 0)
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in float32, the top k, optionally renormalised to sum to 1 (Qwen3-MoE with
+    norm_topk_prob, Mixtral). Returns (weights float32 [T, k], expert ids int32 [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+ROUTING: dict[str, Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]] = {
+    "softmax": softmax_topk,
+}
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str = "silu", backend: str = "auto") -> torch.Tensor:
+    """Run the experts: backend "triton" (fused kernels), "torch" (the reference) or "auto" (Triton on CUDA)."""
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "triton":
+        from pdserve.ops.fused_moe import fused_moe
+
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+    if backend == "torch":
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation)
+    raise ValueError(f"unknown MoE backend {backend!r}: auto, triton or torch")
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Checkpoint names of one expert's projections (`experts.<e>.<name>.weight`)."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool = True, activation: str = "silu", routing: str = "softmax",
+                 names: ExpertNames = ExpertNames(), backend: str = "auto"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported MoE activation {activation!r}; supported: {', '.join(ACTIVATIONS)}")
+        if routing not in ROUTING:
+            raise ValueError(f"unsupported MoE routing {routing!r}; supported: {', '.join(ROUTING)}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.renormalize, self.activation, self.routing, self.backend = renormalize, activation, routing, backend
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        n = re.escape
+        self._per_expert = re.compile(rf"^(\d+)\.({n(names.gate)}|{n(names.up)}|{n(names.down)})\.weight$")
+        self._names = names
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = ROUTING[self.routing](router_logits, self.top_k, self.renormalize)
+        return fused_experts(x, self.w13, self.w2, weights, ids, self.activation, self.backend)
+
+    def checkpoint_target(self, name: str) -> WeightTarget | None:
+        """Map a checkpoint name relative to this module (`5.gate_proj.weight`, `gate_up_proj`) to a part of w13/w2;
+        None for a name that is not an expert weight."""
+        m = self._per_expert.match(name)
+        if m:
+            e, proj = int(m.group(1)), m.group(2)
+            if e >= self.num_experts:
+                return None
+            inter = self.intermediate_size
+            if proj == self._names.gate:
+                return WeightTarget("w13", (e, slice(0, inter)))
+            if proj == self._names.up:
+                return WeightTarget("w13", (e, slice(inter, 2 * inter)))
+            return WeightTarget("w2", (e,))
+        if name == "gate_up_proj":
+            return WeightTarget("w13")
+        if name == "down_proj":
+            return WeightTarget("w2")
+        return None
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, renormalize={self.renormalize}, act={self.activation}")
+
+
+def moe_checkpoint_target(model: nn.Module, name: str) -> WeightTarget | None:
+    """The loader hook for any model with FusedMoE modules: route names under a FusedMoE to its checkpoint_target,
+    prefixed with the module's path; None (load by name) for everything else."""
+    index = getattr(model, "_fused_moe_index", None)
+    if index is None:
+        index = {path: m for path, m in model.named_modules() if isinstance(m, FusedMoE)}
+        model._fused_moe_index = index
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = index.get(".".join(parts[:i]))
+        if module is not None:
+            target = module.checkpoint_target(".".join(parts[i:]))
+            if target is None:
+                return None
+            return WeightTarget(".".join(parts[:i]) + "." + target.param, target.index)
+    return None
