@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict
 
 import aiohttp
+import msgpack
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.async_llm import AsyncLLM
@@ -25,6 +26,7 @@ from pdserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 PREFILL_ROUTE = "/internal/pd/prefill"
+ORDER_CONTENT_TYPE = "application/msgpack"  # prompt ids of 32k tokens: msgpack packs and parses them in well under 1 ms
 ABORT_ROUTE = "/internal/pd/abort"
 PUBLIC_TIMINGS = ("queue_s", "prefill_s", "handover_s", "first_token_s", "prefill_url", "fallback", "fallback_reason",
                   "num_cached_tokens", "push_s", "prefill_http_s")
@@ -112,7 +114,7 @@ class DecodeDriver:
             return
         cfg = self.config
         urls = list(info.kv.prefill_urls)[: cfg.order_max_attempts]
-        body = prefill_order(rid, info.prompt_token_ids, info.params, ev)
+        payload = msgpack.packb(prefill_order(rid, info.prompt_token_ids, info.params, ev))  # 32k ids: ~0.1 MB
         why, peer_done = "no prefill instance was given", True
         timings = self.timings.setdefault(rid, {"t_arrival": info.arrival_time})
         try:
@@ -123,7 +125,7 @@ class DecodeDriver:
                 t0 = time.time()
                 try:
                     async with self.session.post(
-                        url.rstrip("/") + PREFILL_ROUTE, json=body,
+                        url.rstrip("/") + PREFILL_ROUTE, data=payload, headers={"Content-Type": ORDER_CONTENT_TYPE},
                         timeout=aiohttp.ClientTimeout(total=cfg.order_timeout_s,
                                                       sock_connect=cfg.order_connect_timeout_s),
                     ) as r:

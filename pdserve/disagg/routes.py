@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import msgpack
 from aiohttp import web
 
 from pdserve.config import KVTransferConfig
@@ -23,6 +24,15 @@ from pdserve.protocol import error_body
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
 MAX_DEST_BLOCKS = 1 << 20
+
+
+def unpack_order(raw: bytes) -> object:
+    """A prefill order's msgpack body, with every size bounded before anything is allocated."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=1 << 16, max_bin_len=0,
+                               max_array_len=MAX_DEST_BLOCKS * 16, max_map_len=64, max_ext_len=0)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
+        raise ValueError(f"not a msgpack order: {e}") from e
 
 
 def parse_order(body: object) -> tuple[str, list[int], SamplingParams, KVDestination]:
@@ -63,7 +73,7 @@ def add_prefill_routes(app: web.Application, llm: AsyncLLM, config: KVTransferCo
 
     async def prefill(request: web.Request) -> web.Response:
         try:
-            remote_rid, ids, params, dest = parse_order(await request.json())
+            remote_rid, ids, params, dest = parse_order(unpack_order(await request.read()))
         except (ValueError, KeyError, TypeError, InvalidParameter) as e:
             return _json_error(f"bad prefill order: {e}", 400)
         ours = (llm.info.get("kv") or {}).get("layout")
