@@ -41,6 +41,7 @@ def _decode_kernel(
             return
     else:
         row = b
+    row = row.to(tl.int64)
     seq_len = tl.load(SL + b)
     lo = 0
     if HAS_WINDOW:
@@ -109,6 +110,7 @@ def _merge_kernel(
             return
     else:
         row = b
+    row = row.to(tl.int64)
     sidx = tl.arange(0, BLOCK_S)
     smask = sidx < num_splits
     pm = (b * tl.num_programs(1) + h) * num_splits + sidx
@@ -155,6 +157,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     (their output rows are left as they are). Returns `out` ([T, Hq, D], allocated if not given).
     """
     b = seq_lens.shape[0]
+    if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
+        raise ValueError("q and the pool need a contiguous head dimension")
     _, hq, d = q.shape
     bs, hk = kv_layer.shape[2], kv_layer.shape[3]
     g = hq // hk

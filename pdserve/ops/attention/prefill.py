@@ -106,7 +106,8 @@ def _prefill_kernel(
     pos = ctx + tok
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(Q + (q_start + tok)[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(Q + q_row[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
                 mask=row_ok[:, None] & dmask[None, :], other=0.0)
     qk_scale = sm_scale
     if HAS_KS:
@@ -139,8 +140,15 @@ def _prefill_kernel(
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if HAS_VS:
         out = out * tl.load(VS)
-    tl.store(Out + (q_start + tok)[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(Out.dtype.element_ty),
+    tl.store(Out + q_row[:, None] * s_ot + head[:, None] * s_oh + d[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & dmask[None, :])
+
+
+def _check_inputs(q: torch.Tensor, kv_layer: torch.Tensor) -> None:
+    if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
+        raise ValueError("q and the pool need a contiguous head dimension")
+    if q.shape[1] % kv_layer.shape[3] or q.shape[2] != kv_layer.shape[4]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a pool of {kv_layer.shape[3]} KV heads x {kv_layer.shape[4]}")
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,7 @@ def paged_prefill(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.T
     _, hq, d = q.shape
     bs, hk = kv_layer.shape[2], kv_layer.shape[3]
     g = hq // hk
+    _check_inputs(q, kv_layer)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     n_tiles = prefill_tiles.shape[0]
