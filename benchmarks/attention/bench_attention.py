@@ -28,12 +28,10 @@ from pdserve.bench.record import new_record, save_json
 from pdserve.ops.attention import AttentionMetadataBuilder
 from pdserve.ops.attention.common import as_storage, is_fp8
 from pdserve.ops.attention.kv_write import write_kv
-from pdserve.ops.attention.prefill import PrefillConfig, default_g_pack, prefill_config
+from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, default_g_pack, prefill_config
 from pdserve.ops.attention.triton_backend import TritonAttentionBackend
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp16": torch.float16}
-SWEEP = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
-         (128, 64, 4, 2)]
 
 
 def bench_us(fn) -> float:

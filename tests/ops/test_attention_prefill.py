@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.ops.attention.common import is_fp8
-from pdserve.ops.attention.prefill import PrefillConfig, paged_prefill, prefill_config
+from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, paged_prefill, prefill_config
 from pdserve.ops.attention.torch_ref import TorchAttentionBackend
 from tests.ops.attention_helpers import assert_close, gpu, make_problem, poisoned, row_kinds
 
@@ -109,10 +109,6 @@ def test_prefill_fp32_and_softcap_cuda():
     _check(p, torch.float32, 128 ** -0.5)
     p = make_problem([3000, 700], [1000, 700], hq=8, hk=4, d=256, bs=16, dtype=torch.bfloat16, seed=4)
     _check(p, torch.bfloat16, 256 ** -0.5, 512, 50.0)
-
-
-SWEEP = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
-         (128, 64, 4, 2)]
 
 
 @gpu

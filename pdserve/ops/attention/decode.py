@@ -130,6 +130,13 @@ def _merge_kernel(
     tl.store(Out + row * s_ot + h * s_oh + d, out.to(Out.dtype.element_ty), mask=dmask)
 
 
+def decode_block_n(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per inner step: 64 (fp32 queries: fewer, so the fp32 tiles stay in registers on sm_90)."""
+    if dtype == torch.float32:
+        return 32 if head_dim <= 128 else 16
+    return 64
+
+
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # the Triton interpreter (tests on CPU)
         return 8
@@ -191,7 +198,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         *s_p,
         scale, softcap or 1.0, sliding_window or 0,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d, BS=bs,
-        BLOCK_N=64 if bs <= 64 else bs, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
+        BLOCK_N=decode_block_n(bs, d, q.dtype), MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
         HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
