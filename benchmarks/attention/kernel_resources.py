@@ -131,7 +131,7 @@ def sweep_cases() -> list[tuple[str, dict, callable]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="also the benchmark's prefill sweep configs")
-    ap.add_argument("--only", default="", help="substring filter on case names")
+    ap.add_argument("--only", action="append", default=[], help="keep cases whose name has this substring (repeat)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     cases = default_cases() + (sweep_cases() if args.sweep else [])
     rows, bad = [], 0
     for name, desc, thunk in cases:
-        if args.only not in name:
+        if args.only and not any(o in name for o in args.only):
             continue
         try:
             res = {**desc, **thunk()}
