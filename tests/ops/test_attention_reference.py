@@ -93,3 +93,14 @@ def test_quantize_rounds_to_nearest_even_like_torch():
     q = quantize_fp8(x, torch.float8_e4m3fn, torch.tensor(0.25))
     assert torch.equal(q.float(), (x / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn).float())
     assert np.isfinite(q.float().numpy()).all()
+
+
+def test_reference_splits_long_queries_without_changing_results(monkeypatch):
+    from pdserve.ops.attention import torch_ref
+
+    p = make_problem([70, 45], [70, 20], hq=4, hk=2, d=16, bs=8, seed=8)
+    layer = p.fresh_layer()
+    whole = TorchAttentionBackend().forward(p.q, p.k, p.v, layer, p.meta, 0.3, 11)
+    monkeypatch.setattr(torch_ref, "_SCORES_PER_CALL", 4 * 70 * 3)  # three queries per call
+    split = TorchAttentionBackend().attend(p.q, layer, p.meta, 0.3, 11)
+    assert (whole - split).abs().max() < 1e-6

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _BACKENDS: dict[str, str] = {
     "torch": "pdserve.ops.attention.torch_ref:TorchAttentionBackend",
@@ -37,7 +40,7 @@ def get_backend(name: str, device: torch.device | str):
         if device.type == "cuda":
             try:
                 return load_backend_class("triton")()
-            except ImportError:  # no (working) Triton: the reference still works
-                pass
+            except Exception as e:  # no (working) Triton: the reference still works
+                log.warning("triton attention unavailable (%s: %s); using the torch reference", type(e).__name__, e)
         name = "torch"
     return load_backend_class(name)()
