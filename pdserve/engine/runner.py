@@ -89,7 +89,7 @@ class ModelRunner:
     # ---- graphs
     def full_decode_graphs_supported(self) -> bool:
         """Full graphs put attention inside the capture: only the Triton decode kernel on a model-dtype pool."""
-        return self.backend.name == "triton" and self.kv_dtype == self.dtype
+        return self.backend.name == "triton"
 
     @torch.inference_mode()
     def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 512,
@@ -106,7 +106,7 @@ class ModelRunner:
         self.mixed_sizes = mixed_graph_sizes(min(max_tokens, MAX_GRAPH_TOKENS))
         w = self.graph_width
         need = max([layout_bytes(s, s, s, w, s) for s in self.decode_sizes]
-                   + [layout_bytes(n, n, n, w, n) for n in self.mixed_sizes])
+                   + [layout_bytes(n, n, n, w, n, n) for n in self.mixed_sizes])  # tiles: at most one per token
         self.graph_staging = Staging(self.device, need, growable=False)
         self.attn_bufs = AttnBuffers.for_model(self.mixed_sizes[-1], cfg.num_attention_heads,
                                                cfg.num_key_value_heads, _head_dim(cfg), self.dtype, self.device)
@@ -139,8 +139,10 @@ class ModelRunner:
             return AttentionMetadata(list(range(graph_size + 1)), [self.graph_max_len] * graph_size,
                                      inp.block_tables, inp.slots, self.graph_max_len, True, inp.seq_lens_t,
                                      inp.qsl_t)
-        return AttentionMetadata(inp.query_start_loc, inp.seq_lens, inp.block_tables, inp.slots,
-                                 max(inp.seq_lens), inp.decode_only, inp.seq_lens_t, inp.qsl_t)
+        qsl = inp.query_start_loc
+        return AttentionMetadata(qsl, inp.seq_lens, inp.block_tables, inp.slots, max(inp.seq_lens), inp.decode_only,
+                                 inp.seq_lens_t, inp.qsl_t, inp.prefill_tiles,
+                                 any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1)))
 
     # ---- one step
     def _plan(self, batch: ScheduledBatch, after_layer) -> tuple[str, int]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.ops.attention import prefill_tile_table
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
 _SIZE = {torch.int64: 8, torch.int32: 4}
@@ -115,9 +116,9 @@ class BlockRows:
         return out
 
 
-def layout_bytes(n_ids: int, n_slots: int, n_rows: int, width: int, n_sample: int) -> int:
-    """Upper bound of the bytes `fill` takes (7 regions, each aligned to 8 bytes)."""
-    return 8 * (2 * n_ids + n_slots + n_sample) + 4 * (n_rows + (n_rows + 1) + n_rows * width) + 7 * 8
+def layout_bytes(n_ids: int, n_slots: int, n_rows: int, width: int, n_sample: int, n_tiles: int = 0) -> int:
+    """Upper bound of the bytes `fill` takes (8 regions, each aligned to 8 bytes)."""
+    return 8 * (2 * n_ids + n_slots + n_sample) + 4 * (n_rows + (n_rows + 1) + n_rows * width + 2 * n_tiles) + 8 * 8
 
 
 @dataclass
@@ -131,6 +132,7 @@ class StepInputs:
     qsl_t: torch.Tensor  # [n_rows + 1] int32
     block_tables: torch.Tensor  # [n_rows, width] int32
     sample_idx: torch.Tensor  # [num sampled] int64: rows of the flat batch whose logits are sampled
+    prefill_tiles: torch.Tensor | None  # [n, 2] int32: the prefill kernel's work list (None: decode only)
     query_start_loc: list[int]  # [B + 1]
     seq_lens: list[int]  # [B]
     sample_reqs: list[Request]
@@ -161,7 +163,11 @@ def fill(staging: Staging, reqs: list[Request], num_new: list[int], block_size: 
     n_slots = n_ids if slots_padded else t
     sampled = end == np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=b)
     n_sample = int(sampled.sum())
-    staging.begin(layout_bytes(n_ids, n_slots, n_rows, width, n_sample))
+    qsl = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(n, out=qsl[1:])
+    decode_only = bool((n == 1).all())
+    tiles = None if decode_only else prefill_tile_table(qsl, end)
+    staging.begin(layout_bytes(n_ids, n_slots, n_rows, width, n_sample, 0 if tiles is None else len(tiles)))
 
     ids_h, ids_d = staging.alloc((n_ids,), torch.int64)
     pos_h, pos_d = staging.alloc((n_ids,), torch.int64)
@@ -170,9 +176,10 @@ def fill(staging: Staging, reqs: list[Request], num_new: list[int], block_size: 
     qsl_h, qsl_d = staging.alloc((n_rows + 1,), torch.int32)
     tab_h, tab_d = staging.alloc((n_rows, width), torch.int32)
     samp_h, samp_d = staging.alloc((n_sample,), torch.int64)
-
-    qsl = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(n, out=qsl[1:])
+    tiles_d = None
+    if tiles is not None:
+        tiles_h, tiles_d = staging.alloc(tiles.shape, torch.int32)
+        tiles_h[:] = tiles
     if t == b:  # decode rows: one token each
         ids_h[:t] = [r.token_ids[s] for r, s in zip(reqs, starts)]
     else:
@@ -193,5 +200,5 @@ def fill(staging: Staging, reqs: list[Request], num_new: list[int], block_size: 
     qsl_h[b + 1 :] = np.arange(t + 1, t + 1 + n_rows - b)  # padded rows: one token each
     samp_h[:] = qsl[1:][sampled] - 1
     staging.commit()
-    return StepInputs(ids_d, pos_d, slot_d, lens_d, qsl_d, tab_d, samp_d, qsl.tolist(), end.tolist(),
-                      [r for r, s in zip(reqs, sampled.tolist()) if s], t, bool((n == 1).all()))
+    return StepInputs(ids_d, pos_d, slot_d, lens_d, qsl_d, tab_d, samp_d, tiles_d, qsl.tolist(), end.tolist(),
+                      [r for r, s in zip(reqs, sampled.tolist()) if s], t, decode_only)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.ops.attention import AttentionMetadata, TorchAttentionBackend, write_kv
+from pdserve.ops.attention import AttentionMetadata
+from pdserve.ops.attention.torch_ref import TorchAttentionBackend, write_kv
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

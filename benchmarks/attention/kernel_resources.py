@@ -1,0 +1,164 @@
+"""Compile the attention kernels for sm_90 (H100/H200) on any machine, no GPU needed, and report what ptxas says:
+registers per thread, spilled bytes, shared memory, and whether the dots became wgmma (Hopper tensor cores).
+
+Catches configurations that would spill or not fit before a GPU run. Run without TRITON_INTERPRET:
+
+  python benchmarks/attention/kernel_resources.py [--sweep] [--json PATH]
+
+Exit status 1 when a default bf16/fp16 configuration spills or exceeds the shared memory of an H100/H200 block
+(227 KiB). fp32 queries (tests, exactness) run dots on FMA units and spill some registers: reported, not failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pdserve.ops.attention.decode import _decode_kernel, decode_block_n
+from pdserve.ops.attention.kv_write import _write_kv_kernel
+from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, _prefill_kernel, default_g_pack
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMEM_LIMIT = 227 * 1024
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+FP8 = ("fp8e4nv", "fp8e5")
+TORCH_DT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, aligned: list[str]) -> dict:
+    sig = {n: ("constexpr" if n in constexprs else types[n]) for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        res = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        os.unlink(f.name)
+    txt = res.stderr + res.stdout
+    regs = re.search(r"Used (\d+) registers", txt)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
+            "shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            "num_warps": num_warps, "num_stages": num_stages}
+
+
+def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, window: bool = False,
+            softcap: bool = False) -> dict:
+    types = dict(Q=f"*{dt}", KV=f"*{kv}", Out=f"*{dt}", BT="*i32", SL="*i32", QSL="*i32", TILES="*i32", KS="*fp32",
+                 VS="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32", s_kvb="i64", s_kvkv="i32", s_kvt="i32",
+                 s_kvh="i32", s_btb="i32", sm_scale="fp32", softcap="fp32", window="i32")
+    ce = dict(G=g, G_PACK=cfg.g_pack, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
+              BLOCK_D=triton.next_power_of_2(d), BS=bs, TILE=128, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
+              HAS_KS=kv in FP8, HAS_VS=kv in FP8, PRECISION="ieee" if dt == "fp32" else "tf32")
+    aligned = ["Q", "KV", "Out", "BT", "SL", "QSL", "TILES", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv",
+               "s_kvt", "s_kvh"]
+    return _compile(_prefill_kernel, types, ce, cfg.num_warps, cfg.num_stages, aligned)
+
+
+def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16) -> dict:
+    types = dict(Q=f"*{dt}", KV=f"*{kv}", BT="*i32", SL="*i32", QSL="*i32", KS="*fp32", VS="*fp32", Out=f"*{dt}",
+                 PartO="*fp32", PartM="*fp32", PartL="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
+                 s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_btb="i32", s_pb="i32", s_ph="i32",
+                 s_ps="i32", sm_scale="fp32", softcap="fp32", window="i32")
+    ce = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs,
+              BLOCK_N=decode_block_n(bs, d, getattr(torch, TORCH_DT[dt])), MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
+              HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32")
+    aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
+               "s_kvh", "s_pb", "s_ph", "s_ps"]
+    return _compile(_decode_kernel, types, ce, 4, 2, aligned)
+
+
+def kv_write(dt: str, kv: str, hk: int, d: int) -> dict:
+    types = dict(K=f"*{dt}", V=f"*{dt}", KV=f"*{kv}", SLOTS="*i64", KS="*fp32", VS="*fp32", s_kt="i32", s_kh="i32",
+                 s_vt="i32", s_vh="i32", s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32")
+    ce = dict(HK=hk, D=d, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d), BS=16,
+              FP8=kv in FP8, HAS_KS=kv in FP8, HAS_VS=kv in FP8, FP8_MAX=448.0 if kv == "fp8e4nv" else 57344.0)
+    return _compile(_write_kv_kernel, types, ce, 4, 1, ["K", "V", "KV", "SLOTS"])
+
+
+def default_cases() -> list[tuple[str, dict, callable]]:
+    """(name, description, thunk) of the configurations prefill_config / paged_decode / write_kv choose on sm_90."""
+    from pdserve.ops.attention.prefill import prefill_config
+
+    class _Cuda:  # prefill_config only looks at device.type
+        type = "cuda"
+
+    cases = []
+    for dt in ("bf16", "fp16", "fp32"):
+        for kv in ((dt, "fp8e4nv", "fp8e5") if dt != "fp32" else ("fp32", "fp8e4nv")):
+            for d, g in ((64, 1), (128, 4), (128, 8), (256, 2)):
+                cfg = prefill_config(d, g, getattr(torch, TORCH_DT[dt]), _Cuda())
+                for window in (False, True):
+                    desc = dict(kernel="prefill", dtype=dt, kv=kv, d=d, g=g, window=window, config=cfg.__dict__)
+                    cases.append((f"prefill {dt}/{kv} d={d} g={g} window={window} {cfg}", desc,
+                                  lambda dt=dt, kv=kv, d=d, g=g, cfg=cfg, w=window: prefill(dt, kv, d, g, cfg,
+                                                                                            window=w)))
+            for d, g in ((64, 1), (128, 4), (128, 8), (256, 2)):
+                for single, mixed in ((False, False), (True, False), (False, True)):
+                    desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=single, mixed=mixed)
+                    cases.append((f"decode {dt}/{kv} d={d} g={g} single={single} mixed={mixed}", desc,
+                                  lambda dt=dt, kv=kv, d=d, g=g, s=single, m=mixed: decode(dt, kv, d, g, s, m)))
+            desc = dict(kernel="kv_write", dtype=dt, kv=kv)
+            cases.append((f"kv_write {dt}/{kv}", desc, lambda dt=dt, kv=kv: kv_write(dt, kv, 8, 128)))
+    return cases
+
+
+def sweep_cases() -> list[tuple[str, dict, callable]]:
+    cases = []
+    for bm, bn, warps, stages in SWEEP:
+        for pack in sorted({1, default_g_pack(4, bm)}):
+            cfg = PrefillConfig(bm, bn, pack, warps, stages)
+            desc = dict(kernel="prefill", dtype="bf16", kv="bf16", d=128, g=4, sweep=True, config=cfg.__dict__)
+            cases.append((f"sweep bf16 d=128 {cfg}", desc, lambda cfg=cfg: prefill("bf16", "bf16", 128, 4, cfg)))
+    return cases
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="also the benchmark's prefill sweep configs")
+    ap.add_argument("--only", action="append", default=[], help="keep cases whose name has this substring (repeat)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
+        return 2
+    cases = default_cases() + (sweep_cases() if args.sweep else [])
+    rows, bad = [], 0
+    for name, desc, thunk in cases:
+        if args.only and not any(o in name for o in args.only):
+            continue
+        try:
+            res = {**desc, **thunk()}
+        except Exception as e:  # a configuration that does not compile is a failure, reported with its reason
+            res = {**desc, "error": f"{type(e).__name__}: {e}"[:500]}
+        fails = "error" in res or res["spill_bytes"] or res["shared"] > SMEM_LIMIT
+        if fails and not desc.get("sweep") and desc["dtype"] != "fp32":  # fp32: an exactness dtype, spills allowed
+            bad += 1
+        rows.append(res)
+        status = res.get("error") or (f"regs {res['registers']:3} spill {res['spill_bytes']:4} B "
+                                      f"smem {res['shared'] // 1024:3} KiB wgmma {res['wgmma']:3}")
+        print(f"{'FAIL ' if fails else 'ok   '}{name}: {status}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"{len(rows)} kernels compiled for sm_90, {bad} default configuration(s) failing")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

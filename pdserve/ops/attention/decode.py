@@ -1,0 +1,212 @@
+"""Split-K paged decode: rows with one new token attend over their whole KV, read straight from the block-major pool
+through the block table (no gather copy).
+
+One program per (row, KV head, split) with the query heads of a GQA group packed into one tile, so each K/V tile
+is loaded once per group; the splits of a row are merged by a second small kernel (skipped when there is one
+split). A split's share is computed in the kernel from the row's own KV length, so a grid sized for an upper-bound
+length (a CUDA graph) still spreads a short row over every split. In a mixed batch the kernel reads the row's query
+offsets and leaves rows with more than one new token to the prefill kernel. fp8 pools are read as fp8 and widened in
+registers; k_scale folds into the softmax scale and v_scale into the output, accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.ops.attention.common import is_fp8
+from pdserve.ops.attention.tl_math import tanh
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL,
+    s_qt, s_qh, s_ot, s_oh,
+    s_kvb, s_kvkv, s_kvt, s_kvh,
+    s_btb,
+    s_pb, s_ph, s_ps,
+    sm_scale, softcap, window,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    sp = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    if MIXED:
+        row = tl.load(QSL + b)
+        if tl.load(QSL + b + 1) - row != 1:
+            return
+    else:
+        row = b
+    row = row.to(tl.int64)
+    seq_len = tl.load(SL + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    tps = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + sp * tps
+    end = tl.minimum(start + tps, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    h = hk * G + g
+    gmask = g < G
+    dmask = d < D
+    q = tl.load(Q + row * s_qt + h[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    qk_scale = sm_scale
+    if HAS_KS:
+        qk_scale = qk_scale * tl.load(KS)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        page = tl.load(BT + b * s_btb + n // BS, mask=valid, other=0)
+        page = tl.maximum(page, 0)  # -1 entries (padded rows) never address outside the pool
+        base = page.to(tl.int64) * s_kvb + (n % BS) * s_kvt + hk * s_kvh
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            s = softcap * tanh(s / softcap)
+        s = tl.where(valid[None, :], s * 1.4426950408889634, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        v = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    if SINGLE:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if HAS_VS:
+            out = out * tl.load(VS)
+        tl.store(Out + row * s_ot + h[:, None] * s_oh + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=gmask[:, None] & dmask[None, :])
+    else:
+        po = PartO + b * s_pb + h[:, None] * s_ph + sp * s_ps + d[None, :]
+        tl.store(po, acc, mask=gmask[:, None] & dmask[None, :])
+        pm = (b * tl.num_programs(1) * G + h) * num_splits + sp  # PartM/PartL: [B, Hq, splits] contiguous
+        tl.store(PartM + pm, m_i, mask=gmask)
+        tl.store(PartL + pm, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    PartO, PartM, PartL, QSL, VS, Out,
+    s_pb, s_ph, s_ps, s_ot, s_oh, num_splits,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MIXED: tl.constexpr, HAS_VS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if MIXED:
+        row = tl.load(QSL + b)
+        if tl.load(QSL + b + 1) - row != 1:
+            return
+    else:
+        row = b
+    row = row.to(tl.int64)
+    sidx = tl.arange(0, BLOCK_S)
+    smask = sidx < num_splits
+    pm = (b * tl.num_programs(1) + h) * num_splits + sidx
+    m = tl.load(PartM + pm, mask=smask, other=float("-inf"))
+    lse = tl.load(PartL + pm, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_safe), 0.0)
+    denom = tl.sum(w * lse, 0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    o = tl.load(PartO + b * s_pb + h * s_ph + sidx[:, None] * s_ps + d[None, :],
+                mask=smask[:, None] & dmask[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    if HAS_VS:
+        out = out * tl.load(VS)
+    tl.store(Out + row * s_ot + h * s_oh + d, out.to(Out.dtype.element_ty), mask=dmask)
+
+
+def decode_block_n(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per inner step: 64 (fp32 queries: fewer, so the fp32 tiles stay in registers on sm_90)."""
+    if dtype == torch.float32:
+        return 32 if head_dim <= 128 else 16
+    return 64
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # the Triton interpreter (tests on CPU)
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, sliding_window: int | None,
+                  device: torch.device) -> int:
+    """Splits per (row, KV head): enough programs for about two waves, at least 256 keys a split, at most 64."""
+    span = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+    want = max(1, (2 * num_sms(device)) // max(1, num_rows * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max(span, 1), 256), 64))
+
+
+def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 max_seq_len: int, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 query_start_loc: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention of rows with one new token.
+
+    q [T, Hq, D]; kv_layer [num_blocks, 2, block_size, Hk, D] (any strides, D contiguous); block_tables [B, W] and
+    seq_lens [B] int32 on device. Without `query_start_loc`, row b's query is token b (a decode-only batch); with it
+    ([B+1] int32), row b's query is token query_start_loc[b] and rows with another count of new tokens are skipped
+    (their output rows are left as they are). Returns `out` ([T, Hq, D], allocated if not given).
+    """
+    b = seq_lens.shape[0]
+    if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
+        raise ValueError("q and the pool need a contiguous head dimension")
+    _, hq, d = q.shape
+    bs, hk = kv_layer.shape[2], kv_layer.shape[3]
+    g = hq // hk
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if b == 0:
+        return out
+    fp8 = is_fp8(kv_layer.dtype)
+    has_ks, has_vs = fp8 and k_scale is not None, fp8 and v_scale is not None
+    splits = num_splits or decode_splits(b, hk, max_seq_len, sliding_window, q.device)
+    single = splits == 1
+    block_d = triton.next_power_of_2(d)
+    if single:
+        part_o = part_m = part_l = out
+        s_p = (0, 0, 0)
+    else:
+        part_o = torch.empty((b, hq, splits, block_d), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+        s_p = (part_o.stride(0), part_o.stride(1), part_o.stride(2))
+    mixed = query_start_loc is not None
+    qsl = query_start_loc if mixed else seq_lens
+    ks = k_scale if has_ks else seq_lens
+    vs = v_scale if has_vs else seq_lens
+    _decode_kernel[(b, hk, splits)](
+        q, kv_layer, block_tables, seq_lens, qsl, ks, vs, out, part_o, part_m, part_l,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        block_tables.stride(0),
+        *s_p,
+        scale, softcap or 1.0, sliding_window or 0,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d, BS=bs,
+        BLOCK_N=decode_block_n(bs, d, q.dtype), MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
+        HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if not single:
+        _merge_kernel[(b, hq)](
+            part_o, part_m, part_l, qsl, vs, out,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1), splits,
+            D=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)), MIXED=mixed, HAS_VS=has_vs,
+        )
+    return out

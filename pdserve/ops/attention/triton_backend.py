@@ -1,0 +1,56 @@
+"""The Triton attention backend: KV write, split-K decode and varlen paged prefill, all reading the pool in place.
+
+forward() writes the step's K/V (quantizing for fp8 pools), then runs the decode kernel over the rows with one new
+token and the prefill kernel over the tile table of the others (each launched only when the step can have such
+rows). Every launch size comes from tensor shapes and host ints fixed for a padded batch (token count, row count,
+tile-table length, the KV-length bound in `max_seq_len`); per-row lengths and offsets are read on the device. So
+forward is capturable in a CUDA graph when the metadata comes from `AttentionMetadataBuilder` (static buffers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.ops.attention.decode import paged_decode
+from pdserve.ops.attention.kv_write import write_kv
+from pdserve.ops.attention.metadata import AttentionMetadata
+from pdserve.ops.attention.prefill import PrefillConfig, paged_prefill
+
+
+class TritonAttentionBackend:
+    name = "triton"
+    supports_cuda_graphs = True  # decode-only and mixed steps, with builder-made (static) metadata
+
+    def __init__(self, prefill_config: PrefillConfig | None = None):
+        self.prefill_config = prefill_config  # None: chosen per head dim and dtype (prefill.prefill_config)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hk, D]
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,  # [num_blocks, 2, block_size, Hk, D]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        meta.ensure_device(q.device)
+        write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
+        return self.attend(q, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale)
+
+    def attend(self, q, kv_layer, meta: AttentionMetadata, scale, sliding_window=None, softcap=None, k_scale=None,
+               v_scale=None) -> torch.Tensor:
+        """Attention over the pool as it is (no write)."""
+        meta.ensure_device(q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        common = dict(sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale, out=out)
+        if meta.decode_only:
+            return paged_decode(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.max_seq_len, scale, **common)
+        if meta.any_decodes():
+            paged_decode(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.max_seq_len, scale,
+                         query_start_loc=meta.query_start_loc_t, **common)
+        return paged_prefill(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.query_start_loc_t,
+                             meta.prefill_tiles, scale, config=self.prefill_config, **common)

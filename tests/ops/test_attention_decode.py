@@ -1,0 +1,102 @@
+"""The split-K paged decode kernel against the torch reference: random pools with shuffled block tables, GQA 1/4/8,
+head dims 64/128/256 (and a padded 80), block sizes 16/32, ragged lengths across block boundaries, sliding
+windows, softcapping, fp8 pools (read and widened in the kernel), one and several splits, decode-only and mixed
+batches (rows with more new tokens must stay untouched: the output is poisoned with NaN), padded rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.ops.attention.common import is_fp8
+from pdserve.ops.attention.decode import paged_decode
+from pdserve.ops.attention.torch_ref import TorchAttentionBackend
+from tests.ops.attention_helpers import assert_close, gpu, make_problem, poisoned, row_kinds
+
+
+def _reference(p, scale, window, softcap):
+    layer = p.kv_layer if is_fp8(p.kv_layer.dtype) else p.kv_layer.float()
+    return TorchAttentionBackend().attend(p.q.float(), layer, p.meta, scale, window, softcap, p.k_scale, p.v_scale)
+
+
+def _run(p, scale, window=None, softcap=None, mixed=False, splits=None):
+    m = p.meta
+    out = poisoned(p.q)
+    paged_decode(p.q, p.kv_layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap,
+                 p.k_scale, p.v_scale, query_start_loc=m.query_start_loc_t if mixed else None, out=out,
+                 num_splits=splits)
+    return out
+
+
+CPU_CASES = [
+    # hq, hk, d, bs, dtype, kv_dtype, window, softcap, splits
+    (2, 2, 64, 16, torch.float32, None, None, None, None),
+    (8, 2, 128, 32, torch.float32, None, 37, None, 1),
+    (8, 1, 256, 16, torch.float16, None, None, None, 3),
+    (8, 2, 64, 16, torch.float16, None, None, 4.0, 2),
+    (4, 1, 80, 16, torch.float32, None, 20, None, None),
+    (8, 2, 64, 32, torch.float32, torch.float8_e4m3fn, None, None, 2),
+    (4, 4, 64, 16, torch.float16, torch.float8_e5m2, 50, None, None),
+]
+
+
+@pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window,softcap,splits", CPU_CASES)
+def test_decode_matches_reference(hq, hk, d, bs, dtype, kv_dtype, window, softcap, splits):
+    p = make_problem([1, 17, 130, 64, 45], [1] * 5, hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype,
+                     seed=hq + d + bs)
+    assert p.meta.decode_only
+    scale = d ** -0.5
+    out = _run(p, scale, window, softcap, splits=splits)
+    assert_close(out, _reference(p, scale, window, softcap), dtype, "decode")
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mixed_batch_leaves_prefill_rows_alone(splits):
+    p = make_problem([33, 70, 9, 120, 16], [1, 20, 1, 5, 16], hq=8, hk=2, d=64, bs=16, seed=11)
+    out = _run(p, 0.125, mixed=True, splits=splits)
+    dec, pre = row_kinds(p.meta)
+    assert torch.isnan(out[pre]).all()
+    assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed decode rows")
+
+
+def test_padded_rows_give_zeros_and_read_nothing():
+    # padded rows: KV length 0 and block table -1 (a negative block must never be addressed)
+    p = make_problem([40, 3], [1, 1], hq=4, hk=2, d=32, bs=16, pad={"num_tokens": 4, "num_seqs": 4})
+    assert p.meta.decode_only and p.meta.block_tables[2:].eq(-1).all()
+    out = _run(p, 0.2, splits=2)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert_close(out[:2], _reference(p, 0.2, None, None)[:2], torch.float32, "padded batch")
+
+
+GPU_CASES = [
+    # hq, hk, d, bs, dtype, kv_dtype, window
+    (32, 8, 128, 16, torch.bfloat16, None, None),
+    (32, 8, 128, 16, torch.float16, None, None),
+    (32, 8, 128, 16, torch.float32, None, None),
+    (32, 8, 128, 16, torch.bfloat16, torch.float8_e4m3fn, None),
+    (32, 8, 128, 32, torch.bfloat16, torch.float8_e5m2, None),
+    (8, 4, 256, 16, torch.bfloat16, None, 512),
+    (8, 4, 256, 16, torch.bfloat16, torch.float8_e4m3fn, 512),
+    (64, 8, 128, 16, torch.bfloat16, None, None),
+    (16, 16, 64, 32, torch.bfloat16, None, None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window", GPU_CASES)
+@pytest.mark.parametrize("lens", [[1, 17, 1000, 4097, 300], [32768, 20000], [777] * 64])
+def test_decode_matches_reference_cuda(hq, hk, d, bs, dtype, kv_dtype, window, lens):
+    p = make_problem(lens, [1] * len(lens), hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype, seed=len(lens))
+    scale = d ** -0.5
+    ref = _reference(p, scale, window, None)
+    assert_close(_run(p, scale, window), ref, dtype, "decode")
+    assert_close(_run(p, scale, window, splits=1), ref, dtype, "decode, one split")
+
+
+@gpu
+def test_decode_softcap_and_mixed_cuda():
+    p = make_problem([5000, 3000, 64, 1], [1, 700, 1, 1], hq=16, hk=8, d=256, bs=16, dtype=torch.bfloat16, seed=2)
+    out = _run(p, 0.0625, 1024, 50.0, mixed=True)
+    dec, pre = row_kinds(p.meta)
+    assert torch.isnan(out[pre]).all()
+    assert_close(out[dec], _reference(p, 0.0625, 1024, 50.0)[dec], torch.bfloat16, "mixed softcap")

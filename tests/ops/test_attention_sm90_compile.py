@@ -1,0 +1,36 @@
+"""The kernels compile for sm_90 (H100/H200) without a GPU, and the default bf16 configurations of Qwen3-8B's
+shape (d=128, GQA 4) with bf16 and fp8 pools use wgmma, fit shared memory and spill nothing (ptxas -v). Runs
+benchmarks/attention/kernel_resources.py in a subprocess without TRITON_INTERPRET."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="Triton without its bundled ptxas")
+def test_default_kernels_fit_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = tmp_path / "res.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/attention/kernel_resources.py"), "--json", str(out),
+           "--only", "bf16/bf16 d=128 g=4", "--only", "bf16/fp8e4nv d=128 g=4", "--only", "kv_write bf16/"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    count = {k: sum(r["kernel"] == k for r in rows) for k in ("prefill", "decode", "kv_write")}
+    assert count == {"prefill": 4, "decode": 6, "kv_write": 3}, count
+    for r in rows:
+        assert r["spill_bytes"] == 0 and r["shared"] <= 227 * 1024, r
+        if r["kernel"] == "prefill":
+            assert r["wgmma"] > 0, r  # Hopper tensor cores, not mma.sync
