@@ -43,8 +43,10 @@ def _check_align(topk_ids: torch.Tensor, E: int, block_m: int):
     assert int(got.num_rows) == n and n % block_m == 0
     assert torch.equal(got.expert_ids.cpu(), ref.expert_ids.cpu())
     g, r = got.sorted_ids.cpu(), ref.sorted_ids.cpu()
-    for b in range(n // block_m):  # same rows in each block (order inside an expert's run is free)
-        assert torch.equal(g[b * block_m:(b + 1) * block_m].sort().values, r[b * block_m:(b + 1) * block_m].sort().values)
+    expert_of_row = ref.expert_ids.cpu().repeat_interleave(block_m)[:n]
+    for e in expert_of_row.unique().tolist():  # each expert's run holds the same rows (their order is free: atomics)
+        run = expert_of_row == e
+        assert torch.equal(g[:n][run].sort().values, r[:n][run].sort().values)
     assert (g[n:] == n_pairs).all()
     flat = topk_ids.reshape(-1).cpu().long()
     valid = g[:n][g[:n] < n_pairs].long()

@@ -29,9 +29,9 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Scatter new K/V ([T, Hk, D]) into one layer's view `[num_blocks, 2, block_size, Hk, D]` at
     `slot = block * block_size + offset`; slots < 0 are skipped; fp8 pools store x / scale."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    t = slot_mapping.shape[0]
+    t = min(slot_mapping.shape[0], k.shape[0])  # a padded slot mapping may be longer than the real rows
+    keep = slot_mapping[:t] >= 0
+    slots = slot_mapping[:t][keep]
     k, v = k[:t][keep], v[:t][keep]
     if is_fp8(kv_layer.dtype):
         k = quantize_fp8(k, kv_layer.dtype, k_scale)
