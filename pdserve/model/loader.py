@@ -20,6 +20,7 @@ from torch import nn
 
 from pdserve.envs import cache_dir
 from pdserve.model import get_model_class
+from pdserve.model.parallel import full_shape, load_param, shard_of, take_shard
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def _iter_safetensors(model_dir: Path):
     for fp in files:
         with safe_open(str(fp), framework="pt") as f:
             for k in f.keys():
-                yield k, f.get_tensor(k)
+                yield k, f.get_slice(k)  # lazy: a tensor-parallel rank reads only its rows (model.parallel)
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
@@ -181,18 +182,14 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     kv_scales = {n: b for n, b in model.named_buffers() if n.endswith((".k_scale", ".v_scale"))}  # fp8 KV, optional
     tied = getattr(model.config, "tie_word_embeddings", False) or type(model).__name__.startswith("Gemma3")
     loaded: set[str] = set()
-    for name, tensor in _iter_safetensors(model_dir):
+    for name, lazy in _iter_safetensors(model_dir):
         mapped = _map_name(name)
         if mapped in kv_scales:
-            kv_scales[mapped].copy_(tensor.reshape(()).float())
+            kv_scales[mapped].copy_(lazy[()].reshape(()).float())
             continue
         if mapped is None or mapped not in params:
             continue
-        p = params[mapped]
-        if tuple(p.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor.to(p.dtype))
+        load_param(params[mapped], lazy, name)  # the shape check, and this rank's shard of a sharded parameter
         loaded.add(mapped)
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
     if missing:
@@ -207,12 +204,17 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             if "norm" in name:
                 p.fill_(0.0 if type(model).__name__.startswith("Gemma3") else 1.0)
                 continue
-            # generate on CPU in chunks for determinism across devices, then copy
-            flat = p.view(-1)
+            # generate on CPU in chunks for determinism across devices, then copy; a tensor-parallel shard draws
+            # the whole tensor and keeps its rows, so every TP size builds the same model
+            sharded = shard_of(p) is not None
+            full = torch.empty(full_shape(p), dtype=p.dtype) if sharded else p
+            flat = full.view(-1)
             step = 1 << 24
             for i in range(0, flat.numel(), step):
                 n = min(step, flat.numel() - i)
                 flat[i : i + n].copy_((torch.rand(n, generator=gen) * 2 - 1) * 0.02)
+            if sharded:
+                take_shard(p, full)
 
 
 def choose_dtype(dtype: str, device: torch.device, cfg) -> torch.dtype:
