@@ -235,11 +235,15 @@ class Executor:
 
     # ---- running things on every rank
     def collective_rpc(self, method: str | Callable, *args, timeout_s: float = RPC_TIMEOUT_S, **kwargs) -> list:
-        """Run `method` on every rank's Worker — a Worker method's name, or a picklable module-level function
-        called as fn(worker, *args, **kwargs) — and return the results in rank order. Workers start first, then
-        rank 0 runs it here, so methods may use collectives. Raises WorkerDied if a rank dies or does not answer
-        within `timeout_s` (fatal), RuntimeError naming the rank if the method raised there."""
+        """Run `method` on every rank's Worker — a Worker method's name, or a function of an importable module
+        (pickled by reference) called as fn(worker, *args, **kwargs) — and return the results in rank order.
+        Workers start first, then rank 0 runs it here, so methods may use collectives. Raises WorkerDied if a rank
+        dies or does not answer within `timeout_s` (fatal), RuntimeError naming the rank if the method raised
+        there (the engine goes on)."""
         self.check()
+        if callable(method) and getattr(method, "__module__", None) == "__main__" and self._procs:
+            raise ValueError(f"collective_rpc: {method.__name__} is defined in __main__, which the worker processes "
+                             f"cannot import; define it in a module")
         call_id = next(self._calls)
         frame = control_frame(Call(call_id, method, args, kwargs)) if self._procs else b""
         deadline = time.monotonic() + timeout_s
@@ -305,7 +309,9 @@ class Executor:
         self.check()
         self._in_step = True
         try:
-            return self.runner.execute(batch, after_layer)
+            out = self.runner.execute(batch, after_layer)
+            self.check()  # a rank died during the step (an aborted NCCL collective returns garbage): drop it
+            return out
         except WorkerDied:
             raise
         except Exception as e:

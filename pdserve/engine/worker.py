@@ -5,7 +5,8 @@ directly; see pdserve.engine.executor for rank 0's side of the protocol.
 Protocol, over one socket pair per worker (rank 0 -> worker: `send_bytes` frames that start with an int64 tag):
 - TAG_STEP: a `StepPlan` as a flat int64 buffer. The worker runs the step; nothing comes back (the step's
   collectives keep the ranks together). A failed step is fatal: the worker reports `WorkerFailed` and exits.
-- TAG_CONTROL: a pickled message: `WorkerInit` (first), `Call` (answered by one `CallResult`), `Stop`.
+- TAG_CONTROL: an int64 call id (0 unless a Call), then a pickled message: `WorkerInit` (first), `Call` (answered
+  by one `CallResult`, an error one if it cannot even be unpickled there), `Stop`.
 Worker -> rank 0: pickled `WorkerHello` (started, device set), `WorkerReady` (joined the process group) or
 `WorkerFailed`, then one `CallResult` per `Call`.
 
@@ -105,7 +106,9 @@ class Stop:
 
 
 def control_frame(msg: object) -> bytes:
-    return TAG_CONTROL.to_bytes(8, "little") + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    call_id = msg.call_id if isinstance(msg, Call) else 0
+    return (TAG_CONTROL.to_bytes(8, "little") + call_id.to_bytes(8, "little")
+            + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def step_frame(plan: StepPlan) -> np.ndarray:
@@ -215,7 +218,7 @@ def _recv_control(conn: Connection):
     buf = conn.recv_bytes()
     if int.from_bytes(buf[:8], "little") != TAG_CONTROL:
         raise RuntimeError("expected a control message from rank 0")
-    return pickle.loads(memoryview(buf)[8:])
+    return pickle.loads(memoryview(buf)[16:])
 
 
 def serve(worker: Worker, conn: Connection) -> int:
@@ -238,7 +241,14 @@ def serve(worker: Worker, conn: Connection) -> int:
         if tag != TAG_CONTROL:
             _send_quietly(conn, WorkerFailed(rank, f"unknown frame tag {tag:#x}"))
             return 1
-        msg = pickle.loads(memoryview(buf)[8:])
+        call_id = int.from_bytes(buf[8:16], "little")
+        try:
+            msg = pickle.loads(memoryview(buf)[16:])
+        except Exception as e:  # e.g. a function this process cannot import: that call fails, not the worker
+            if not call_id:
+                raise
+            conn.send(CallResult(call_id, rank, None, f"the call could not be unpickled here: {type(e).__name__}: {e}"))
+            continue
         if isinstance(msg, Stop):
             return 0
         if not isinstance(msg, Call):

@@ -1,0 +1,141 @@
+"""A dead rank fails the instance within seconds, clearly, and hangs nothing: killed while the engine idles (the
+watcher notices and wakes the loop), killed right before a step (the send or the collective fails), and end to end
+through the engine process: every request ends with an error, the process exits, the instance reports dead."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.errors import EngineDead
+from pdserve.engine.executor import WorkerDied
+from pdserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(600)
+
+DETECT_S = 5.0
+
+
+def _config(path, **kw) -> EngineConfig:
+    return EngineConfig(model=str(path), num_gpu_blocks=64, block_size=4, device="cpu", dtype="float32",
+                        tensor_parallel_size=2, **kw)
+
+
+def _worker_pid(core: EngineCore) -> int:
+    return core.executor.collective_rpc(_pid)[1]
+
+
+def _pid(worker):
+    return os.getpid()
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_a_worker_killed_while_idle_fails_the_next_step(tiny_model_dirs):
+    woken = []
+    core = EngineCore(_config(tiny_model_dirs["llama"]), wake=lambda: woken.append(time.monotonic()))
+    try:
+        core.add_request("a", [5, 6, 7, 8], _params(50))
+        core.step()
+        t0 = time.monotonic()
+        os.kill(_worker_pid(core), signal.SIGKILL)
+        while core.executor.failed is None and time.monotonic() - t0 < DETECT_S:
+            time.sleep(0.01)
+        assert core.executor.failed is not None, "the watcher did not notice the dead rank"
+        assert "rank 1" in core.executor.failed and "died" in core.executor.failed
+        assert woken and woken[-1] - t0 < DETECT_S, "the engine loop was not woken"
+        assert core.needs_step()  # the loop steps, and the step raises
+        with pytest.raises(WorkerDied, match="rank 1"):
+            core.step()
+        with pytest.raises(WorkerDied):
+            core.executor.collective_rpc("kv_pool_info")
+    finally:
+        core.close()
+
+
+def test_a_worker_killed_right_before_a_step_fails_that_step(tiny_model_dirs):
+    core = EngineCore(_config(tiny_model_dirs["gemma3"]))
+    try:
+        core.add_request("a", list(range(3, 40)), _params(50))
+        core.step()
+        pid = _worker_pid(core)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied, match="rank 1"):
+            for _ in range(100):  # whichever notices first: the send, the collective, or the watcher
+                core.step()
+        assert time.monotonic() - t0 < DETECT_S
+    finally:
+        core.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def test_the_engine_process_fails_every_request_and_exits(tiny_model_dirs, tmp_path):
+    """Through AsyncLLM (the engine in its own process, the worker its child): requests end with an error that
+    says why, and the instance is dead (/health answers 503 from is_alive)."""
+    from pdserve.engine.async_llm import AsyncLLM
+    from pdserve.model.dummy_tokenizer import wordlevel_tokenizer_dir
+    from pdserve.model.loader import load_config, resolve_model
+
+    path = tiny_model_dirs["qwen3"]
+    cfg, _ = load_config(resolve_model(str(path)))
+    tok = wordlevel_tokenizer_dir(cfg, tmp_path)
+
+    async def run():
+        llm = AsyncLLM(_config(path, tokenizer=str(tok), max_model_len=512))
+        await llm.start()
+        try:
+            assert llm.is_alive
+
+            async def generate(rid: str):
+                outs = []
+                try:
+                    async for out in llm.generate(rid, [5, 6, 7, 8], _params(400)):
+                        outs.append(out)
+                except EngineDead as e:
+                    return outs, e
+                return outs, None
+
+            tasks = [asyncio.create_task(generate(f"r{i}")) for i in range(3)]
+            while llm.stats().get("num_running", 0) < 3:
+                await asyncio.sleep(0.05)
+            workers = _children(llm._proc.pid)
+            assert len(workers) == 1, workers
+            os.kill(workers[0], signal.SIGKILL)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            for outs, err in results:
+                last = outs[-1] if outs else None
+                if err is None:  # the engine's own error output reached the stream first
+                    assert last is not None and last.finished and last.finish_reason == "error"
+                    assert "rank 1" in (last.stop_reason or last.error or ""), last
+                assert len([t for o in outs for t in o.new_token_ids]) < 400
+            while llm.is_alive and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.05)
+            assert not llm.is_alive, "the engine process should end after a rank died"
+            assert time.monotonic() - t0 < 30
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(run())
