@@ -117,7 +117,11 @@ class BlockRows:
             new[id(r)] = (r, lst, arr, m)
             out.append(arr[:m])
             if delta is not None:
-                delta.add(id(r), n, arr[n:m])
+                delta.keys.append(id(r))
+                delta.keep.append(n)
+                delta.counts.append(m - n)
+                if m > n:
+                    delta.new.append(arr[n:m])
         self._rows = new
         return out
 
@@ -139,12 +143,6 @@ class RowDelta:
         self.counts: list[int] = []
         self.new: list[np.ndarray] = []
 
-    def add(self, key: int, keep: int, new_ids: np.ndarray) -> None:
-        self.keys.append(key)
-        self.keep.append(keep)
-        self.counts.append(len(new_ids))
-        if len(new_ids):
-            self.new.append(new_ids)
 
 
 class RowMirror:
@@ -153,8 +151,33 @@ class RowMirror:
 
     def __init__(self) -> None:
         self._rows: dict[int, tuple[np.ndarray, int]] = {}
+        self._keys = np.empty(0, dtype=np.int64)  # the last step's requests, its row lengths and rows
+        self._lens = np.empty(0, dtype=np.int64)
+        self._out: list[np.ndarray] = []
 
     def apply(self, keys: np.ndarray, keep: np.ndarray, counts: np.ndarray, new_ids: np.ndarray) -> list[np.ndarray]:
+        if len(keys) == len(self._keys) and np.array_equal(keys, self._keys) and np.array_equal(keep, self._lens):
+            return self._grow(keys, counts, new_ids)  # steady decoding: only the rows that grew change
+        out = self._rebuild(keys, keep, counts, new_ids)
+        self._keys, self._lens, self._out = keys.copy(), keep + counts, out
+        return list(out)
+
+    def _grow(self, keys: np.ndarray, counts: np.ndarray, new_ids: np.ndarray) -> list[np.ndarray]:
+        grown = np.flatnonzero(counts)
+        if len(grown):
+            ends = np.cumsum(counts)
+            for i, c, e in zip(grown.tolist(), counts[grown].tolist(), ends[grown].tolist()):
+                key = int(keys[i])
+                arr, n = self._rows[key]
+                arr = _room(arr, n, n + c)
+                arr[n : n + c] = new_ids[e - c : e]
+                self._rows[key] = (arr, n + c)
+                self._out[i] = arr[: n + c]
+            self._lens = self._lens + counts
+        return list(self._out)
+
+    def _rebuild(self, keys: np.ndarray, keep: np.ndarray, counts: np.ndarray,
+                 new_ids: np.ndarray) -> list[np.ndarray]:
         new: dict[int, tuple[np.ndarray, int]] = {}
         out = []
         off = 0

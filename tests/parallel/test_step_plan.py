@@ -67,6 +67,30 @@ def test_mirror_follows_every_change_of_the_lists():
         assert [g.tolist() for g in got] == [r.tolist() for r in rows] == [r.block_ids for r in batch], step
 
 
+def test_mirror_of_steady_decoding():
+    """The same batch step after step, rows growing now and then (the mirror's fast path), a list replaced once."""
+    rng = random.Random(3)
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams()) for i in range(16)]
+    for r in reqs:
+        r.block_ids = [rng.randrange(1000) for _ in range(rng.randrange(1, 4))]
+    cache, mirror = BlockRows(), RowMirror()
+    rebuilds = []
+    rebuild = mirror._rebuild
+    mirror._rebuild = lambda *a: rebuilds.append(1) or rebuild(*a)
+    for step in range(60):
+        for r in reqs:
+            if rng.random() < 0.1:
+                r.block_ids.append(rng.randrange(1000))
+        if step == 30:
+            reqs[5].block_ids = [7, 8]  # preempted and readmitted: a new list
+        delta = RowDelta()
+        rows = cache.rows(reqs, delta)
+        plan = StepPlan.build("decode", 16, gather([], []), delta)
+        got = mirror.apply(plan.keys, plan.keep, plan.counts, plan.new_ids)
+        assert [g.tolist() for g in got] == [r.tolist() for r in rows] == [r.block_ids for r in reqs], step
+    assert len(rebuilds) == 2  # the first step and the replaced list; every other step took the fast path
+
+
 def test_decode_frames_do_not_grow_with_context():
     sizes = {}
     for blocks in (4, 512):  # 64 and 8192 tokens of context per request
