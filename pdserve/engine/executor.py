@@ -147,13 +147,18 @@ class Executor:
         self._calls = itertools.count(1)
         self._in_step = False
         self._noticed = threading.Event()  # the engine has raised WorkerDied (the failure reached it)
-        self._stop_r, self._stop_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe() if self.size > 1 else (-1, -1)  # wakes the watcher at close
         self._closed = False
         self._restore_cpu: tuple | None = None
         self.runner: ModelRunner | None = None
         tp = SINGLE
         if self.size > 1:
-            tp = self._start_workers(config, hf_config, source, dtype)
+            try:
+                tp = self._start_workers(config, hf_config, source, dtype)
+            except BaseException:
+                os.close(self._stop_r)
+                os.close(self._stop_w)
+                raise
         self._finalizer = weakref.finalize(self, _cleanup, self._procs, tp)
         self.driver = Worker(config, hf_config, source, dtype, device, tp)
         self.tp = tp
@@ -375,19 +380,15 @@ class Executor:
         if self._closed:
             return
         self._closed = True
-        try:
+        if self._stop_w >= 0:
             os.write(self._stop_w, b"x")
-        except OSError:
-            pass
         if self._watcher is not None:
             self._watcher.join(STOP_TIMEOUT_S)
         self._finalizer()
         self._unpin()
         for fd in (self._stop_r, self._stop_w):
-            try:
+            if fd >= 0:
                 os.close(fd)
-            except OSError:
-                pass
 
     def _unpin(self) -> None:
         if self._restore_cpu is not None:

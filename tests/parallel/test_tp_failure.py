@@ -139,3 +139,20 @@ def test_the_engine_process_fails_every_request_and_exits(tiny_model_dirs, tmp_p
             await llm.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_size_the_model_cannot_split_fails_cleanly_at_start(tiny_model_dirs):
+    """TP=3 over 4 query heads: a clear error from every rank, no worker left behind, the group left (the next
+    engine of this process can form one)."""
+    with pytest.raises(ValueError, match="divisible by the tensor-parallel size"):
+        EngineCore(EngineConfig(model=str(tiny_model_dirs["qwen3"]), num_gpu_blocks=16, block_size=4, device="cpu",
+                                dtype="float32", tensor_parallel_size=3))
+    assert _children(os.getpid()) == []
+    core = EngineCore(_config(tiny_model_dirs["qwen3"]))
+    try:
+        core.add_request("a", [5, 6, 7], _params(2))
+        while core.has_work():
+            core.step()
+    finally:
+        core.close()
+    assert _children(os.getpid()) == []
