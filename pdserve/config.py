@@ -102,6 +102,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_transfer.disaggregated:
+            # the KV connector moves rank 0's pool only (its KV heads): refuse rather than hand over part of the KV
+            raise ValueError("a prefill or decode role with tensor_parallel_size > 1 needs per-rank KV agents, which "
+                             "are not wired yet: run TP instances with role both")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
