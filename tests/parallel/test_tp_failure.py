@@ -91,6 +91,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as ended)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
 def test_the_engine_process_fails_every_request_and_exits(tiny_model_dirs, tmp_path):
     """Through AsyncLLM (the engine in its own process, the worker its child): requests end with an error that
     says why, and the instance is dead (/health answers 503 from is_alive)."""
@@ -156,3 +164,33 @@ def test_a_size_the_model_cannot_split_fails_cleanly_at_start(tiny_model_dirs):
     finally:
         core.close()
     assert _children(os.getpid()) == []
+
+
+def test_workers_end_when_rank_0_is_killed(tiny_model_dirs):
+    """Rank 0's process dies without a word (SIGKILL): its workers notice (pidfd) and exit, even mid-step."""
+    import json
+    import select
+    import subprocess
+    import sys
+
+    cfg = dict(model=str(tiny_model_dirs["qwen3"]), device="cpu", dtype="float32", num_gpu_blocks=512,
+               max_num_batched_tokens=96, max_num_seqs=8, max_model_len=512, tensor_parallel_size=2)
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen([sys.executable, "-m", "tests.parallel.tp_run", "die", json.dumps(cfg)], cwd=root,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line, deadline = "", time.monotonic() + 300
+        while not line.startswith("WORKER_PIDS"):
+            assert time.monotonic() < deadline and p.poll() is None, "the engine did not start"
+            if select.select([p.stdout], [], [], 1.0)[0]:
+                line = p.stdout.readline()
+        worker = json.loads(line.split(maxsplit=1)[1])[0]
+        p.kill()
+        p.wait(10)
+        t0 = time.monotonic()
+        while _alive(worker) and time.monotonic() - t0 < DETECT_S:
+            time.sleep(0.05)
+        assert not _alive(worker), "the worker outlived rank 0"
+    finally:
+        if p.poll() is None:
+            p.kill()
