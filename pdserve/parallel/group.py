@@ -48,7 +48,7 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, group_dst=0, group=self.pg)
+        dist.gather(x, parts, dst=0, group=self.pg)  # the group is the whole world: rank 0 is global rank 0
         return torch.cat(parts, dim=-1) if parts is not None else None
 
 

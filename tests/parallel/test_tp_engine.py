@@ -96,3 +96,24 @@ def test_tp2_matches_tp1(arch, heads, tiny_model_dirs):
     finally:
         core.close()
         ref.close()
+
+
+def test_default_gemma_gguf_tp2_matches_tp1():
+    """The embedded default model (Gemma 3 270M GGUF, converted once to safetensors; 1 KV head, 262k vocabulary):
+    its logits are larger (|x| ~ 30), so the absolute tolerance is 1e-4 here (measured max difference 4.4e-5)."""
+    out, logits = {}, {}
+    for tp in (1, 2):
+        core = EngineCore(EngineConfig(device="cpu", dtype="float32", num_gpu_blocks=64, max_model_len=512,
+                                       tensor_parallel_size=tp))
+        try:
+            cap = capture_logits(core)
+            for rid, p in {"a": [2, 651, 6037, 576, 6081, 603], "b": list(range(100, 140))}.items():
+                core.add_request(rid, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            out[tp], logits[tp] = run_to_end(core), cap
+            assert core.runner.kv_cache.shape[4] == 1
+        finally:
+            core.close()
+    assert out[2] == out[1]
+    for rid in logits[1]:
+        for (n, x), (_, y) in zip(logits[2][rid], logits[1][rid]):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-5, msg=f"{rid} at {n}")

@@ -79,14 +79,17 @@ def test_a_worker_killed_right_before_a_step_fails_that_step(tiny_model_dirs):
 
 
 def _children(pid: int) -> list[int]:
+    """The live TP worker processes whose parent is `pid` (multiprocessing's resource tracker is not one)."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            ppid, state = int(stat.rsplit(")", 1)[1].split()[1]), stat.rsplit(")", 1)[1].split()[0]
+            if ppid == pid and state not in "ZX" and b"pdserve.engine.worker" in cmd:
                 out.append(int(d.name))
     return out
 
