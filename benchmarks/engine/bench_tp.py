@@ -103,8 +103,10 @@ def child(args) -> dict:
     from pdserve.engine.engine_core import EngineCore
 
     t0 = time.time()
+    batches = [int(x) for x in args.batches.split(",")]
     core = EngineCore(EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
-                                   dtype=args.dtype, tensor_parallel_size=args.tp_size, max_num_seqs=512,
+                                   dtype=args.dtype, tensor_parallel_size=args.tp_size, max_num_seqs=max(batches),
+                                   max_num_batched_tokens=max(args.max_num_batched_tokens, max(batches)),
                                    max_model_len=args.max_model_len, enable_prefix_caching=False,
                                    gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager))
     res: dict = {"tp": args.tp_size, "start_s": time.time() - t0, "num_blocks": core.kv.pool.num_blocks,
@@ -122,7 +124,7 @@ def child(args) -> dict:
     rng = random.Random(0)
     layers = core.hf_config.num_hidden_layers
     try:
-        for b in (int(x) for x in args.batches.split(",")):
+        for b in batches:
             batch = build_batch(core, f"d{b}", [(args.context, 1, True)] * b, rng)
             if batch is None:
                 res["cases"].append({"batch": b, "skipped": "does not fit the KV pool"})
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="bounds the piecewise graphs captured")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per engine process")

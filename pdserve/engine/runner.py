@@ -132,7 +132,8 @@ class ModelRunner:
                    + [layout_bytes(n, n, n, w, n) for n in self.mixed_sizes])
         self.graph_staging = Staging(self.device, need, growable=False)
         self.attn_bufs = AttnBuffers.for_model(self.mixed_sizes[-1], cfg.num_attention_heads // self.tp_size,
-                                               self.kv_cache.shape[4], _head_dim(cfg), self.dtype, self.device)
+                                               local_kv_heads(cfg.num_key_value_heads, self.tp_size), _head_dim(cfg),
+                                               self.dtype, self.device)
         if emulate:
             self.mixed_graphs = {n: None for n in self.mixed_sizes}
             return
