@@ -17,15 +17,12 @@ import itertools
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
+from multiprocessing.connection import wait
 
 import torch
 
@@ -37,7 +34,6 @@ from pdserve.engine.step_inputs import StepPlan
 from pdserve.engine.worker import (
     Call,
     CallResult,
-    Stop,
     Worker,
     WorkerFailed,
     WorkerHello,
@@ -48,8 +44,9 @@ from pdserve.engine.worker import (
     pin_cpus,
     step_frame,
 )
+from pdserve.engine.worker_procs import WorkerProcess, rank_devices, stop_workers, worker_env
 from pdserve.model.loader import ModelSource
-from pdserve.parallel.group import NCCL_ENV, SINGLE, destroy_group, init_group, master_store
+from pdserve.parallel.group import SINGLE, destroy_group, init_group, master_store
 
 log = logging.getLogger(__name__)
 
@@ -68,71 +65,6 @@ class WorkerDied(RuntimeError):
     fatal = True
 
 
-def rank_devices(device: torch.device, size: int) -> list[torch.device]:
-    """Rank r uses the instance's device index + r (CUDA); every rank uses the CPU otherwise."""
-    if device.type != "cuda":
-        return [device] * size
-    base = device.index or 0
-    need = base + size
-    if torch.cuda.device_count() < need:
-        raise ValueError(f"tensor parallel size {size} from cuda:{base} needs {need} visible GPUs; "
-                         f"{torch.cuda.device_count()} are visible")
-    return [torch.device("cuda", base + r) for r in range(size)]
-
-
-def _pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
-
-
-class _Proc:
-    """One worker process: its Popen, pipe and exit sentinel."""
-
-    def __init__(self, rank: int, env: dict):
-        parent, child = Pipe(duplex=True)
-        self.rank = rank
-        self.popen = subprocess.Popen([sys.executable, "-m", "pdserve.engine.worker", str(child.fileno())],
-                                      pass_fds=(child.fileno(),), env=env)
-        child.close()
-        self.conn: Connection = parent
-        self.sentinel = _pidfd(self.popen.pid)
-
-    def exit_code(self) -> int | None:
-        return self.popen.poll()
-
-    def waitables(self) -> list:
-        return [self.conn] + ([self.sentinel] if self.sentinel is not None else [])
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-
-    def close(self) -> None:
-        self.conn.close()
-        if self.sentinel is not None:
-            os.close(self.sentinel)
-            self.sentinel = None
-
-
-def _shutdown(procs: list[_Proc], timeout_s: float) -> None:
-    """Stop every worker (Stop, then kill after `timeout_s`) and reap it."""
-    for p in procs:
-        try:
-            p.conn.send_bytes(control_frame(Stop()))
-        except OSError:
-            pass
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.popen.wait(5)
-        p.close()
-
-
 class Executor:
     """Every rank of one instance, driven from rank 0 (this process). `driver` is rank 0's Worker; after
     `init_runner`, `runner` is its ModelRunner (the engine core's)."""
@@ -143,7 +75,7 @@ class Executor:
         self.device = device
         self.wake = wake or (lambda: None)
         self.failed: str | None = None
-        self._procs: list[_Proc] = []
+        self._procs: list[WorkerProcess] = []
         self._calls = itertools.count(1)
         self._in_step = False
         self._noticed = threading.Event()  # the engine has raised WorkerDied (the failure reached it)
@@ -181,17 +113,13 @@ class Executor:
     # ---- start-up
     def _start_workers(self, config: EngineConfig, hf_config, source: ModelSource, dtype: torch.dtype):
         devices = rank_devices(self.device, self.size)
-        env = dict(os.environ)
-        if self.device.type == "cuda":
-            env.update(NCCL_ENV)
-        pkg_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = worker_env(self.device)
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         store = master_store(self.size, START_TIMEOUT_S)
         tp = None
         try:
             for r in range(1, self.size):
-                p = _Proc(r, env)
+                p = WorkerProcess(r, env)
                 self._procs.append(p)
                 p.conn.send_bytes(control_frame(WorkerInit(
                     r, self.size, config, hf_config, source, dtype, str(devices[r]), store.port, COLLECTIVE_TIMEOUT_S,
@@ -218,7 +146,7 @@ class Executor:
             if not isinstance(msg, kind):
                 raise RuntimeError(f"tensor-parallel rank {p.rank}: expected {kind.__name__}, got {type(msg).__name__}")
 
-    def _recv(self, p: _Proc, deadline: float, what: str):
+    def _recv(self, p: WorkerProcess, deadline: float, what: str):
         """The next message from worker `p`, watching its exit; raises WorkerDied on death or at the deadline."""
         while True:
             left = deadline - time.monotonic()
@@ -269,7 +197,7 @@ class Executor:
                 raise RuntimeError(f"{name} failed on tensor-parallel rank {r.rank}: {r.error}\n{r.traceback}")
         return local + [r.value for r in results]
 
-    def _reply(self, p: _Proc, call_id: int, deadline: float) -> CallResult:
+    def _reply(self, p: WorkerProcess, call_id: int, deadline: float) -> CallResult:
         while True:
             msg = self._recv(p, deadline, "answer a call")
             if isinstance(msg, WorkerFailed):
@@ -278,7 +206,7 @@ class Executor:
                 return msg
             log.warning("rank %d: dropped a stale %s", p.rank, type(msg).__name__)
 
-    def _send(self, p: _Proc, frame) -> None:
+    def _send(self, p: WorkerProcess, frame) -> None:
         try:
             p.conn.send_bytes(frame)
         except OSError as e:
@@ -398,9 +326,9 @@ class Executor:
             torch.set_num_threads(threads)
 
 
-def _cleanup(procs: list[_Proc], tp) -> None:
+def _cleanup(procs: list[WorkerProcess], tp) -> None:
     """Workers stopped and the group left (close(), garbage collection or interpreter exit)."""
-    _shutdown(procs, STOP_TIMEOUT_S)
+    stop_workers(procs, STOP_TIMEOUT_S)
     procs.clear()
     if tp is not None:
         destroy_group(tp)
