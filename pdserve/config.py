@@ -80,7 +80,8 @@ class EngineConfig:
     served_model_name: str | None = None
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (with tensor parallelism: rank r on cuda:N+r)
+    tensor_parallel_size: int = 1  # ranks, one GPU each (CPU: one process each); rank 0 is the engine process
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings, capped at 8192 on CPU
     block_size: int = 16
@@ -102,6 +103,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_transfer.disaggregated:
+            # the KV connector moves rank 0's pool only (its KV heads): refuse rather than hand over part of the KV
+            raise ValueError("a prefill or decode role with tensor_parallel_size > 1 needs per-rank KV agents, which "
+                             "are not wired yet: run TP instances with role both")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.errors import PromptTooLong
+from pdserve.engine.executor import Executor
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, KVPool, make_connector
 from pdserve.engine.messages import (
@@ -29,9 +30,9 @@ from pdserve.engine.messages import (
     PDEvent,
 )
 from pdserve.engine.request import Request
-from pdserve.engine.runner import ModelRunner, block_bytes, kv_cache_torch_dtype
+from pdserve.engine.runner import block_bytes, kv_cache_torch_dtype
 from pdserve.engine.scheduler import Scheduler
-from pdserve.model.loader import build_model, choose_dtype, load_config, resolve_model
+from pdserve.model.loader import choose_dtype, load_config, resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.stats import median
 
@@ -95,21 +96,26 @@ class EngineCore:
         self.hf_config, self.source = load_config(source)
         self.dtype = choose_dtype(config.dtype, self.device, self.hf_config)
         torch.manual_seed(config.seed)
-        self.model = build_model(self.hf_config, self.source, self.device, self.dtype, config.load_format, config.seed)
+        # every tensor-parallel rank (1 by default: this process only) with its model shard
+        self.executor = Executor(config, self.hf_config, self.source, self.device, self.dtype, wake)
+        self.model = self.executor.driver.model
         self.eos_token_ids = eos_ids_from_config(self.hf_config, eos_token_ids)
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        bb = block_bytes(self.hf_config, config.block_size, kv_dtype)
-        num_blocks = config.num_gpu_blocks or self._size_pool(bb)
-        model_max = int(getattr(self.hf_config, "max_position_embeddings", 8192))
-        self.max_model_len = config.max_model_len or (model_max if self.device.type == "cuda" else min(model_max, 8192))
-        if self.max_model_len > model_max:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of {model_max} positions")
-        self.block_bytes = bb
-        self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, num_blocks, config.block_size,
-                                  config.attention_backend, kv_dtype)
-        if not config.enforce_eager:
-            self.runner.capture_graphs(min(config.max_num_seqs, 512), self.max_model_len,
-                                       config.max_num_batched_tokens)
+        bb = block_bytes(self.hf_config, config.block_size, kv_dtype, config.tensor_parallel_size)  # one rank's
+        with self.executor.closing_on_error():
+            num_blocks = config.num_gpu_blocks or self._size_pool(bb)
+            model_max = int(getattr(self.hf_config, "max_position_embeddings", 8192))
+            self.max_model_len = config.max_model_len or (model_max if self.device.type == "cuda"
+                                                          else min(model_max, 8192))
+            if self.max_model_len > model_max:
+                raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of {model_max} "
+                                 f"positions")
+            self.block_bytes = bb
+            # the same block ids index every rank's pool; the block accounting below stays here, on rank 0
+            self.runner = self.executor.init_runner(num_blocks, config.block_size, config.attention_backend, kv_dtype)
+            if not config.enforce_eager:
+                self.executor.capture_graphs(min(config.max_num_seqs, 512), self.max_model_len,
+                                             config.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kvt = config.kv_transfer
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
@@ -126,7 +132,7 @@ class EngineCore:
     def _size_pool(self, bb: int) -> int:
         if self.device.type == "cpu":
             return max(16, int(self.config.cpu_kv_cache_gb * 2**30) // bb)
-        free, total = torch.cuda.mem_get_info(self.device)
+        free, total = self.executor.mem_get_info()  # the tightest rank's
         used = total - free
         cfg = self.hf_config
         act = self.config.max_num_batched_tokens * (cfg.hidden_size * 12 + cfg.intermediate_size * 4) * 4
@@ -189,7 +195,7 @@ class EngineCore:
 
     def needs_step(self) -> bool:
         """A step would compute something, or take a peer's report, or watch a peer's deadline."""
-        return self.scheduler.has_work() or (self.connector is not None and (
+        return self.scheduler.has_work() or self.executor.failed is not None or (self.connector is not None and (
             self.connector.has_events() or self.scheduler.has_remote() or bool(self.kv.quarantine)))
 
     def take_events(self) -> list[PDEvent]:
@@ -200,12 +206,17 @@ class EngineCore:
         """Raise unless no request holds a block (tests)."""
         self.kv.pool.check_whole()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at size 1); idempotent."""
+        self.executor.close()
+
     # ---- one step
     def step(self) -> list[CoreOutput]:
+        self.executor.check()  # a dead tensor-parallel rank fails the instance (WorkerDied is fatal)
         outputs = self._take_kv_reports() if self.connector is not None else []
         batch = self.scheduler.schedule()
         hook = self.connector.layer_hook(batch) if (batch and self.connector is not None) else None
-        sampled, result = self.runner.execute(batch, hook) if batch else ([], None)
+        sampled, result = self.executor.execute(batch, hook) if batch else ([], None)
         self.num_steps += bool(batch)
         new, exports = self.scheduler.update(batch, sampled, result.token_ids if result else [],
                                              result.logprobs if result else [], time.time())

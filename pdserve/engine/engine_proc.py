@@ -42,6 +42,7 @@ class EngineLoop:
         self.wake_fd = wake_fd
         self.pending: list[CoreOutput] = []
         self.last_stats: dict | None = None
+        self.fatal: BaseException | None = None  # the engine cannot go on (a tensor-parallel rank died)
         self.handlers = {AddRequest: self.on_add, AbortRequest: self.on_abort, RemotePrefillFailed: self.on_failed,
                          RemotePrefillDone: self.on_done, Shutdown: self.on_shutdown}
 
@@ -83,6 +84,8 @@ class EngineLoop:
             if out or out.stats is not None:
                 self.conn.send(out)
                 self.last_stats = stats
+            if self.fatal is not None:  # every request got its error: now the process ends (health turns 503)
+                raise self.fatal
 
     def step(self) -> None:
         if not self.core.needs_step():
@@ -94,6 +97,8 @@ class EngineLoop:
             for rid in list(self.core.scheduler.requests):
                 self.core.abort_request(rid)
                 self.pending.append(CoreOutput(rid, [], True, "error", f"engine step failed: {type(e).__name__}: {e}"))
+            if getattr(e, "fatal", False):
+                self.fatal = e
 
 
 def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection) -> None:
@@ -125,6 +130,7 @@ def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection
     finally:
         if core.connector is not None:
             core.connector.close()
+        core.close()
 
 
 def _drain(fd: int) -> None:

@@ -3,6 +3,11 @@ graph for a pure decode batch, piecewise graphs for a mixed batch up to a token 
 the logits of the rows that reached the end of their known tokens, and samples them.
 
 The forward itself never synchronizes with the host; sampling's copy of the tokens is the step's one sync.
+
+Tensor parallelism: every rank has a runner over its model shard and KV pool (its KV heads, the same block ids).
+Rank 0's runner plans each step and hands the plan to `step_sink` (the executor sends it to the other ranks) before
+running it; the other ranks run the same plan (`run_plan`), so every rank replays the same graph or eager path and
+meets the same collectives. Rank 0 alone gets logits and samples.
 """
 
 from __future__ import annotations
@@ -23,8 +28,20 @@ from pdserve.engine.cuda_graphs import (
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SampleResult, sample
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.step_inputs import BlockRows, Staging, StepInputs, fill, layout_bytes
+from pdserve.engine.step_inputs import (
+    BlockRows,
+    RowDelta,
+    RowMirror,
+    Staging,
+    StepArrays,
+    StepInputs,
+    StepPlan,
+    fill_arrays,
+    gather,
+    layout_bytes,
+)
 from pdserve.model.forward_context import ForwardContext, forward_context
+from pdserve.model.parallel import local_kv_heads
 from pdserve.ops.attention import AttentionMetadata, get_backend
 
 log = logging.getLogger(__name__)
@@ -46,21 +63,24 @@ def _head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def kv_cache_shape(cfg, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, _head_dim(cfg))
+def kv_cache_shape(cfg, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+    """The KV pool of one rank: block-major over its own KV heads (all of them at tp_size 1). The one place the
+    pool's layout is decided; everything else takes shapes and strides from the tensor."""
+    heads = local_kv_heads(cfg.num_key_value_heads, tp_size)
+    return (num_blocks, cfg.num_hidden_layers, 2, block_size, heads, _head_dim(cfg))
 
 
-def block_bytes(cfg, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of the pool (all layers, K and V) in the pool's dtype."""
+def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one block of one rank's pool (all layers, K and V) in the pool's dtype."""
     n = 1
-    for s in kv_cache_shape(cfg, 1, block_size):
+    for s in kv_cache_shape(cfg, 1, block_size, tp_size):
         n *= s
     return n * torch.empty((), dtype=dtype).element_size()
 
 
 class ModelRunner:
     def __init__(self, model, cfg, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 attention_backend: str = "auto", kv_cache_dtype: torch.dtype | None = None):
+                 attention_backend: str = "auto", kv_cache_dtype: torch.dtype | None = None, tp_size: int = 1):
         self.model = model
         self.cfg = cfg
         self.device = device
@@ -69,11 +89,14 @@ class ModelRunner:
         self.block_size = block_size
         # one extra block past the pool's range: padded rows of a captured decode graph write there
         self.scratch_block = num_blocks
-        self.kv_cache = torch.zeros(kv_cache_shape(cfg, num_blocks + 1, block_size), dtype=self.kv_dtype,
+        self.tp_size = tp_size
+        self.kv_cache = torch.zeros(kv_cache_shape(cfg, num_blocks + 1, block_size, tp_size), dtype=self.kv_dtype,
                                     device=device)
         self.backend = get_backend(attention_backend, device)
         self.staging = Staging(device, 1 << 20)  # eager steps (grows)
-        self.block_rows = BlockRows()  # block tables converted to numpy once per new block
+        self.block_rows = BlockRows()  # block tables converted to numpy once per new block (rank 0)
+        self.row_mirror = RowMirror()  # the same rows rebuilt from rank 0's step plans (other ranks)
+        self.step_sink = None  # rank 0 of a TP group: called with each step's StepPlan before the step runs
         self.graph_staging: Staging | None = None  # graph steps: fixed addresses
         self.decode_graphs: dict[int, DecodeGraph] = {}
         self.mixed_graphs: dict[int, PiecewiseGraph | None] = {}  # None: emulated (no CUDA)
@@ -108,31 +131,32 @@ class ModelRunner:
         need = max([layout_bytes(s, s, s, w, s) for s in self.decode_sizes]
                    + [layout_bytes(n, n, n, w, n, n) for n in self.mixed_sizes])  # tiles: at most one per token
         self.graph_staging = Staging(self.device, need, growable=False)
-        self.attn_bufs = AttnBuffers.for_model(self.mixed_sizes[-1], cfg.num_attention_heads,
-                                               cfg.num_key_value_heads, _head_dim(cfg), self.dtype, self.device)
+        self.attn_bufs = AttnBuffers.for_model(self.mixed_sizes[-1], cfg.num_attention_heads // self.tp_size,
+                                               local_kv_heads(cfg.num_key_value_heads, self.tp_size), _head_dim(cfg),
+                                               self.dtype, self.device)
         if emulate:
             self.mixed_graphs = {n: None for n in self.mixed_sizes}
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        empty = gather([], [])
         for s in reversed(self.decode_sizes):  # largest first: smaller graphs reuse its memory
-            inp = self._graph_inputs([], [], s)
+            inp = self._graph_inputs(empty, [], s)
             ctx = ForwardContext(self._meta(inp, s), self.kv_cache, self.backend)
             self.decode_graphs[s] = DecodeGraph(self.model, ctx, inp.ids, inp.positions, pool, stream)
         for n in reversed(self.mixed_sizes):
-            inp = fill(self.graph_staging, [], [], self.block_size, pad_ids=n)
+            inp = fill_arrays(self.graph_staging, empty, [], self.block_size, pad_ids=n)
             self.mixed_graphs[n] = PiecewiseGraph(self.model, self.kv_cache, self.attn_bufs, inp.ids, inp.positions,
                                                   pool, stream)
         log.info("captured %d decode graphs (batch 1..%d) and piecewise graphs for %d token counts (8..%d) in %.1fs",
                  len(self.decode_sizes), self.decode_sizes[-1] if self.decode_sizes else 0, len(self.mixed_sizes),
                  self.mixed_sizes[-1], time.time() - t0)
 
-    def _graph_inputs(self, reqs: list[Request], num_new: list[int], size: int) -> StepInputs:
+    def _graph_inputs(self, a: StepArrays, rows: list, size: int) -> StepInputs:
         """Decode graph inputs: every row padded to `size`; padded rows write their KV into the scratch block."""
         bs = self.block_size
-        return fill(self.graph_staging, reqs, num_new, bs, pad_ids=size, pad_rows=size, width=self.graph_width,
-                    pad_slot=self.scratch_block * bs, pad_block=self.scratch_block, slots_padded=True,
-                    block_rows=self.block_rows)
+        return fill_arrays(self.graph_staging, a, rows, bs, pad_ids=size, pad_rows=size, width=self.graph_width,
+                           pad_slot=self.scratch_block * bs, pad_block=self.scratch_block, slots_padded=True)
 
     def _meta(self, inp: StepInputs, graph_size: int = 0) -> AttentionMetadata:
         if graph_size:  # a decode graph serves every context length: loop bounds come from seq_lens_t
@@ -158,24 +182,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch, after_layer=None) -> tuple[torch.Tensor | None, list[Request]]:
+        """Rank 0: plan the step, send the plan to the other ranks (if any), run it; the sampled rows' logits."""
         kind, size = self._plan(batch, after_layer)
+        arrays = gather(batch.requests, batch.num_new_tokens)
+        delta = RowDelta() if self.step_sink is not None else None
+        rows = self.block_rows.rows(batch.requests, delta)
+        if self.step_sink is not None:
+            self.step_sink(StepPlan.build(kind, size, arrays, delta))
+        logits = self.run(kind, size, arrays, rows, after_layer)
+        if logits is None:
+            return None, []
+        return logits, [r for r, s in zip(batch.requests, arrays.sampled.tolist()) if s]
+
+    def run_plan(self, plan: StepPlan) -> None:
+        """Another rank: run rank 0's step (its logits stay with rank 0)."""
+        rows = self.row_mirror.apply(plan.keys, plan.keep, plan.counts, plan.new_ids)
+        self.run(plan.kind, plan.size, plan.arrays, rows, None)
+
+    @torch.inference_mode()
+    def run(self, kind: str, size: int, a: StepArrays, rows: list, after_layer=None) -> torch.Tensor | None:
+        """One step's forward as planned (every rank alike): logits of the sampled rows (None when no row is sampled,
+        and on ranks other than 0 of a tensor-parallel group)."""
         self.step_counts[f"{kind}_graph" if kind != "eager" else "eager"] += 1
-        reqs, num_new = batch.requests, batch.num_new_tokens
+        b = len(a.starts)
         if kind == "decode":
-            inp = self._graph_inputs(reqs, num_new, size)
+            inp = self._graph_inputs(a, rows, size)
             if size in self.decode_graphs:
                 hidden = self.decode_graphs[size].replay(inp.ids)
             else:  # emulation: the padded batch through the real backend, scratch writes included
-                b = len(reqs)
                 lens = inp.seq_lens + [1] * (size - b)  # host-side lengths, which a captured graph cannot have
                 meta = AttentionMetadata(list(range(size + 1)), lens, inp.block_tables, inp.slots, max(lens), True,
                                          inp.seq_lens_t, inp.qsl_t)
                 with forward_context(ForwardContext(meta, self.kv_cache, self.backend)):
                     hidden = self.model(inp.ids, inp.positions)
-            b = len(reqs)
-            hidden = hidden[:b] if len(inp.sample_reqs) == b else hidden.index_select(0, inp.sample_idx)
+            hidden = hidden[:b] if inp.num_sampled == b else hidden.index_select(0, inp.sample_idx)
         elif kind == "mixed":
-            inp = fill(self.graph_staging, reqs, num_new, self.block_size, pad_ids=size, block_rows=self.block_rows)
+            inp = fill_arrays(self.graph_staging, a, rows, self.block_size, pad_ids=size)
             meta = self._meta(inp)
             graph = self.mixed_graphs[size]
             if graph is not None:
@@ -186,12 +228,12 @@ class ModelRunner:
                     hidden = self.model(inp.ids, inp.positions)
             hidden = hidden.index_select(0, inp.sample_idx)
         else:
-            inp = fill(self.staging, reqs, num_new, self.block_size, block_rows=self.block_rows)
+            inp = fill_arrays(self.staging, a, rows, self.block_size)
             with forward_context(ForwardContext(self._meta(inp), self.kv_cache, self.backend, after_layer)):
                 hidden = self.model(inp.ids, inp.positions, inp.sample_idx)
-        if not inp.sample_reqs:
-            return None, []
-        return self.model.compute_logits(hidden), inp.sample_reqs
+        if not inp.num_sampled:
+            return None
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, after_layer=None) -> tuple[list[Request], SampleResult | None]:

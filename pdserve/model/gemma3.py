@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pdserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+from pdserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 from pdserve.model.rope_config import rope_params
 
 
@@ -64,7 +65,7 @@ class Gemma3TextModel(nn.Module):
         for t in set(types):
             base, scaling = rope_params(cfg, t)
             ropes[t] = RotaryEmbedding(cfg.head_dim, base, cfg.max_position_embeddings, scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [Gemma3DecoderLayer(cfg, i, ropes[t], t == "sliding_attention") for i, t in enumerate(types)]
         )
@@ -87,7 +88,7 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Gemma3TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         self.lm_head.weight = self.model.embed_tokens.weight  # Gemma always ties
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
 
@@ -95,8 +96,9 @@ class Gemma3ForCausalLM(nn.Module):
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the full vocabulary (on rank 0 of a tensor-parallel group; None on the other ranks)."""
         logits = self.lm_head(hidden)
-        if self.final_softcap:
+        if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

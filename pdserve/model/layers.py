@@ -3,6 +3,9 @@
 On CUDA they call the fused Triton kernels of pdserve.ops (norm with the residual add, QK-norm + rotary, gated
 activation); on CPU the torch references, which are the math of the Hugging Face models. QKV and gate_up are single
 GEMMs over merged weights whose rows are the checkpoint's q/k/v and gate/up matrices (pdserve.model.merged).
+
+Under tensor parallelism (pdserve.model.parallel) each rank builds the same modules over its shard: its query and KV
+heads, its run of the intermediate size; o_proj and down_proj all-reduce. Parameter names stay Hugging Face's.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from torch import nn
 
 from pdserve.model.forward_context import attend
 from pdserve.model.merged import MergedLinearOwner, merge_linears
+from pdserve.model.parallel import RowParallelLinear, column_linear, even_range, kv_head_range
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.rotary import qk_norm_rope
+from pdserve.parallel.group import current_tp
 
 
 class RMSNorm(nn.Module):
@@ -77,15 +82,18 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(MergedLinearOwner):
-    """down(act(gate(x)) * up(x)) with gate and up as one GEMM and the activation fused with the product."""
+    """down(act(gate(x)) * up(x)) with gate and up as one GEMM and the activation fused with the product.
+    Tensor-parallel: gate/up column-parallel and down row-parallel over the intermediate size."""
 
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}")
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        tp = current_tp()
+        lo, hi = even_range(intermediate, tp, "the MLP's intermediate size")
+        self.gate_proj = column_linear(hidden, intermediate, False, lo, hi, tp)
+        self.up_proj = column_linear(hidden, intermediate, False, lo, hi, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, lo, hi, tp)
         self.act = ACTIVATIONS[act]
         merge_linears(self, "gate_up", [self.gate_proj, self.up_proj])
 
@@ -100,7 +108,10 @@ class PagedAttention(MergedLinearOwner):
     """Self-attention whose K/V live in the engine's paged pool; QK-norm optional (Qwen3, Gemma 3).
 
     `k_scale`/`v_scale` (0-d float32, 1.0 unless the checkpoint has `*.self_attn.k_scale`/`v_scale`) are the
-    per-layer scales of an fp8 KV cache: stored K = k / k_scale."""
+    per-layer scales of an fp8 KV cache: stored K = k / k_scale.
+
+    Tensor-parallel: `num_heads`/`num_kv_heads` are the model's; this rank keeps its query heads and the KV heads
+    they use (`kv_head_range`), and `self.num_heads`/`self.num_kv_heads` are its local counts."""
 
     def __init__(
         self,
@@ -119,12 +130,16 @@ class PagedAttention(MergedLinearOwner):
     ):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.q_proj = nn.Linear(hidden, self.q_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        tp = current_tp()
+        q0, q1 = even_range(num_heads, tp, "the number of attention heads")
+        k0, k1 = kv_head_range(num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        d = head_dim
+        self.q_proj = column_linear(hidden, num_heads * d, bias, q0 * d, q1 * d, tp)
+        self.k_proj = column_linear(hidden, num_kv_heads * d, bias, k0 * d, k1 * d, tp)
+        self.v_proj = column_linear(hidden, num_kv_heads * d, bias, k0 * d, k1 * d, tp)
+        self.o_proj = RowParallelLinear(num_heads * d, hidden, False, q0 * d, q1 * d, tp)
         merge_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, qk_norm_offset)

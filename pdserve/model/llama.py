@@ -1,7 +1,8 @@
 """Llama (Llama 2/3 family): pre-norm decoder, GQA, SwiGLU, RoPE with optional llama3 scaling.
 
 Decoder layers carry the residual stream separately (`hidden, residual = layer(positions, hidden, residual)`),
-so each residual add is fused into the norm after it.
+so each residual add is fused into the norm after it. Tensor-parallel through the shared layers
+(pdserve.model.parallel): vocabulary-parallel embedding and LM head, sharded attention and MLP.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from pdserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+from pdserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 from pdserve.model.rope_config import rope_params
 
 
@@ -58,7 +60,7 @@ class LlamaModel(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         base, scaling = rope_params(cfg)
         rope = RotaryEmbedding(head_dim, base, cfg.max_position_embeddings, scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(cfg, i, rope, qk_norm=self.qk_norm) for i in range(cfg.num_hidden_layers)]
         )
@@ -80,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = self.inner_cls(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -88,5 +90,6 @@ class LlamaForCausalLM(nn.Module):
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the full vocabulary (on rank 0 of a tensor-parallel group; None on the other ranks)."""
         return self.lm_head(hidden)

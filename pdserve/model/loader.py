@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pdserve.model import MODEL_TYPE_TO_ARCH, get_model_class
+from pdserve.model.parallel import full_shape, load_param, shard_of, take_shard
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def _iter_safetensors(model_dir: Path):
     for fp in files:
         with safe_open(str(fp), framework="pt") as f:
             for k in f.keys():
-                yield k, f.get_tensor(k)
+                yield k, f.get_slice(k)  # lazy: a tensor-parallel rank reads only its rows (model.parallel)
 
 
 @dataclass(frozen=True)
@@ -147,31 +148,42 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     kv_scales = {n: b for n, b in model.named_buffers() if n.endswith((".k_scale", ".v_scale"))}  # fp8 KV, optional
     tied = getattr(model.config, "tie_word_embeddings", False) or type(model).__name__.startswith("Gemma3")
     target_of = getattr(model, "checkpoint_target", None)
-    written: dict[str, int] = {}  # parameter -> elements written
+    written: dict[str, int] = {}  # parameter -> elements written (a part, or this rank's whole shard)
     parts: set[tuple[str, str]] = set()
-    for name, tensor in _iter_safetensors(model_dir):
+    for name, lazy in _iter_safetensors(model_dir):
         mapped = _map_name(name)
         if mapped in kv_scales:
-            kv_scales[mapped].copy_(tensor.reshape(()).float())
+            kv_scales[mapped].copy_(lazy[()].reshape(()).float())
             continue
         if mapped is None:
             continue
         target = (target_of(mapped) if target_of is not None else None) or WeightTarget(mapped)
         if target.param not in params:
             continue
-        dest = params[target.param].data[target.index] if target.index else params[target.param].data
-        if tuple(dest.shape) != tuple(tensor.shape):
-            where = f"{target.param}{list(target.index) if target.index else ''}"
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)} "
-                             f"at {where}")
+        param = params[target.param]
         part = (target.param, repr(target.index))
-        if part in parts or written.get(target.param, 0) + tensor.numel() > params[target.param].numel():
+        if part in parts:
             raise ValueError(f"weight {name} writes part of {target.param} a second time: the checkpoint holds the "
                              "same weights twice (per expert and stacked?)")
+        if target.index:  # a part of a stacked parameter (MoE experts): read whole, checked against that part
+            tensor = lazy[()]
+            dest = param.data[target.index]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(dest.shape)} at {target.param}{list(target.index)}")
+            if written.get(target.param, 0) + tensor.numel() > param.numel():
+                raise ValueError(f"weight {name} writes part of {target.param} a second time: the checkpoint holds "
+                                 "the same weights twice (per expert and stacked?)")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            written[target.param] = written.get(target.param, 0) + tensor.numel()
+        else:  # the shape check, and this rank's shard of a tensor-parallel parameter
+            if written.get(target.param, 0):
+                raise ValueError(f"weight {name} writes {target.param} a second time: the checkpoint holds the same "
+                                 "weights twice (per expert and stacked?)")
+            load_param(param, lazy, name)
+            written[target.param] = param.numel()
         parts.add(part)
-        with torch.no_grad():
-            dest.copy_(tensor)
-        written[target.param] = written.get(target.param, 0) + tensor.numel()
     missing = [n for n, p in params.items()
                if written.get(n, 0) < p.numel() and not (tied and n == "lm_head.weight")]
     if missing:
@@ -217,12 +229,18 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             if "norm" in name:
                 p.fill_(0.0 if gemma else 1.0)
                 continue
+            # a tensor-parallel shard computes the whole tensor's values and keeps its run, so every TP size builds
+            # the same model
             key = (seed << 32) ^ zlib.crc32(name.encode())
-            flat = p.view(-1)
+            sharded = shard_of(p) is not None
+            full = torch.empty(full_shape(p), dtype=p.dtype, device=p.device) if sharded else p
+            flat = full.view(-1)
             step = 1 << 24
             for i in range(0, flat.numel(), step):
                 n = min(step, flat.numel() - i)
                 flat[i : i + n].copy_(hash_uniform(i, n, key, p.device).mul_(0.02))
+            if sharded:
+                take_shard(p, full)
 
 
 def choose_dtype(dtype: str, device: torch.device, cfg) -> torch.dtype:

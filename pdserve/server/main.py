@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
                    help="context length (default: the model's, capped on CPU)")
     e = _Group(parser, "engine", skip)
     e.add_argument("--device", default=_default(E, "device"), help="auto | cpu | cuda | cuda:N (default: the best present)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=_default(E, "tensor_parallel_size"),
+                   help="GPUs (one worker process each) the model is sharded over; rank r uses the device's index + r")
     e.add_argument("--max-num-seqs", type=int, default=_default(E, "max_num_seqs"), help="most requests in one batch")
     e.add_argument("--max-num-batched-tokens", type=int, default=_default(E, "max_num_batched_tokens"),
                    help="most tokens in one engine step")

@@ -1,0 +1,307 @@
+"""One tensor-parallel rank: its model shard, KV pool and ModelRunner (`Worker`), and the process that runs ranks
+1..N-1 (`python -m pdserve.engine.worker FD`). Rank 0's Worker lives in the engine core's process and is driven
+directly; see pdserve.engine.executor for rank 0's side of the protocol.
+
+Protocol, over one socket pair per worker (rank 0 -> worker: `send_bytes` frames that start with an int64 tag):
+- TAG_STEP: a `StepPlan` as a flat int64 buffer. The worker runs the step; nothing comes back (the step's
+  collectives keep the ranks together). A failed step is fatal: the worker reports `WorkerFailed` and exits.
+- TAG_CONTROL: an int64 call id (0 unless a Call), then a pickled message: `WorkerInit` (first), `Call` (answered
+  by one `CallResult`, an error one if it cannot even be unpickled there), `Stop`.
+Worker -> rank 0: pickled `WorkerHello` (started, device set), `WorkerReady` (joined the process group) or
+`WorkerFailed`, then one `CallResult` per `Call`.
+
+A worker exits when rank 0 sends Stop, closes the pipe, or its process ends (a watcher thread on the parent's pidfd
+ends the worker even while it is blocked inside a collective).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.step_inputs import StepPlan
+from pdserve.model.loader import ModelSource, build_model
+from pdserve.model.parallel import kv_head_range
+from pdserve.parallel.group import SINGLE, TPGroup, init_group, tp_context
+
+log = logging.getLogger(__name__)
+
+TAG_STEP = 0x53544550  # "STEP"
+TAG_CONTROL = 0x43544C00  # "CTL"
+INIT_TIMEOUT_S = 60.0  # a started worker waits this long for its WorkerInit
+
+
+# ---- messages
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    rank: int
+    size: int
+    config: EngineConfig
+    hf_config: object
+    source: ModelSource
+    dtype: torch.dtype
+    device: str  # "cuda:N" or "cpu"
+    store_port: int  # rank 0's rendezvous store
+    timeout_s: float  # of the rendezvous and of every collective
+    parent_pid: int
+    cpus: tuple[int, ...] = ()  # CPU only: the cores this rank's threads run on
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    rank: int
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    rank: int
+    message: str
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run `method` on the worker: a Worker method's name, or a picklable function called as fn(worker, ...)."""
+
+    call_id: int
+    method: str | Callable
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CallResult:
+    call_id: int
+    rank: int
+    value: object = None
+    error: str | None = None
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+def control_frame(msg: object) -> bytes:
+    call_id = msg.call_id if isinstance(msg, Call) else 0
+    return (TAG_CONTROL.to_bytes(8, "little") + call_id.to_bytes(8, "little")
+            + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def step_frame(plan: StepPlan) -> np.ndarray:
+    return plan.encode(TAG_STEP)
+
+
+# ---- one rank
+
+
+class Worker:
+    """One rank's model shard, KV pool and runner. `extras` holds the state of functions that other layers run on
+    every rank through the executor's collective_rpc (e.g. the PD code's per-rank KV agent)."""
+
+    def __init__(self, config: EngineConfig, hf_config, source: ModelSource, dtype: torch.dtype,
+                 device: torch.device, tp: TPGroup = SINGLE):
+        self.config = config
+        self.hf_config = hf_config
+        self.source = source
+        self.dtype = dtype
+        self.device = device
+        self.tp = tp
+        self.rank = tp.rank
+        self.model = None
+        self.runner: ModelRunner | None = None
+        self.extras: dict = {}
+
+    def call(self, method: str | Callable, args: tuple, kwargs: dict):
+        fn = getattr(self, method) if isinstance(method, str) else functools.partial(method, self)
+        return fn(*args, **kwargs)
+
+    def load_model(self) -> None:
+        torch.manual_seed(self.config.seed)
+        with tp_context(self.tp):
+            self.model = build_model(self.hf_config, self.source, self.device, self.dtype, self.config.load_format,
+                                     self.config.seed)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of this rank's GPU; (0, 0) on CPU."""
+        if self.device.type != "cuda":
+            return 0, 0
+        return torch.cuda.mem_get_info(self.device)
+
+    def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,
+                    kv_dtype: torch.dtype) -> dict:
+        self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, num_blocks, block_size,
+                                  attention_backend, kv_dtype, self.tp.size)
+        return self.kv_pool_info()
+
+    def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int, emulate: bool = False) -> None:
+        self.runner.capture_graphs(max_batch, max_model_len, max_tokens, emulate=emulate)
+
+    def execute_plan(self, plan: StepPlan) -> None:
+        self.runner.run_plan(plan)
+
+    def kv_pool_info(self) -> dict:
+        """This rank's KV pool: what a per-rank KV agent registers (the tensor itself is `self.runner.kv_cache`)."""
+        kv = self.runner.kv_cache
+        k0, k1 = kv_head_range(self.hf_config.num_key_value_heads, self.tp)
+        return {"rank": self.rank, "device": str(kv.device), "shape": tuple(kv.shape), "strides": tuple(kv.stride()),
+                "dtype": str(kv.dtype).removeprefix("torch."), "kv_heads": (k0, k1), "data_ptr": kv.data_ptr(),
+                "nbytes": kv.numel() * kv.element_size()}
+
+    def step_counts(self) -> dict:
+        return dict(self.runner.step_counts)
+
+
+# ---- the worker process
+
+
+def cpu_slice(rank: int, size: int, cpus: list[int]) -> tuple[int, ...]:
+    """The cores rank `rank` of `size` runs its threads on: an even share of `cpus` (one shared core when fewer)."""
+    if len(cpus) >= size:
+        return tuple(cpus[rank::size])
+    return (cpus[rank % len(cpus)],)
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> None:
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    if cpus:
+        torch.set_num_threads(len(cpus))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this process as soon as rank 0's process ends (even while the main thread is inside a collective)."""
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(parent_pid)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            import select
+
+            select.select([fd], [], [])
+        else:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="pdserve-parent-watch", daemon=True).start()
+
+
+def _recv_control(conn: Connection):
+    buf = conn.recv_bytes()
+    if int.from_bytes(buf[:8], "little") != TAG_CONTROL:
+        raise RuntimeError("expected a control message from rank 0")
+    return pickle.loads(memoryview(buf)[16:])
+
+
+def serve(worker: Worker, conn: Connection) -> int:
+    """The worker's loop: steps and calls from rank 0 until Stop or rank 0 goes away. The exit code."""
+    rank = worker.rank
+    while True:
+        try:
+            buf = conn.recv_bytes()
+        except (EOFError, OSError):
+            return 0  # rank 0 went away
+        tag = int.from_bytes(buf[:8], "little")
+        if tag == TAG_STEP:
+            try:
+                worker.execute_plan(StepPlan.decode(np.frombuffer(buf, dtype=np.int64)[1:]))
+            except BaseException as e:  # the ranks no longer agree: fatal, rank 0 fails the instance
+                log.exception("rank %d: step failed", rank)
+                _send_quietly(conn, WorkerFailed(rank, f"step failed: {type(e).__name__}: {e}", traceback.format_exc()))
+                return 1
+            continue
+        if tag != TAG_CONTROL:
+            _send_quietly(conn, WorkerFailed(rank, f"unknown frame tag {tag:#x}"))
+            return 1
+        call_id = int.from_bytes(buf[8:16], "little")
+        try:
+            msg = pickle.loads(memoryview(buf)[16:])
+        except Exception as e:  # e.g. a function this process cannot import: that call fails, not the worker
+            if not call_id:
+                raise
+            conn.send(CallResult(call_id, rank, None, f"the call could not be unpickled here: {type(e).__name__}: {e}"))
+            continue
+        if isinstance(msg, Stop):
+            return 0
+        if not isinstance(msg, Call):
+            _send_quietly(conn, WorkerFailed(rank, f"unexpected message {type(msg).__name__}"))
+            return 1
+        try:
+            reply = CallResult(msg.call_id, rank, worker.call(msg.method, msg.args, msg.kwargs))
+        except Exception as e:
+            reply = CallResult(msg.call_id, rank, None, f"{type(e).__name__}: {e}", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            conn.send(CallResult(msg.call_id, rank, None, f"the result could not be sent: {e}"))
+
+
+def _send_quietly(conn: Connection, msg: object) -> None:
+    try:
+        conn.send(msg)
+    except OSError:
+        pass
+
+
+def main(fd: int) -> int:
+    conn = Connection(fd)
+    if not conn.poll(INIT_TIMEOUT_S):
+        print("pdserve worker: no WorkerInit from rank 0", file=sys.stderr)
+        return 2
+    init: WorkerInit = _recv_control(conn)
+    _exit_with_parent(init.parent_pid)
+    logging.basicConfig(level=init.config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s tp-rank{init.rank}: %(message)s")
+    try:
+        device = torch.device(init.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            pin_cpus(init.cpus)
+        conn.send(WorkerHello(init.rank, os.getpid()))
+        tp = init_group(init.rank, init.size, device, init.store_port, init.timeout_s)
+        worker = Worker(init.config, init.hf_config, init.source, init.dtype, device, tp)
+        conn.send(WorkerReady(init.rank))
+    except BaseException as e:
+        log.exception("rank %d failed to start", init.rank)
+        _send_quietly(conn, WorkerFailed(init.rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return 1
+    return serve(worker, conn)
+
+
+if __name__ == "__main__":
+    from pdserve.engine import worker as _module  # messages must pickle as pdserve.engine.worker's, not __main__'s
+
+    code = _module.main(int(sys.argv[1]))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: a process group's destructor must not hang the exit

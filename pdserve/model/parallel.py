@@ -1,0 +1,200 @@
+"""Tensor-parallel layers and how each rank's shard maps to the checkpoint (Megatron's split, as vLLM does it).
+
+- Column-parallel linear (`column_linear`): the rank keeps a run of output rows; no communication. QKV and gate_up
+  are column-parallel pieces merged per rank (pdserve.model.merged), so each rank still runs one GEMM.
+- Row-parallel linear (`RowParallelLinear`): the rank keeps a run of input columns, multiplies its slice of the
+  activations and all-reduces the partial sums (o_proj, down_proj). A bias is added once, after the sum.
+- Attention: query heads split evenly; KV heads split evenly, or — with more ranks than KV heads — each rank holds
+  the one KV head its query heads use (replicated: Gemma 3 270M has one KV head for every rank).
+- Vocabulary-parallel embedding: each rank holds a run of rows (the vocabulary padded to a multiple of the ranks),
+  looks up the ids it holds, zeroes the rest, and the ranks' rows are summed. The LM head holds the same rows
+  (tied weights stay tied); its logits shards are gathered to rank 0, which samples.
+
+Every sharded parameter carries a `ShardSpec` (`param.shard`): which run of the checkpoint tensor it holds along
+which dimension. The loader reads only that run (`load_param`, through safetensors' lazy slices) and dummy weights
+take the same run of the full tensor (`take_shard`), so any TP size builds the same model. An MoE layer shards its
+experts the same way: w13 column-parallel over the intermediate size, w2 row-parallel plus one all-reduce.
+
+At size 1 every layer is the plain one: full shapes, no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.parallel.group import TPGroup, current_tp
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """This rank holds rows [start, stop) along `dim` of a checkpoint tensor `full` long on that dimension. The
+    parameter may be longer than stop - start (padding rows, zero)."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+    def index(self) -> tuple[slice, ...]:
+        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+
+
+def set_shard(param: nn.Parameter | None, spec: ShardSpec) -> None:
+    if param is not None:
+        param.shard = spec
+
+
+def shard_of(param: torch.Tensor) -> ShardSpec | None:
+    return getattr(param, "shard", None)
+
+
+def even_range(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
+    """This rank's run of `total` items split evenly (they must divide)."""
+    if total % tp.size:
+        raise ValueError(f"{what} ({total}) must be divisible by the tensor-parallel size ({tp.size})")
+    n = total // tp.size
+    return tp.rank * n, (tp.rank + 1) * n
+
+
+def kv_head_range(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
+    """The KV heads this rank holds: an even split, or with more ranks than KV heads the one head its query heads
+    share (the size must then be a multiple of the KV head count)."""
+    if num_kv_heads >= tp.size:
+        return even_range(num_kv_heads, tp, "the number of KV heads")
+    if tp.size % num_kv_heads:
+        raise ValueError(f"the tensor-parallel size ({tp.size}) must be a multiple of the number of KV heads "
+                         f"({num_kv_heads}) when it exceeds it")
+    h = tp.rank * num_kv_heads // tp.size
+    return h, h + 1
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads in each rank's pool at `tp_size` ranks."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
+    """(start, stop, rows): the vocabulary rows this rank holds and its padded row count (equal on every rank)."""
+    rows = -(-vocab_size // tp.size)
+    start = min(tp.rank * rows, vocab_size)
+    return start, min(start + rows, vocab_size), rows
+
+
+def column_linear(in_features: int, out_features: int, bias: bool, start: int, stop: int,
+                  tp: TPGroup) -> nn.Linear:
+    """A linear holding output rows [start, stop) of an `out_features` x `in_features` checkpoint matrix."""
+    lin = nn.Linear(in_features, stop - start, bias=bias)
+    if tp.size > 1:
+        spec = ShardSpec(0, start, stop, out_features)
+        set_shard(lin.weight, spec)
+        set_shard(lin.bias, spec)
+    return lin
+
+
+class RowParallelLinear(nn.Linear):
+    """y = sum over ranks of x_rank @ W[:, cols_rank]^T (+ bias once): holds input columns [start, stop)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, start: int, stop: int, tp: TPGroup):
+        super().__init__(stop - start, out_features, bias=bias)
+        self.tp = tp
+        if tp.size > 1:
+            set_shard(self.weight, ShardSpec(1, start, stop, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding over this rank's vocabulary rows; the ranks' lookups are summed (each id lives on one)."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.tp = current_tp()
+        self.vocab_size = vocab_size
+        self.start, self.stop, rows = vocab_range(vocab_size, self.tp)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        nn.init.normal_(self.weight)
+        if self.tp.size > 1:
+            set_shard(self.weight, ShardSpec(0, self.start, self.stop, vocab_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.stop)
+        out = F.embedding((ids - self.start) * mine, self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over this rank's vocabulary rows, gathered to rank 0 (the full vocabulary there, None elsewhere)."""
+
+    def __init__(self, hidden: int, vocab_size: int):
+        super().__init__()
+        self.tp = current_tp()
+        self.vocab_size = vocab_size
+        start, stop, rows = vocab_range(vocab_size, self.tp)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        nn.init.normal_(self.weight, std=0.02)
+        if self.tp.size > 1:
+            set_shard(self.weight, ShardSpec(0, start, stop, vocab_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return logits
+        full = self.tp.gather_to_first(logits)
+        return full[..., : self.vocab_size] if full is not None else None
+
+
+# ---- loading
+
+
+def _target(param: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+    """The part of `param` that checkpoint values fill (all of it, or the rows before the padding)."""
+    if spec is None or param.shape[spec.dim] == spec.length:
+        return param
+    param.narrow(spec.dim, spec.length, param.shape[spec.dim] - spec.length).zero_()
+    return param.narrow(spec.dim, 0, spec.length)
+
+
+def load_param(param: torch.Tensor, lazy, name: str) -> None:
+    """The loader's hook: copy this rank's run of checkpoint tensor `name` into `param`. `lazy` is a safetensors
+    slice (`get_shape()`, indexing reads only the indexed bytes)."""
+    spec = shard_of(param)
+    full_shape = list(lazy.get_shape())
+    expect = list(param.shape)
+    if spec is not None:
+        expect[spec.dim] = spec.full
+    if full_shape != expect:
+        raise ValueError(f"weight {name} has shape {tuple(full_shape)}, the model expects {tuple(expect)}")
+    tensor = lazy[spec.index()] if spec is not None else lazy[()]
+    with torch.no_grad():
+        _target(param, spec).copy_(tensor.to(param.dtype))
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The checkpoint tensor's shape of which `param` holds a shard."""
+    spec = shard_of(param)
+    shape = list(param.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full
+    return tuple(shape)
+
+
+def take_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Fill `param` with its run of the full tensor `full` (dummy weights: the same model at any TP size)."""
+    spec = shard_of(param)
+    with torch.no_grad():
+        _target(param, spec).copy_(full[spec.index()] if spec is not None else full)

@@ -1,0 +1,29 @@
+"""--tensor-parallel-size / -tp: vLLM's names, the config's default, validated; PD roles refuse TP until per-rank
+KV agents are wired (the connector would move rank 0's KV heads only)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve.config import EngineConfig, KVTransferConfig
+from pdserve.server.main import add_arguments, build_config, config_argv
+
+
+def _parse(*argv: str):
+    return build_config(add_arguments(argparse.ArgumentParser()).parse_args(list(argv)))
+
+
+def test_flag_and_default():
+    assert _parse().engine.tensor_parallel_size == EngineConfig().tensor_parallel_size == 1
+    assert _parse("-tp", "2").engine.tensor_parallel_size == 2
+    cfg = _parse("--tensor-parallel-size", "4")
+    assert config_argv(cfg) == ["--tensor-parallel-size", "4"] and _parse(*config_argv(cfg)) == cfg
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        _parse("-tp", "0")
+    with pytest.raises(ValueError, match="per-rank KV agents"):
+        EngineConfig(tensor_parallel_size=2, kv_transfer=KVTransferConfig(role="prefill"))
