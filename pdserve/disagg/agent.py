@@ -23,8 +23,8 @@ def start_agent(config: KVTransferConfig, pool: KVPool, agent: ThreadedAgent | N
     """A listening agent (or the one given) with the pool registered; returns it and the pool's region id."""
     agent = agent if agent is not None else ThreadedAgent(agent_config(config))
     try:
-        # one layer's slice of a block is the unit every push is made of (NIXL prepares its lists in these units)
-        region = agent.register(pool.tensor, name=POOL_REGION, unit_bytes=pool.block_bytes // pool.num_layers)
+        # one (head, layer) run of a block is the unit every push is made of (NIXL prepares its lists in these units)
+        region = agent.register(pool.tensor, name=POOL_REGION, unit_bytes=pool.run_bytes)
     except BaseException:
         agent.close()
         raise

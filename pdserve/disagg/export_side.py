@@ -44,7 +44,7 @@ class PrefillExporter(KVConnector):
         self.wake = wake
         self.agent, self.region_id = start_agent(config, pool, agent)
         self.layerwise = layerwise_enabled(config, pool.device)
-        self.layer_bytes = pool.block_bytes // pool.num_layers
+        self.run_bytes = pool.run_bytes  # one (head, layer) run of a block: K and V of block_size tokens
         self._connects: dict[str, concurrent.futures.Future] = {}  # decode agent address -> dial (peer name)
         self._peers: dict[str, str] = {}  # decode agent address -> connected peer name
         self._layer_futs: dict[str, list[concurrent.futures.Future]] = {}
@@ -111,15 +111,19 @@ class PrefillExporter(KVConnector):
         if not todo:
             return None
         cuda = self.pool.device.type == "cuda"
+        head_stride = self.pool.num_layers * self.run_bytes
+        heads = np.arange(self.pool.num_kv_heads, dtype=np.int64) * head_stride
+        layer_offsets = [heads + layer * self.run_bytes for layer in range(self.pool.num_layers)]
 
         def after_layer(layer: int) -> None:
             ev = None
             if cuda:
                 ev = torch.cuda.Event()
                 ev.record()
-            off = layer * self.layer_bytes
+            off = layer_offsets[layer]  # the layer's run under each head of a block
             for rid, peer, src_off, dst_off, rr, key in todo:
-                xl = XferList.build(self.region_id, src_off + off, rr, dst_off + off, self.layer_bytes)
+                xl = XferList.build(self.region_id, (src_off[:, None] + off).ravel(), rr,
+                                    (dst_off[:, None] + off).ravel(), self.run_bytes)
                 self._layer_futs[rid].append(self.agent.write(peer, xl, None, wait_event=ev, coalesce=False,
                                                               key=key))
 

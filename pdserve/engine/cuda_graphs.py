@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.model.forward_context import ForwardContext, forward_context
+from pdserve.model.forward_context import ForwardContext, forward_context, layer_view
 
 
 def decode_graph_sizes(max_batch: int) -> list[int]:
@@ -143,7 +143,7 @@ class PiecewiseGraph:
         torch.cuda.synchronize()
         self.calls = rec.calls
         for i, call in enumerate(self.calls):
-            if call.kv_layer.data_ptr() != kv_cache[:, i].data_ptr():
+            if call.kv_layer.data_ptr() != layer_view(kv_cache, i).data_ptr():
                 raise RuntimeError("piecewise capture: attention calls must come one per layer, in layer order")
 
     def replay(self, ids: torch.Tensor, backend, meta, t: int, after_layer=None) -> torch.Tensor:

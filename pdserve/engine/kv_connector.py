@@ -26,7 +26,7 @@ from pdserve.engine.scheduler import ExportStart, ScheduledBatch
 class KVPool:
     """What a connector needs to know of the engine's paged KV pool."""
 
-    tensor: torch.Tensor  # [num_blocks(+1 scratch), num_layers, 2, block_size, kv_heads, head_dim]
+    tensor: torch.Tensor  # [num_blocks(+1 scratch), kv_heads, num_layers, 2, block_size, head_dim]
     block_size: int
     block_bytes: int
     num_blocks: int  # usable blocks (the scratch block is never handed out)
@@ -35,11 +35,20 @@ class KVPool:
 
     @property
     def num_layers(self) -> int:
+        return int(self.tensor.shape[2])
+
+    @property
+    def num_kv_heads(self) -> int:
         return int(self.tensor.shape[1])
 
     @property
+    def run_bytes(self) -> int:
+        """Bytes of one (head, layer) run of a block (its K and V): the unit every push is made of."""
+        return self.block_bytes // (self.num_layers * self.num_kv_heads)
+
+    @property
     def layout(self) -> KVLayout:
-        _, layers, _, block_size, heads, head_dim = self.tensor.shape
+        _, heads, layers, _, block_size, head_dim = self.tensor.shape
         return KVLayout(str(self.tensor.dtype).removeprefix("torch."), int(block_size), int(layers), int(heads),
                         int(head_dim))
 

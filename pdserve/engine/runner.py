@@ -64,10 +64,13 @@ def _head_dim(cfg) -> int:
 
 
 def kv_cache_shape(cfg, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
-    """The KV pool of one rank: block-major over its own KV heads (all of them at tp_size 1). The one place the
-    pool's layout is decided; everything else takes shapes and strides from the tensor."""
+    """The KV pool of one rank: `[num_blocks, kv_heads, layers, 2, block_size, head_dim]` over its own KV heads (all of
+    them at tp_size 1). Block-major, so a block is one contiguous run for the transfer engine, and head-major inside
+    a block, so any range of heads is one contiguous run too: what moves KV between instances of different
+    tensor-parallel sizes without small copies. The one place the layout is decided; attention sees one layer
+    through `model.forward_context.layer_view` and kernels take strides from the tensor."""
     heads = local_kv_heads(cfg.num_key_value_heads, tp_size)
-    return (num_blocks, cfg.num_hidden_layers, 2, block_size, heads, _head_dim(cfg))
+    return (num_blocks, heads, cfg.num_hidden_layers, 2, block_size, _head_dim(cfg))
 
 
 def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:

@@ -18,7 +18,7 @@ from pdserve.ops.attention import AttentionMetadata
 @dataclass
 class ForwardContext:
     meta: AttentionMetadata | None
-    kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, block_size, Hk, D]
+    kv_cache: torch.Tensor  # [num_blocks, Hk, num_layers, 2, block_size, D] (engine.runner.kv_cache_shape)
     backend: object  # .forward(q, k, v, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale)
     after_layer: object = None  # called with the layer index once that layer's KV is written (layer-wise push)
 
@@ -42,11 +42,17 @@ def forward_context(ctx: ForwardContext):
         _CTX = prev
 
 
+def layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
+    """One layer of the pool as attention backends take it: `[num_blocks, 2, block_size, Hk, D]` (a strided view;
+    the pool is `[num_blocks, Hk, num_layers, 2, block_size, D]`)."""
+    return kv_cache[:, :, layer].permute(0, 2, 3, 1, 4)
+
+
 def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Paged attention of one layer (`layer_idx`, `scale`, `sliding_window`, `softcap`, `k_scale`, `v_scale`):
     the backend writes k/v into the layer's slice of the pool and attends; then the layer hook runs."""
     ctx = get_forward_context()
-    o = ctx.backend.forward(q, k, v, ctx.kv_cache[:, layer.layer_idx], ctx.meta, layer.scale, layer.sliding_window,
+    o = ctx.backend.forward(q, k, v, layer_view(ctx.kv_cache, layer.layer_idx), ctx.meta, layer.scale, layer.sliding_window,
                             layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale)
     if ctx.after_layer is not None:
         ctx.after_layer(layer.layer_idx)

@@ -82,7 +82,7 @@ def test_graph_data_flow_matches_eager(arch, tiny_model_dirs):
     _assert_same_logits(logits, ref_logits, atol=1e-5)
     written = scratch != 1000.0
     assert written.any(), "three decode rows padded to a graph of four: the fourth writes the scratch block"
-    assert written[:, :, 1:].sum() == 0, "padded rows write their one token at the scratch block's first slot"
+    assert written[:, :, :, 1:].sum() == 0, "padded rows write their one token at the scratch block's first slot"
     core.check_whole()
 
 
@@ -161,9 +161,9 @@ def test_kv_scales_load_from_the_checkpoint(tiny_model_dirs, tmp_path):
     _run(plain, max_tokens=1)
     # the pool holds k / k_scale: layer 1's stored K is 4x, its V 2x what it is with unit scales; layer 0 the same
     for kv, want in ((0, 4.0), (1, 2.0)):
-        ratio = core.runner.kv_cache[:, 1, kv].float().norm() / plain.runner.kv_cache[:, 1, kv].float().norm()
+        ratio = core.runner.kv_cache[:, :, 1, kv].float().norm() / plain.runner.kv_cache[:, :, 1, kv].float().norm()
         assert abs(float(ratio) - want) < 0.1 * want, (kv, float(ratio))
-    assert torch.equal(core.runner.kv_cache[:, 0].float(), plain.runner.kv_cache[:, 0].float())
+    assert torch.equal(core.runner.kv_cache[:, :, 0].float(), plain.runner.kv_cache[:, :, 0].float())
 
 
 def test_unknown_kv_cache_dtype_is_refused():

@@ -114,7 +114,7 @@ def test_default_gemma_gguf_tp2_matches_tp1():
             for rid, p in {"a": [2, 651, 6037, 576, 6081, 603], "b": list(range(100, 140))}.items():
                 core.add_request(rid, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
             out[tp], logits[tp] = run_to_end(core), cap
-            assert core.runner.kv_cache.shape[4] == 1
+            assert core.runner.kv_cache.shape[1] == 1  # [blocks, kv heads, layers, 2, block size, head dim]
         finally:
             core.close()
     assert out[2] == out[1]

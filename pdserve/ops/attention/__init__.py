@@ -1,8 +1,9 @@
 """Paged attention behind one small interface.
 
-The KV pool is one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` (block-major, so a
-block is one contiguous run of bytes for the transfer engine); a backend sees one layer's view
-`[num_blocks, 2, block_size, Hk, D]` and addresses tokens through each sequence's block table:
+The KV pool is one tensor `[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]` (block-major, so a
+block is one contiguous run of bytes for the transfer engine, and head-major inside it, so a range of heads is one
+run too); a backend sees one layer's strided view `[num_blocks, 2, block_size, Hk, D]`
+(pdserve.model.forward_context.layer_view) and addresses tokens through each sequence's block table:
 
     backend.forward(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], kv_layer, meta, scale,
                     sliding_window=None, softcap=None, k_scale=None, v_scale=None) -> [T, Hq, D]
