@@ -72,3 +72,12 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     role: str = "both"  # prefill | decode | both
     request_timeout_s: float = 600.0
+    # HTTP access and hardening (pdserve.server; docs/security.md)
+    api_keys: list[str] = field(default_factory=list)  # clients must send one as a bearer token (empty: none needed)
+    deployment_secret: str | None = None  # signs internal requests; an instance honours `pd` only when signed with it
+    max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    body_read_timeout_s: float = 30.0  # a body not fully received within this gets 408
+    max_prompt_chars: int | None = None  # longer prompt text gets 400 untokenized (None: max_model_len x longest token)
+    tokenizer_workers: int = 1  # processes that tokenize long prompts off the server's GIL (0: threads only)
+    max_choices: int = 128  # most choices (n x prompts) in one request
+    max_queue_wait_s: float = 30.0  # a request that cannot start within this gets 503 + Retry-After (0: no limit)

@@ -36,3 +36,15 @@ def openai_api_key() -> str | None:
 def cuda_visible_devices() -> str | None:
     """`CUDA_VISIBLE_DEVICES`: the GPUs this process may use (the launcher splits them among instances)."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def api_key() -> str | None:
+    """`PDSERVE_API_KEY`: the API key clients must send (`Authorization: Bearer <key>`) to an instance's or the
+    router's /v1 routes when no --api-key is given; the router also forwards it to instances by default."""
+    return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def deployment_secret() -> str | None:
+    """`PDSERVE_DEPLOYMENT_SECRET`: the secret the processes of one deployment sign internal requests with (the
+    router's `pd` orders, decode-to-prefill orders); at least 16 bytes. --deployment-secret-file overrides it."""
+    return os.environ.get("PDSERVE_DEPLOYMENT_SECRET") or None

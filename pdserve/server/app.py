@@ -1,8 +1,10 @@
-"""The instance's aiohttp application: OpenAI routes, health, version, load and metrics.
+"""The instance's aiohttp application: OpenAI routes, tokenize/detokenize, health, version, load and metrics.
 
 Why a factory taking the engine: the same app serves a colocated instance, a prefill or a decode instance
 (the PD layer adds its internal routes through `extra_routes`), and tests build it around any engine.
-Every error leaves as OpenAI's JSON error object with a meaningful status; nothing leaks a stack trace.
+Every error leaves as OpenAI's JSON error object with a meaningful status (404, 405, 413, 415 and 401 included);
+nothing leaks a stack trace. /health and /load read cached engine stats only, so a busy instance answers them at
+once (the router's health checks must never time out because the engine is working).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from aiohttp import web
 from pdserve import __version__
 from pdserve.config import ServerConfig
 from pdserve.protocol import APIError, error_body, model_not_found
+from pdserve.server.admission import Admission
+from pdserve.server.auth import api_key_middleware, secret_bytes
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from pdserve.server.tokenizing import TokenizerService
 
 log = logging.getLogger("pdserve.server")
-
-MAX_BODY_BYTES = 64 * 1024 * 1024  # long prompts sent as token-id lists run to megabytes
 
 
 @dataclass
@@ -36,6 +39,16 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     created: int
+    tokens: TokenizerService
+    admission: Admission
+    secret: bytes | None  # the deployment secret: `pd` orders must be signed with it
+
+    def max_prompt_chars(self) -> int | None:
+        """Longer prompt text cannot fit the context whatever it says: refused without tokenizing it."""
+        if self.config.max_prompt_chars is not None:
+            return self.config.max_prompt_chars
+        per_token = self.tokens.max_token_chars
+        return self.llm.max_model_len * per_token if per_token else None
 
 
 STATE = web.AppKey("pdserve_state", ServerState)
@@ -67,6 +80,31 @@ async def engine_stats(llm: Any) -> dict:
 
 
 _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+_PASSED_HEADERS = ("allow", "retry-after", "www-authenticate")
+REJECTED_CODES = ("queue_full", "engine_dead", "over_budget", "queue_timeout")
+
+
+def http_error_response(request: web.Request, e: web.HTTPException) -> web.Response:
+    """An aiohttp HTTP error as OpenAI's error JSON (bodies that already are one pass through unchanged)."""
+    headers = {k: v for k, v in e.headers.items() if k.lower() in _PASSED_HEADERS}
+    if e.content_type == "application/json" and e.text:
+        try:
+            body = json.loads(e.text)
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and "error" in body:
+            return json_response(body, e.status, headers)
+    kind = _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "server_error")
+    message = f"{e.reason}: {request.method} {request.path}" if e.status in (404, 405) else (e.text or e.reason)
+    return json_response(error_body(message, kind, code=str(e.status)), e.status, headers)
+
+
+def close_if_unread(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    """An error answered before the body was read (or while it was broken) ends the connection: the unread rest
+    of the body must not be parsed as the next request."""
+    if request.can_read_body and not request.content.is_eof():
+        resp.force_close()
+    return resp
 
 
 @web.middleware
@@ -78,31 +116,25 @@ async def error_middleware(request: web.Request, handler: Callable) -> web.Strea
         if request.path.startswith("/v1/"):  # failures after admission are counted by the request's tracker
             if e.status < 500:
                 state(request).metrics.outcome("invalid")
-            elif e.code in ("queue_full", "engine_dead"):
+            elif e.code in REJECTED_CODES:
                 state(request).metrics.outcome("rejected")
-        return error_response(e)
+        return close_if_unread(request, error_response(e))
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        kind = _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "server_error")
-        headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
-        message = f"{e.reason}: {request.method} {request.path}" if e.status in (404, 405) else (e.text or e.reason)
-        return json_response(error_body(message, kind, code=str(e.status)), e.status, headers)
+        return close_if_unread(request, http_error_response(request, e))
     except (ConnectionResetError, BrokenPipeError):
         raise
     except Exception as e:  # the last line of defence: log the trace, answer without it
         log.exception("unhandled error in %s %s", request.method, request.path)
         body = error_body(f"Internal server error ({type(e).__name__}); see the server log.", "server_error")
-        return json_response(body, 500)
+        return close_if_unread(request, json_response(body, 500))
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine answers; 503 (with the reason) once it has died, so routers drain this instance."""
+    """200 while the engine process runs; 503 (with the reason) once it has died, so routers drain this instance.
+    Never waits on the engine: a busy instance is healthy."""
     llm = state(request).llm
-    try:
-        await engine_stats(llm)
-    except Exception as e:
-        return json_response(error_body(f"engine unavailable: {e}", "server_error"), 503)
     if not getattr(llm, "is_alive", True):
         return json_response(error_body("the engine process is not running", "server_error"), 503)
     return web.Response(text="OK")
@@ -141,6 +173,7 @@ async def load(request: web.Request) -> web.Response:
     s = state(request)
     stats = await engine_stats(s.llm)
     stats["role"] = s.config.role
+    stats.update(s.admission.snapshot())
     return json_response(stats)
 
 
@@ -162,9 +195,23 @@ def create_app(
     """Build the app around a started engine. `extra_routes(app)` may add routes (the PD layer's internal API)."""
     from pdserve.server import openai_routes  # imports torch-free modules only; kept local to avoid a cycle
 
-    name = getattr(llm, "model_name", None) or server_config.engine.name
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ServerState(llm, server_config, ServerMetrics(name), name, int(time.time()))
+    cfg = server_config
+    name = getattr(llm, "model_name", None) or cfg.engine.name
+    middlewares = [error_middleware, api_key_middleware(cfg.api_keys)]
+    app = web.Application(middlewares=middlewares, client_max_size=cfg.max_request_bytes)
+    tokens = TokenizerService(llm.tokenizer, cfg.tokenizer_workers)
+    st = ServerState(llm, cfg, ServerMetrics(name), name, int(time.time()), tokens, Admission(cfg.max_queue_wait_s),
+                     secret_bytes(cfg.deployment_secret))
+    app[STATE] = st
+
+    async def start_tokens(_app: web.Application) -> None:
+        await tokens.start()
+
+    async def stop_tokens(_app: web.Application) -> None:
+        await tokens.close()
+
+    app.on_startup.append(start_tokens)
+    app.on_cleanup.append(stop_tokens)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
@@ -173,6 +220,8 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", openai_routes.completions)
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
+    app.router.add_post("/tokenize", openai_routes.tokenize)
+    app.router.add_post("/detokenize", openai_routes.detokenize)
     if extra_routes is not None:
         extra_routes(app)
     return app

@@ -14,11 +14,14 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from pdserve import envs
 from pdserve.config import EngineConfig, ServerConfig
+from pdserve.server.auth import secret_bytes
 
 log = logging.getLogger("pdserve.server")
 
@@ -107,9 +110,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
     k.add_argument("--kv-layerwise", default=_default(E, "kv_layerwise"), choices=["auto", "on", "off"],
                    help="prefill role: push each layer's KV while later layers compute (auto: when the transport is tcp)")
+    a = parser.add_argument_group("access and limits (docs/security.md)")
+    add_access_arguments(a)
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def add_access_arguments(a: Any) -> None:
+    S = ServerConfig
+    a.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="clients must send `Authorization: Bearer KEY` to /v1/*, /tokenize, /detokenize (repeat for "
+                        "several keys; default: $PDSERVE_API_KEY, else no key needed)")
+    a.add_argument("--deployment-secret-file", default=None, metavar="FILE",
+                   help="file holding the deployment secret that signs internal requests (default: "
+                        "$PDSERVE_DEPLOYMENT_SECRET); an instance honours `pd` orders only when signed with it")
+    a.add_argument("--max-request-bytes", type=int, default=_default(S, "max_request_bytes"),
+                   help="larger request bodies get HTTP 413")
+    a.add_argument("--body-read-timeout", type=float, default=_default(S, "body_read_timeout_s"),
+                   help="seconds a client may take to send its request body (then HTTP 408)")
+    a.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer prompt text gets HTTP 400 without tokenizing (default: max-model-len times the "
+                        "longest token in characters)")
+    a.add_argument("--tokenizer-workers", type=int, default=_default(S, "tokenizer_workers"),
+                   help="processes that tokenize long prompts off the server's event loop (0: threads only)")
+    a.add_argument("--max-queue-wait", type=float, default=_default(S, "max_queue_wait_s"),
+                   help="seconds a request may wait to start; one that cannot gets HTTP 503 + Retry-After at once "
+                        "(0: no limit)")
+
+
+def read_secret_file(path: str | None) -> str | None:
+    """The secret in `path` (surrounding whitespace stripped), else $PDSERVE_DEPLOYMENT_SECRET."""
+    if path is None:
+        return envs.deployment_secret()
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the deployment secret file {path}: {e}") from e
+    if not secret:
+        raise ValueError(f"the deployment secret file {path} is empty")
+    return secret
+
+
+def access_config(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig fields from the access flags (validated)."""
+    keys = list(args.api_key) if args.api_key else ([envs.api_key()] if envs.api_key() else [])
+    secret = read_secret_file(args.deployment_secret_file)
+    secret_bytes(secret)  # refuses a secret too short to be safe
+    if args.max_request_bytes < 1024:
+        raise ValueError(f"max request bytes must be at least 1024, got {args.max_request_bytes}")
+    if args.body_read_timeout <= 0:
+        raise ValueError(f"body read timeout must be positive, got {args.body_read_timeout}")
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        raise ValueError(f"max prompt chars must be positive, got {args.max_prompt_chars}")
+    if args.tokenizer_workers < 0 or args.max_queue_wait < 0:
+        raise ValueError("tokenizer workers and max queue wait must not be negative")
+    return dict(api_keys=keys, deployment_secret=secret, max_request_bytes=args.max_request_bytes,
+                body_read_timeout_s=args.body_read_timeout, max_prompt_chars=args.max_prompt_chars,
+                tokenizer_workers=args.tokenizer_workers, max_queue_wait_s=args.max_queue_wait)
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
@@ -147,7 +205,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if args.request_timeout <= 0:
         raise ValueError(f"request timeout must be positive, got {args.request_timeout}")
     return ServerConfig(
-        host=args.host, port=args.port, engine=engine, role=args.role, request_timeout_s=args.request_timeout
+        host=args.host, port=args.port, engine=engine, role=args.role, request_timeout_s=args.request_timeout,
+        **access_config(args),
     )
 
 
@@ -195,6 +254,10 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
         await runner.cleanup()
         await llm.shutdown()
         return 1
+    if config.role != "both" and config.deployment_secret is None:
+        print("pdserve: warning: no deployment secret (PDSERVE_DEPLOYMENT_SECRET or --deployment-secret-file): "
+              "this instance refuses every `pd` order, so it cannot take part in disaggregated serving",
+              file=sys.stderr, flush=True)
     port = runner.addresses[0][1] if runner.addresses else config.port
     name = getattr(llm, "model_name", None) or config.engine.name
     print(f"pdserve: serving {name} on http://{config.host}:{port} (role {config.role})", flush=True)

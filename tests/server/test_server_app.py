@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -11,16 +12,18 @@ from aiohttp.test_utils import TestServer
 
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.server.app import create_app
+from pdserve.server.auth import sign_request
 from tests.server.live_server import parse_sse
 from tests.server.scripted_engine import WORD, ScriptedLLM
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def serve(test: Callable[[aiohttp.ClientSession, str, ScriptedLLM], Awaitable[None]], llm=None, timeout_s=600.0):
+def serve(test: Callable[[aiohttp.ClientSession, str, ScriptedLLM], Awaitable[None]], llm=None, timeout_s=600.0,
+          **config: object):
     """Run `test(session, base_url, llm)` against the app on a loopback port, cancelling handlers on disconnect."""
     llm = llm or ScriptedLLM()
-    config = ServerConfig(engine=EngineConfig(model="scripted"), request_timeout_s=timeout_s)
+    config = ServerConfig(engine=EngineConfig(model="scripted"), request_timeout_s=timeout_s, **config)
 
     async def main() -> None:
         server = TestServer(create_app(llm, config), handler_cancellation=True)
@@ -140,11 +143,37 @@ def test_logprobs_shapes():
     serve(t)
 
 
-def test_pd_field_reaches_the_engine():
+SECRET = "test-deployment-secret-0123456789"
+
+
+def test_pd_field_is_honoured_only_when_signed():
     async def t(s, url, llm):
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "pd": {"k": 1}}) as r:
+        body = json.dumps({"prompt": "x", "max_tokens": 1, "pd": {"k": 1}}).encode()
+        post = url + "/v1/completions"
+        async with s.post(post, data=body) as r:
+            assert (await expect_error(r, 401))["code"] == "missing_signature"
+        wrong = sign_request(b"another-secret-of-enough-length", "POST", "/v1/completions", body)
+        async with s.post(post, data=body, headers=wrong) as r:
+            assert (await expect_error(r, 401))["code"] == "invalid_signature"
+        headers = sign_request(SECRET.encode(), "POST", "/v1/completions", body)
+        async with s.post(post, data=body[:-1] + b" }", headers=headers) as r:  # the body was altered
+            assert (await expect_error(r, 401))["code"] == "invalid_signature"
+        async with s.post(post, data=body, headers=headers) as r:
             assert r.status == 200
+        async with s.post(post, data=body, headers=headers) as r:
+            assert (await expect_error(r, 401))["code"] == "replayed_signature"
         assert llm.seen_pd == [{"k": 1}]
+
+    serve(t, deployment_secret=SECRET)
+
+
+def test_pd_field_is_refused_without_a_deployment_secret():
+    async def t(s, url, llm):
+        body = json.dumps({"prompt": "x", "max_tokens": 1, "pd": {"k": 1}}).encode()
+        headers = sign_request(SECRET.encode(), "POST", "/v1/completions", body)
+        async with s.post(url + "/v1/completions", data=body, headers=headers) as r:
+            assert (await expect_error(r, 401))["code"] == "no_deployment_secret"
+        assert llm.seen_pd == []
 
     serve(t)
 
@@ -257,7 +286,7 @@ def test_metrics_after_traffic():
     async def t(s, url, llm):
         async with s.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}) as r:
             assert r.status == 200
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "n": 2}) as r:
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "n": 0}) as r:
             assert r.status == 400
         async with s.get(url + "/metrics") as r:
             text = await r.text()
