@@ -250,8 +250,9 @@ class AsyncLLM:
         st = self._streams.pop(request_id, None)
         if not self._dead:
             self._send(("abort", request_id))
-        if st is not None:
-            st.queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+        if st is not None:  # end the stream like any finished request (a CancelledError here was yielded, not raised)
+            st.queue.put_nowait(RequestOutput(request_id, [], "", finished=True, finish_reason="abort",
+                                              num_prompt_tokens=len(st.prompt_token_ids or [])))
 
     def stats(self) -> dict:
         s = dict(self._stats)
