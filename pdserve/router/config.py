@@ -87,6 +87,13 @@ class RouterConfig:
     read_timeout_s: float = 600.0  # longest silence tolerated from an upstream (a long queue + prefill)
     abort_timeout_s: float = 1.0  # best-effort POST /v1/abort on client disconnect / decode death
 
+    # access and limits (docs/security.md)
+    api_keys: list[str] = field(default_factory=list)  # clients must send one as a bearer token (empty: none)
+    instance_api_key: str | None = None  # the key sent to instances (default: the router's first key)
+    deployment_secret: str | None = None  # signs the `pd` orders and aborts sent to instances (needed for PD)
+    max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    body_read_timeout_s: float = 30.0  # a body not fully received within this gets 408
+
     def __post_init__(self) -> None:
         self.prefill = [normalize_url(u) for u in self.prefill]
         self.decode = [normalize_url(u) for u in self.decode]
@@ -122,6 +129,20 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if isinstance(self.api_keys, str):
+            self.api_keys = [self.api_keys]
+        if not isinstance(self.api_keys, list) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError("api_keys must be a list of non-empty strings")
+        from pdserve.server.auth import secret_bytes
+
+        secret_bytes(self.deployment_secret)  # refuses a secret too short to be safe
+        if self.max_request_bytes < 1024 or self.body_read_timeout_s <= 0:
+            raise ValueError("max_request_bytes must be at least 1024 and body_read_timeout_s positive")
+
+    @property
+    def upstream_api_key(self) -> str | None:
+        """The bearer token the router sends to instances."""
+        return self.instance_api_key or (self.api_keys[0] if self.api_keys else None)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RouterConfig:

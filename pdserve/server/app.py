@@ -10,7 +10,6 @@ once (the router's health checks must never time out because the engine is worki
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pdserve.config import ServerConfig
 from pdserve.protocol import APIError, error_body, model_not_found
 from pdserve.server.admission import Admission
 from pdserve.server.auth import api_key_middleware, secret_bytes
+from pdserve.server.errors import error_middleware, json_response
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.tokenizing import TokenizerService
 
@@ -58,19 +58,6 @@ def state(request: web.Request) -> ServerState:
     return request.app[STATE]
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=json.dumps(obj, ensure_ascii=False).encode(),
-        status=status,
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-def error_response(e: APIError) -> web.Response:
-    return json_response(e.body(), e.status, e.headers)
-
-
 async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
@@ -79,56 +66,16 @@ async def engine_stats(llm: Any) -> dict:
     return dict(await maybe_await(llm.stats()))
 
 
-_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
-_PASSED_HEADERS = ("allow", "retry-after", "www-authenticate")
 REJECTED_CODES = ("queue_full", "engine_dead", "over_budget", "queue_timeout")
 
 
-def http_error_response(request: web.Request, e: web.HTTPException) -> web.Response:
-    """An aiohttp HTTP error as OpenAI's error JSON (bodies that already are one pass through unchanged)."""
-    headers = {k: v for k, v in e.headers.items() if k.lower() in _PASSED_HEADERS}
-    if e.content_type == "application/json" and e.text:
-        try:
-            body = json.loads(e.text)
-        except ValueError:
-            body = None
-        if isinstance(body, dict) and "error" in body:
-            return json_response(body, e.status, headers)
-    kind = _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "server_error")
-    message = f"{e.reason}: {request.method} {request.path}" if e.status in (404, 405) else (e.text or e.reason)
-    return json_response(error_body(message, kind, code=str(e.status)), e.status, headers)
-
-
-def close_if_unread(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
-    """An error answered before the body was read (or while it was broken) ends the connection: the unread rest
-    of the body must not be parsed as the next request."""
-    if request.can_read_body and not request.content.is_eof():
-        resp.force_close()
-    return resp
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Map every failure to OpenAI's error JSON: APIError as is, HTTP errors by status, the rest as a plain 500."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        if request.path.startswith("/v1/"):  # failures after admission are counted by the request's tracker
-            if e.status < 500:
-                state(request).metrics.outcome("invalid")
-            elif e.code in REJECTED_CODES:
-                state(request).metrics.outcome("rejected")
-        return close_if_unread(request, error_response(e))
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return close_if_unread(request, http_error_response(request, e))
-    except (ConnectionResetError, BrokenPipeError):
-        raise
-    except Exception as e:  # the last line of defence: log the trace, answer without it
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        body = error_body(f"Internal server error ({type(e).__name__}); see the server log.", "server_error")
-        return close_if_unread(request, json_response(body, 500))
+def count_error(request: web.Request, e: APIError) -> None:
+    """Requests refused before admission, by outcome (failures after it are counted by the request's tracker)."""
+    if request.path.startswith("/v1/"):
+        if e.status < 500:
+            state(request).metrics.outcome("invalid")
+        elif e.code in REJECTED_CODES:
+            state(request).metrics.outcome("rejected")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -197,7 +144,7 @@ def create_app(
 
     cfg = server_config
     name = getattr(llm, "model_name", None) or cfg.engine.name
-    middlewares = [error_middleware, api_key_middleware(cfg.api_keys)]
+    middlewares = [error_middleware(count_error), api_key_middleware(cfg.api_keys)]
     app = web.Application(middlewares=middlewares, client_max_size=cfg.max_request_bytes)
     tokens = TokenizerService(llm.tokenizer, cfg.tokenizer_workers)
     st = ServerState(llm, cfg, ServerMetrics(name), name, int(time.time()), tokens, Admission(cfg.max_queue_wait_s),

@@ -22,8 +22,11 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from aiohttp import web
+
+from pdserve import envs
 
 log = logging.getLogger("pdserve.server")
 
@@ -53,6 +56,19 @@ def secret_bytes(secret: str | bytes | None) -> bytes | None:
         raise ValueError(f"the deployment secret must be at least {MIN_SECRET_BYTES} bytes long "
                          f"(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
     return data
+
+
+def read_secret_file(path: str | None) -> str | None:
+    """The secret in `path` (surrounding whitespace stripped), else $PDSERVE_DEPLOYMENT_SECRET (None: neither)."""
+    if path is None:
+        return envs.deployment_secret()
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the deployment secret file {path}: {e}") from e
+    if not secret:
+        raise ValueError(f"the deployment secret file {path} is empty")
+    return secret
 
 
 # ----------------------------------------------------------------------------------------------------------------

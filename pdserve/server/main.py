@@ -14,14 +14,13 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from pdserve import envs
 from pdserve.config import EngineConfig, ServerConfig
-from pdserve.server.auth import secret_bytes
+from pdserve.server.auth import read_secret_file, secret_bytes
 
 log = logging.getLogger("pdserve.server")
 
@@ -119,9 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_access_arguments(a: Any) -> None:
     S = ServerConfig
-    a.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="clients must send `Authorization: Bearer KEY` to /v1/*, /tokenize, /detokenize (repeat for "
-                        "several keys; default: $PDSERVE_API_KEY, else no key needed)")
+    a.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                   help="clients must send `Authorization: Bearer KEY` to /v1/*, /tokenize, /detokenize (several "
+                        "keys allowed; default: $PDSERVE_API_KEY, else no key needed)")
     a.add_argument("--deployment-secret-file", default=None, metavar="FILE",
                    help="file holding the deployment secret that signs internal requests (default: "
                         "$PDSERVE_DEPLOYMENT_SECRET); an instance honours `pd` orders only when signed with it")
@@ -137,19 +136,6 @@ def add_access_arguments(a: Any) -> None:
     a.add_argument("--max-queue-wait", type=float, default=_default(S, "max_queue_wait_s"),
                    help="seconds a request may wait to start; one that cannot gets HTTP 503 + Retry-After at once "
                         "(0: no limit)")
-
-
-def read_secret_file(path: str | None) -> str | None:
-    """The secret in `path` (surrounding whitespace stripped), else $PDSERVE_DEPLOYMENT_SECRET."""
-    if path is None:
-        return envs.deployment_secret()
-    try:
-        secret = Path(path).read_text().strip()
-    except OSError as e:
-        raise ValueError(f"cannot read the deployment secret file {path}: {e}") from e
-    if not secret:
-        raise ValueError(f"the deployment secret file {path} is empty")
-    return secret
 
 
 def access_config(args: argparse.Namespace) -> dict[str, Any]:

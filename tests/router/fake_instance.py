@@ -17,6 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.server.auth import verify_request
+
 
 @dataclass
 class Behavior:
@@ -30,10 +32,13 @@ class Behavior:
 
 
 class FakeInstance:
-    def __init__(self, role: str = "decode", name: str = "fake", model: str = "fake-model") -> None:
+    def __init__(self, role: str = "decode", name: str = "fake", model: str = "fake-model",
+                 secret: bytes | None = None) -> None:
         self.role = role
         self.name = name
         self.model = model
+        self.secret = secret  # when set, `pd` orders and aborts must be signed with it (as a real instance checks)
+        self.authorization: list[str | None] = []  # the Authorization header of every generate request
         self.behavior = Behavior()
         self.requests: list[dict[str, Any]] = []  # bodies received on generate routes
         self.paths: list[str] = []
@@ -94,7 +99,10 @@ class FakeInstance:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "x"}]})
 
     async def abort(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        raw = await request.read()
+        if self.secret is not None:
+            verify_request(self.secret, request, raw)
+        body = json.loads(raw)
         self.aborts.append(body.get("request_id"))
         return web.json_response({"aborted": True})
 
@@ -109,7 +117,11 @@ class FakeInstance:
         return web.json_response(data, status=b.load_status)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        raw = await request.read()
+        body = json.loads(raw)
+        if "pd" in body and self.secret is not None:
+            verify_request(self.secret, request, raw)
+        self.authorization.append(request.headers.get("Authorization"))
         self.requests.append(body)
         self.paths.append(request.path)
         self.active += 1
