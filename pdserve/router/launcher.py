@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -283,6 +284,8 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    # one deployment secret for the router and every instance (they inherit the environment): signed pd orders
+    os.environ.setdefault("PDSERVE_DEPLOYMENT_SECRET", secrets.token_hex(32))
     children = spawn_children(args, log_dir)
     for c in children:
         where = f"GPU {c.gpu}" if c.gpu is not None else "CPU"
