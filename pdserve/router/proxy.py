@@ -38,7 +38,7 @@ from pdserve.router.pool import Instance, Pools
 from pdserve.router.prefix import chunk_hashes, prompt_text
 from pdserve.router.sse import SSEFilter, error_event, pop_timings
 from pdserve.server.auth import api_key_middleware, bearer, secret_bytes, sign_request
-from pdserve.server.body import parse_json, read_body, read_json
+from pdserve.server.body import RUNNER_OPTIONS, parse_json, read_body, read_json
 from pdserve.server.errors import error_middleware
 
 log = logging.getLogger("pdserve.router")
@@ -495,7 +495,7 @@ class Router:
 async def start_router(config: RouterConfig) -> tuple[Router, web.AppRunner]:
     """Start serving on config.host:config.port; returns the router and the runner (call runner.cleanup())."""
     router = Router(config)
-    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None, **RUNNER_OPTIONS)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -200,7 +200,7 @@ def verify_request(secret: bytes | None, request: web.Request, body: bytes, *, w
     if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
         raise _error(401, "the request signature does not match (wrong deployment secret, or the request was "
                           "altered)", "invalid_signature")
-    if not (cache or _DEFAULT_CACHE).add(nonce, 2 * window_s):
+    if not (cache if cache is not None else _DEFAULT_CACHE).add(nonce, 2 * window_s):
         raise _error(401, "this signed request was already received (replay)", "replayed_signature")
 
 

@@ -12,15 +12,18 @@ import asyncio
 import json
 import math
 import re
+import zlib
 from typing import Any
 
 from aiohttp import web
 
 from pdserve.protocol import APIError, bad_request
 
-# aiohttp decodes these itself; anything else would reach the JSON parser as compressed bytes (or as garbage
-# that a 500 used to report), so it is refused up front
+# Decoded here, not by aiohttp: its parser treats an unknown coding as identity, answers codings it lacks a library
+# for (zstd, br) with a plain-text 400 before any middleware runs, and a broken gzip body became a 500. Servers are
+# therefore run with RUNNER_OPTIONS (auto_decompress off) and every coding is handled, or refused (415), below.
 SUPPORTED_ENCODINGS = ("identity", "gzip", "deflate")
+RUNNER_OPTIONS = {"auto_decompress": False}
 MAX_JSON_DEPTH = 64  # OpenAI request bodies nest about 5 deep (messages[i].content[j].text)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -41,7 +44,7 @@ async def read_body(request: web.Request, timeout_s: float, max_bytes: int) -> b
     400 when it cannot be decoded."""
     check_content_encoding(request)
     try:
-        return await asyncio.wait_for(request.read(), timeout_s)
+        raw = await asyncio.wait_for(request.read(), timeout_s)
     except asyncio.TimeoutError:
         raise APIError(f"The request body did not arrive within {timeout_s:g} s", 408, "invalid_request_error",
                        None, "request_timeout") from None
@@ -50,8 +53,31 @@ async def read_body(request: web.Request, timeout_s: float, max_bytes: int) -> b
                        "request_too_large") from None
     except web.HTTPException:
         raise
-    except Exception as e:  # aiohttp's RequestPayloadError (bad gzip, truncated chunked body, ...)
+    except Exception as e:  # aiohttp's RequestPayloadError (truncated chunked body, ...)
         raise bad_request(f"The request body could not be read: {type(e).__name__}: {str(e).strip()[:200]}") from None
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+    return raw if coding == "identity" else decompress(raw, coding, max_bytes)
+
+
+def decompress(raw: bytes, coding: str, max_bytes: int) -> bytes:
+    """gzip or deflate (zlib-wrapped or raw, as browsers send either), at most `max_bytes` of output."""
+    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}[coding]
+    for attempt in (wbits, -zlib.MAX_WBITS) if coding == "deflate" else (wbits,):
+        d = zlib.decompressobj(attempt)
+        try:
+            out = d.decompress(raw, max_bytes + 1)
+        except zlib.error as e:
+            if attempt != -zlib.MAX_WBITS and coding == "deflate":
+                continue
+            raise bad_request(f"The request body could not be read: it is not valid {coding} data ({e})") from None
+        if len(out) > max_bytes:
+            raise APIError(f"The request body is larger than {max_bytes} bytes once decoded", 413,
+                           "invalid_request_error", None, "request_too_large")
+        if not d.eof or d.unused_data:
+            raise bad_request(f"The request body could not be read: the {coding} data is truncated or has "
+                              "trailing bytes")
+        return out
+    raise AssertionError("unreachable")
 
 
 def _reject_constant(name: str) -> Any:

@@ -21,6 +21,7 @@ from aiohttp import web
 from pdserve import envs
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.server.auth import read_secret_file, secret_bytes
+from pdserve.server.body import RUNNER_OPTIONS
 
 log = logging.getLogger("pdserve.server")
 
@@ -228,6 +229,7 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
     runner = web.AppRunner(
         create_app(llm, config, routes),
         handler_cancellation=True,  # a client that disconnects cancels its handler, which aborts its request
+        **RUNNER_OPTIONS,  # request bodies are decoded by pdserve.server.body
         access_log=log if access_log else None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )

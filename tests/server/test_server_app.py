@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.server.app import create_app
 from pdserve.server.auth import sign_request
+from pdserve.server.body import RUNNER_OPTIONS
 from tests.server.live_server import parse_sse
 from tests.server.scripted_engine import WORD, ScriptedLLM
 
@@ -26,8 +27,8 @@ def serve(test: Callable[[aiohttp.ClientSession, str, ScriptedLLM], Awaitable[No
     config = ServerConfig(engine=EngineConfig(model="scripted"), request_timeout_s=timeout_s, **config)
 
     async def main() -> None:
-        server = TestServer(create_app(llm, config), handler_cancellation=True)
-        await server.start_server()
+        server = TestServer(create_app(llm, config))
+        await server.start_server(**RUNNER_OPTIONS)  # handler_cancellation is on in test servers
         try:
             async with aiohttp.ClientSession() as session:
                 await test(session, str(server.make_url("")).rstrip("/"), llm)
