@@ -145,7 +145,7 @@ class Fanout:
         c.tracker.on_output(out)
         if not c.started:
             c.started = True
-            self.s.admission.started(c.rid, len(c.ids))
+            self.s.admission.started(c.rid, len(c.ids), out)
         if out.finished and not c.finished:
             c.finished = True
             c.finish_reason = out.finish_reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -188,20 +189,21 @@ def test_admission_estimates_the_wait_from_the_start_rate():
     clock = Clock()
     a = Admission(budget_s=10.0, clock=clock)
     a.check(1000)  # nothing measured, nothing pending: admitted
-    for i in range(4):  # a busy period: one request starts every 2 s
+    assert a.start_deadline_s(100) == 20.0  # no prefill measured yet: the budget again for its own prefill
+    for i in range(4):  # a busy period: one request starts every 2 s, each after a 0.5 s prefill
         a.admitted(f"r{i}")
     for i in range(4):
         clock.t += 2.0
-        a.started(f"r{i}", 100)
-    assert a.start_rate() == pytest.approx(0.5)
+        a.started(f"r{i}", 100, SimpleNamespace(first_scheduled_time=1000.0, first_token_time=1000.5))
+    assert a.start_rate() == pytest.approx(0.5) and a.typical_prefill_s() == pytest.approx(0.5)
     for i in range(5):
         a.admitted(f"w{i}")
-    assert a.estimate_wait() == pytest.approx(10.0)  # 5 ahead at 0.5 per second
+    assert a.estimate_wait() == pytest.approx(9.5)  # 5 ahead at 0.5 per second, less a prefill
     a.check(1)
     with pytest.raises(Exception) as info:
-        a.check(2)  # 6 ahead: 12 s
+        a.check(2)  # 6 ahead: 11.5 s
     assert info.value.status == 503 and info.value.headers["Retry-After"] == "2"
-    assert a.start_deadline_s(512) == pytest.approx(10.0 + 512 / 256)  # budget + own prefill at the floor rate
+    assert a.start_deadline_s(400) == pytest.approx(10.0 + 2 * 0.5 * 4)  # budget + twice a 4x longer prefill
     for i in range(5):
         a.done(f"w{i}")
     clock.t += 1000  # idle time does not dilute the rate
@@ -215,7 +217,9 @@ def test_admission_refuses_when_the_oldest_waiter_is_over_budget():
     clock = Clock()
     a = Admission(budget_s=5.0, clock=clock)
     a.admitted("stuck")
-    clock.t += 6.0
+    clock.t += 4.0
+    a.check()
+    clock.t += 2.0
     with pytest.raises(Exception) as info:
         a.check()
     assert info.value.code == "over_budget"
@@ -234,4 +238,4 @@ def test_a_request_that_cannot_start_in_time_gets_503_and_is_freed():
             load = await r.json()
         assert load["num_pending"] == 0 and load["max_queue_wait_s"] == 0.2
 
-    serve(t, max_queue_wait_s=0.2)
+    serve(t, max_queue_wait_s=0.2)  # nothing measured yet: it may wait 0.2 s plus 0.2 s for its own prefill
