@@ -60,6 +60,8 @@ class FakeInstance:
         app.router.add_get("/load", self.load)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/abort", self.abort)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     async def start(self, port: int = 0, host: str = "127.0.0.1") -> str:
@@ -97,6 +99,16 @@ class FakeInstance:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "x"}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """One token per character (its code point)."""
+        self.paths.append(request.path)
+        tokens = [ord(c) for c in (await request.json())["prompt"]]
+        return web.json_response({"count": len(tokens), "max_model_len": 1024, "tokens": tokens, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        self.paths.append(request.path)
+        return web.json_response({"prompt": "".join(chr(t) for t in (await request.json())["tokens"])})
 
     async def abort(self, request: web.Request) -> web.Response:
         raw = await request.read()
