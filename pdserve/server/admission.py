@@ -1,14 +1,14 @@
 """Admission by latency budget: a request that cannot start within `max_queue_wait_s` is refused at once (503 with
 Retry-After), instead of joining a queue it would sit in for minutes.
 
-What is measured: for every request that produced its first output, when it was admitted, when the engine first
-scheduled it (`first_scheduled_time`) and when its first token arrived. Its queue wait is scheduled - arrival, its
-prefill first token - scheduled. The estimate for a newcomer is Little's law on what this server sees: the requests
-admitted that have not produced a first output yet (`pending`: the engine's waiting queue plus prefills in
-progress) divided by the rate at which requests start, measured over recent starts while something was pending
-(idle time does not dilute it), minus a typical prefill. Two guards make it safe when the estimate is unknown or
-wrong: a request is refused when the oldest pending request has already waited longer than the budget plus a
-prefill (FCFS: the newcomer would wait at least as long), and an admitted request that has no first output by
+With continuous batching a request waits only while the engine's waiting queue is non-empty (every slot or KV
+block taken); otherwise it joins the next step. So the estimate for a newcomer is the engine's waiting queue
+(`num_waiting` from its stats) divided by the rate at which requests leave it, measured as the rate of first
+outputs over recent starts that happened while the queue was non-empty (idle and unqueued time do not dilute it).
+For every request that produced its first output, the engine's `first_scheduled_time` separates its prefill
+(first token - scheduled) from its wait. Two guards make it safe when the estimate is unknown or wrong: a request
+is refused when the oldest request still without output has waited longer than the budget plus a typical prefill
+(FCFS: the newcomer would wait at least as long), and an admitted request that has no first output by
 `start_deadline_s` (budget plus an allowance for its own prefill) is aborted with the same 503. So no admitted
 request waits silently past its budget.
 """
@@ -27,9 +27,11 @@ WINDOW_STARTS = 64  # starts the rates are measured over
 
 
 class Admission:
-    def __init__(self, budget_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, budget_s: float, clock: Callable[[], float] = time.monotonic,
+                 waiting: Callable[[], int] = lambda: 0):
         self.budget_s = budget_s  # 0: admission by budget is off (the engine's --max-waiting still applies)
         self.clock = clock
+        self.waiting = waiting  # requests in the engine's waiting queue (from its last stats)
         self.pending: dict[str, float] = {}  # request id -> admitted at
         self._gaps: deque[float] = deque(maxlen=WINDOW_STARTS)  # busy time between consecutive starts
         self._prefills: deque[tuple[float, int]] = deque(maxlen=WINDOW_STARTS)  # (prefill seconds, prompt tokens)
@@ -41,7 +43,7 @@ class Admission:
         return self.budget_s > 0
 
     def start_rate(self) -> float | None:
-        """Requests starting per second while the server had pending requests (None: not measured yet)."""
+        """Requests starting per second while the engine had a waiting queue (None: not measured yet)."""
         busy = sum(self._gaps)
         if len(self._gaps) < 2 or busy <= 0:
             return None
@@ -65,20 +67,19 @@ class Admission:
             return 0.0
         return self.clock() - min(self.pending.values())
 
-    def estimate_wait(self, ahead: int | None = None) -> float:
-        """Seconds a request arriving now would wait in the queue before it is scheduled (0: nothing pending)."""
-        ahead = len(self.pending) if ahead is None else ahead
-        if ahead == 0:
-            return 0.0
+    def estimate_wait(self, extra: int = 0) -> float:
+        """Seconds a request arriving now (after `extra` others) would wait in the queue before it is scheduled."""
+        self._observe()
+        waiting = self.waiting()
         rate = self.start_rate()
-        to_first_output = max(ahead / rate if rate else 0.0, self.oldest_wait())
-        return max(0.0, to_first_output - self.typical_prefill_s())
+        by_rate = (waiting + extra + 1) / rate if waiting and rate else 0.0
+        return max(by_rate, self.oldest_wait() - self.typical_prefill_s(), 0.0)
 
     def check(self, num_requests: int = 1) -> None:
         """Raise 503 + Retry-After when `num_requests` more would not start within the budget."""
         if not self.enabled:
             return
-        wait = self.estimate_wait(len(self.pending) + num_requests - 1)
+        wait = self.estimate_wait(num_requests - 1)
         if wait > self.budget_s:
             raise P.overloaded(
                 f"The server is overloaded: a new request would wait about {wait:.1f} s before it starts, "
@@ -91,25 +92,32 @@ class Admission:
             return None
         return self.budget_s + self.prefill_allowance_s(prompt_tokens)
 
+    def _observe(self) -> None:
+        """Track when the engine's waiting queue became non-empty (sampled at every event)."""
+        if self.waiting() > 0:
+            if self._busy_since == math.inf:
+                self._busy_since = self.clock()
+        else:
+            self._busy_since = math.inf
+
     def admitted(self, rid: str) -> None:
-        now = self.clock()
-        if not self.pending:
-            self._busy_since = now
-        self.pending[rid] = now
+        self._observe()
+        self.pending[rid] = self.clock()
 
     def started(self, rid: str, prompt_tokens: int, first_output: Any = None) -> None:
         """`first_output` (a RequestOutput) gives the engine's scheduling time, separating queue from prefill."""
         if self.pending.pop(rid, None) is None:
             return
         now = self.clock()
-        self._gaps.append(now - max(self._last_start, self._busy_since))
+        queued_since = self._busy_since
+        self._observe()
+        if queued_since != math.inf:  # a start while requests were queued: it measures the drain rate
+            self._gaps.append(now - max(self._last_start, queued_since))
         self._last_start = now
         scheduled = getattr(first_output, "first_scheduled_time", None)
         first_token = getattr(first_output, "first_token_time", None) or time.time()
         if isinstance(scheduled, (int, float)) and scheduled > 0:
             self._prefills.append((max(0.0, first_token - scheduled), prompt_tokens))
-        if not self.pending:
-            self._busy_since = math.inf  # idle from here: the next start's gap counts from the next admission
 
     def done(self, rid: str) -> None:
         """The request ended (or was refused) without starting."""

@@ -66,6 +66,13 @@ async def engine_stats(llm: Any) -> dict:
     return dict(await maybe_await(llm.stats()))
 
 
+def engine_waiting(llm: Any) -> int:
+    """Requests in the engine's waiting queue, from its last stats (0 where it cannot say synchronously)."""
+    stats = llm.stats()
+    value = stats.get("num_waiting", 0) if isinstance(stats, dict) else 0
+    return value if isinstance(value, int) else 0
+
+
 REJECTED_CODES = ("queue_full", "engine_dead", "over_budget", "queue_timeout")
 
 
@@ -147,7 +154,8 @@ def create_app(
     middlewares = [error_middleware(count_error), api_key_middleware(cfg.api_keys)]
     app = web.Application(middlewares=middlewares, client_max_size=cfg.max_request_bytes)
     tokens = TokenizerService(llm.tokenizer, cfg.tokenizer_workers)
-    st = ServerState(llm, cfg, ServerMetrics(name), name, int(time.time()), tokens, Admission(cfg.max_queue_wait_s),
+    admission = Admission(cfg.max_queue_wait_s, waiting=lambda: engine_waiting(llm))
+    st = ServerState(llm, cfg, ServerMetrics(name), name, int(time.time()), tokens, admission,
                      secret_bytes(cfg.deployment_secret))
     app[STATE] = st
 

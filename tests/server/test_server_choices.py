@@ -185,32 +185,33 @@ class Clock:
         return self.t
 
 
-def test_admission_estimates_the_wait_from_the_start_rate():
+def test_admission_estimates_the_wait_from_the_queue_and_its_drain_rate():
     clock = Clock()
-    a = Admission(budget_s=10.0, clock=clock)
-    a.check(1000)  # nothing measured, nothing pending: admitted
+    queue = [0]
+    a = Admission(budget_s=10.0, clock=clock, waiting=lambda: queue[0])
+    a.check(1000)  # nothing queued in the engine: everything joins the next step
     assert a.start_deadline_s(100) == 20.0  # no prefill measured yet: the budget again for its own prefill
-    for i in range(4):  # a busy period: one request starts every 2 s, each after a 0.5 s prefill
+    for i in range(8):
         a.admitted(f"r{i}")
-    for i in range(4):
-        clock.t += 2.0
+    for i in range(4):  # free slots: four start together, which says nothing about a queue's drain rate
         a.started(f"r{i}", 100, SimpleNamespace(first_scheduled_time=1000.0, first_token_time=1000.5))
-    assert a.start_rate() == pytest.approx(0.5) and a.typical_prefill_s() == pytest.approx(0.5)
-    for i in range(5):
-        a.admitted(f"w{i}")
-    assert a.estimate_wait() == pytest.approx(9.5)  # 5 ahead at 0.5 per second, less a prefill
+    assert a.start_rate() is None and a.typical_prefill_s() == pytest.approx(0.5)
+    queue[0] = 4
+    a.admitted("q")
+    for i in range(4, 8):  # a full batch: one leaves the queue every 2 s
+        clock.t += 2.0
+        a.started(f"r{i}", 100)
+    assert a.start_rate() == pytest.approx(0.5)
+    queue[0] = 4
+    assert a.estimate_wait() == pytest.approx(10.0)  # behind 4 queued, leaving at 0.5 per second
     a.check(1)
     with pytest.raises(Exception) as info:
-        a.check(2)  # 6 ahead: 11.5 s
+        a.check(2)  # 12 s
     assert info.value.status == 503 and info.value.headers["Retry-After"] == "2"
     assert a.start_deadline_s(400) == pytest.approx(10.0 + 2 * 0.5 * 4)  # budget + twice a 4x longer prefill
-    for i in range(5):
-        a.done(f"w{i}")
-    clock.t += 1000  # idle time does not dilute the rate
-    a.admitted("x")
-    clock.t += 2.0
-    a.started("x", 100)
-    assert a.start_rate() == pytest.approx(0.5)
+    queue[0] = 0
+    assert a.estimate_wait() < 10.0
+    a.done("q")
 
 
 def test_admission_refuses_when_the_oldest_waiter_is_over_budget():
@@ -223,8 +224,9 @@ def test_admission_refuses_when_the_oldest_waiter_is_over_budget():
     with pytest.raises(Exception) as info:
         a.check()
     assert info.value.code == "over_budget"
-    assert Admission(budget_s=0).estimate_wait() == 0.0
-    Admission(budget_s=0).check(10**6)  # off
+    a.done("stuck")
+    a.check()
+    Admission(budget_s=0, waiting=lambda: 10**6).check(10**6)  # off
 
 
 def test_a_request_that_cannot_start_in_time_gets_503_and_is_freed():
