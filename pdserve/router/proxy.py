@@ -285,11 +285,10 @@ class Router:
         out = dict(body)
         if plan.mode == "pd":
             out["pd"] = {"prefill_urls": [p.url for p in plan.prefill], "request_id": rid}
-        if stream:
-            options = dict(body.get("stream_options") or {})
-            options["include_usage"] = True
-            out["stream_options"] = options
-        return out
+        options = body.get("stream_options")
+        if stream and body.get("stream") is True and (options is None or isinstance(options, dict)):
+            out["stream_options"] = {**(options or {}), "include_usage": True}
+        return out  # anything malformed goes through unchanged: the instance refuses it with a 400
 
     async def _dispatch(self, request: web.Request, body: dict[str, Any], req: RouteRequest, rid: str,
                         arrival: float) -> web.StreamResponse:

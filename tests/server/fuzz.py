@@ -14,6 +14,7 @@ import gzip
 import json
 import random
 import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,8 +155,10 @@ def generate_cases(seed: int, n: int, max_request_bytes: int) -> list[Case]:
     while len(cases) < n:
         data = bytearray(template)
         for _ in range(rng.randint(1, 4)):
+            if not data:
+                break
             op = rng.random()
-            pos = rng.randrange(len(data)) if data else 0
+            pos = rng.randrange(len(data))
             if op < 0.4:
                 data[pos] = rng.randrange(256)
             elif op < 0.6:
@@ -178,10 +181,14 @@ def check_error_body(status: int, content_type: str, body: bytes, label: str) ->
     assert "Traceback" not in err["message"], (label, obj)
 
 
-async def send(session: aiohttp.ClientSession, base: str, case: Case, timeout_s: float) -> tuple[int, str, bytes]:
-    """(status, content type, body); raises on a hang (timeout) or a broken connection."""
+async def send(session: aiohttp.ClientSession, base: str, case: Case, timeout_s: float,
+               headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    """(status, content type, body); raises on a hang (timeout) or a broken connection. `headers` are added to
+    raw requests too (the session adds them to the others)."""
     if case.raw is not None:
-        return await _send_raw(base, case.raw, timeout_s, case.half_close)
+        line, _, rest = case.raw.partition(b"\r\n")
+        extra = b"".join(f"{k}: {v}\r\n".encode() for k, v in (headers or {}).items())
+        return await _send_raw(base, line + b"\r\n" + extra + rest, timeout_s, case.half_close)
     headers = {"Content-Type": "application/json", **case.headers}
     async with session.request(case.method, base + case.path, data=case.body, headers=headers,
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -225,7 +232,7 @@ async def run_fuzz(base: str, cases: list[Case], concurrency: int = 16, timeout_
         async def one(case: Case) -> None:
             async with sem:
                 try:
-                    status, ctype, body = await send(s, base, case, timeout_s)
+                    status, ctype, body = await send(s, base, case, timeout_s, headers)
                 except asyncio.TimeoutError:
                     raise AssertionError(f"no answer within {timeout_s} s: {case.label}") from None
             statuses[status] = statuses.get(status, 0) + 1
@@ -239,3 +246,22 @@ async def run_fuzz(base: str, cases: list[Case], concurrency: int = 16, timeout_
 
         await asyncio.gather(*(one(c) for c in cases))
     return statuses
+
+
+async def fuzz_during(streams: Callable[[], Awaitable[list[str]]], base: str, cases: list[Case],
+                      **kw: Any) -> tuple[list[list[str]], dict[int, int], float]:
+    """Run the fuzz while rounds of `streams()` run back to back (each round starts while the fuzz still runs).
+    Returns every round's outputs, the status histogram and the fuzz's duration."""
+    loop = asyncio.get_running_loop()
+
+    async def timed() -> tuple[dict[int, int], float]:
+        t0 = loop.time()
+        statuses = await run_fuzz(base, cases, **kw)
+        return statuses, loop.time() - t0
+
+    fuzz = asyncio.ensure_future(timed())
+    rounds: list[list[str]] = []
+    while not rounds or not fuzz.done():
+        rounds.append(await streams())
+    statuses, took = await fuzz
+    return rounds, statuses, took
