@@ -168,6 +168,7 @@ class GenerateRequest:
     continuous_usage: bool = False
     max_tokens_given: bool = True  # False: fill max_tokens up to the context length once the prompt is tokenized
     pd: dict | None = None
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
 
 
 Prompt = str | list[int]
@@ -250,6 +251,7 @@ def _common(body: dict, max_tokens: int | None, default_max_tokens: int | None, 
         continuous_usage=continuous,
         max_tokens_given=max_tokens is not None,
         pd=pd,
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False),
     )
 
 
@@ -360,6 +362,8 @@ def parse_chat(body: Any, max_choices: int = DEFAULT_MAX_CHOICES) -> ChatRequest
     common = _common(body, max_tokens, None, 1, max_choices)
     logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None)
+    if top is not None and top < 0:
+        raise bad_request(f"top_logprobs must be a non-negative integer, got {top}", "top_logprobs")
     if top is not None and top > 0 and not logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if logprobs:

@@ -28,12 +28,15 @@ class Choice:
 class OutputFormat:
     chunk_object = ""
 
-    def __init__(self, rid: str, model: str, tokenizer: Any):
+    def __init__(self, rid: str, model: str, tokenizer: Any, tokens_as_ids: bool = False):
         self.rid = rid
         self.model = model
         self.created = P.now()
         decode = tokenizer.decode
-        self.token_text = lru_cache(maxsize=4096)(lambda t: decode([t], skip_special_tokens=False))
+        if tokens_as_ids:  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
+            self.token_text = lambda t: f"token_id:{t}"
+        else:
+            self.token_text = lru_cache(maxsize=4096)(lambda t: decode([t], skip_special_tokens=False))
 
     def new_choice(self, index: int, echo_text: str = "") -> Choice:
         return Choice(index, echo_text)
@@ -57,8 +60,8 @@ class OutputFormat:
 class CompletionFormat(OutputFormat):
     chunk_object = "text_completion"
 
-    def __init__(self, rid: str, model: str, tokenizer: Any, logprobs: int | None):
-        super().__init__(rid, model, tokenizer)
+    def __init__(self, rid: str, model: str, tokenizer: Any, logprobs: int | None, tokens_as_ids: bool = False):
+        super().__init__(rid, model, tokenizer, tokens_as_ids)
         self.want_logprobs = logprobs is not None
 
     def new_choice(self, index: int, echo_text: str = "") -> Choice:
@@ -96,8 +99,8 @@ class CompletionFormat(OutputFormat):
 class ChatFormat(OutputFormat):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, rid: str, model: str, tokenizer: Any, logprobs: bool):
-        super().__init__(rid, model, tokenizer)
+    def __init__(self, rid: str, model: str, tokenizer: Any, logprobs: bool, tokens_as_ids: bool = False):
+        super().__init__(rid, model, tokenizer, tokens_as_ids)
         self.want_logprobs = logprobs
 
     def _logprobs(self, entries) -> dict | None:

@@ -112,7 +112,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if not ids:
             raise P.bad_request("prompt must not be empty", "prompt")
         prompts.append((ids, echo))
-    fmt = CompletionFormat(P.new_id("cmpl"), s.model_name, s.llm.tokenizer, req.sampling.logprobs)
+    fmt = CompletionFormat(P.new_id("cmpl"), s.model_name, s.llm.tokenizer, req.sampling.logprobs,
+                           req.tokens_as_ids)
     return await generate(request, s, req, children_for(s, req, fmt, prompts), fmt)
 
 
@@ -137,7 +138,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = P.parse_chat(body, s.config.max_choices)
     await admit(request, s, raw, req, req.n)
     ids = await encode_chat(s, req.messages, req.add_generation_prompt, req.continue_final_message)
-    fmt = ChatFormat(P.new_id("chatcmpl"), s.model_name, s.llm.tokenizer, req.logprobs)
+    fmt = ChatFormat(P.new_id("chatcmpl"), s.model_name, s.llm.tokenizer, req.logprobs, req.tokens_as_ids)
     return await generate(request, s, req, children_for(s, req, fmt, [(ids, "")]), fmt)
 
 
