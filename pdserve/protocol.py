@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.errors import PromptTooLong
-from pdserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
+from pdserve.sampling_params import InvalidParameter, SamplingParams
 from pdserve.validation import INT64_MAX, INT64_MIN, check_prompt_len
-
-__all__ = ["MAX_LOGPROBS"]  # and everything below, used as `P.<name>`
 
 DEFAULT_MAX_CHOICES = 128  # n x number of prompts of one request, unless the server says otherwise
 

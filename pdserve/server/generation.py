@@ -195,7 +195,7 @@ def start_timeout_error(s: ServerState) -> P.APIError:
 async def generate(request: web.Request, s: ServerState, req: P.GenerateRequest, children: list[Child],
                    fmt: OutputFormat) -> web.StreamResponse:
     """Run the children through the engine and answer, streamed or whole; always leaves the engine clean."""
-    s.admission.check(len(children))
+    s.admission.check(len(children))  # again: tokenizing took time (the handler checked before it, too)
     fan = Fanout(s, children)
     deadline = Deadline(s.config.request_timeout_s)
     start_s = s.admission.start_deadline_s(max(len(c.ids) for c in children))
