@@ -153,7 +153,7 @@ def create_app(
     name = getattr(llm, "model_name", None) or cfg.engine.name
     middlewares = [error_middleware(count_error), api_key_middleware(cfg.api_keys)]
     app = web.Application(middlewares=middlewares, client_max_size=cfg.max_request_bytes)
-    tokens = TokenizerService(llm.tokenizer, cfg.tokenizer_workers)
+    tokens = TokenizerService(llm.tokenizer, cfg.tokenizer_workers, timeout_s=cfg.request_timeout_s)
     admission = Admission(cfg.max_queue_wait_s, waiting=lambda: engine_waiting(llm))
     st = ServerState(llm, cfg, ServerMetrics(name), name, int(time.time()), tokens, admission,
                      secret_bytes(cfg.deployment_secret))

@@ -7,6 +7,7 @@ here each becomes `{"error": {"message", "type", "param", "code"}}` with its sta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -75,6 +76,11 @@ def error_middleware(on_api_error: Callable[[web.Request, APIError], None] | Non
             return close_if_unread(request, http_error_response(request, e))
         except (ConnectionResetError, BrokenPipeError):
             raise
+        except asyncio.TimeoutError:  # a bounded wait (tokenization, an upstream) ran out: busy, not broken
+            log.warning("timed out in %s %s", request.method, request.path)
+            body = error_body("The server did not finish this request in time; retry later", "server_error",
+                              code="timeout")
+            return close_if_unread(request, json_response(body, 503, {"Retry-After": "1"}))
         except Exception as e:  # the last line of defence: log the trace, answer without it
             log.exception("unhandled error in %s %s", request.method, request.path)
             body = error_body(f"Internal server error ({type(e).__name__}); see the server log.", "server_error")

@@ -72,10 +72,12 @@ class TokenizerService:
     """encode / encode_chat / decode / token_strs for one tokenizer, inline for small inputs, in worker processes
     for large ones (when the tokenizer can be reloaded from `tokenizer.name_or_path`)."""
 
-    def __init__(self, tokenizer: Any, workers: int = 1, inline_chars: int = INLINE_CHARS):
+    def __init__(self, tokenizer: Any, workers: int = 1, inline_chars: int = INLINE_CHARS,
+                 timeout_s: float = 600.0):
         self.tok = tokenizer
         self.workers = workers
         self.inline_chars = inline_chars
+        self.timeout_s = timeout_s  # bound on one call (TimeoutError; the caller answers 503)
         path = getattr(tokenizer, "name_or_path", None)
         self.path = path if isinstance(path, str) and path else None
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
@@ -101,6 +103,9 @@ class TokenizerService:
             self._pool = None
 
     async def _run(self, size: int, inline, worker, *args) -> Any:
+        return await asyncio.wait_for(self._dispatch(size, inline, worker, *args), self.timeout_s)
+
+    async def _dispatch(self, size: int, inline, worker, *args) -> Any:
         if self._pool is None or size <= self.inline_chars:
             return await asyncio.to_thread(inline, *args)
         try:

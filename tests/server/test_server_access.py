@@ -170,3 +170,14 @@ def test_prompt_longer_than_the_context_can_hold_is_refused_untokenized():
             assert err["code"] == "context_length_exceeded" and str(limit + 1) in err["message"], path
 
     serve(t)
+
+
+def test_tokenization_that_does_not_finish_in_time_gets_503():
+    async def t(s, url, llm):
+        llm.tokenizer.delay_s = 3.0
+        async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert (await expect_error(r, 503))["code"] == "timeout"
+            assert r.headers["Retry-After"] == "1"
+        assert not llm.open
+
+    serve(t, timeout_s=0.3)
