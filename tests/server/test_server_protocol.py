@@ -268,3 +268,12 @@ def test_logprob_objects():
 def test_usage_totals():
     u = P.usage(5, 3, 2)
     assert u["total_tokens"] == 8 and u["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+def test_vllm_extras():
+    assert P.parse_completion({"prompt": "a", "return_tokens_as_token_ids": True}).tokens_as_ids
+    rejects(P.parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs")
+    rejects(P.parse_completion, {"prompt": "a", "use_beam_search": True}, "use_beam_search")
+    chat = P.parse_chat({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False,
+                         "continue_final_message": True})
+    assert chat.continue_final_message and not chat.add_generation_prompt
