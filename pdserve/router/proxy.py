@@ -69,6 +69,8 @@ def read_json_bytes(raw: bytes) -> None:
 class Overloaded(str):
     """An attempt's failure message when the instance said 503 (full), so the client gets 503 + Retry-After."""
 
+    retry_after_s = 0  # the instance's own Retry-After, when it sent one
+
 
 @dataclass
 class Plan:
@@ -315,7 +317,8 @@ class Router:
         retry_after = {"Retry-After": str(self.config.retry_after_s)}
         if isinstance(last_error, Overloaded):
             self.metrics.requests.labels("none", "overloaded").inc()
-            return error_response(503, last_error, "overloaded", headers=retry_after)
+            retry = max(self.config.retry_after_s, last_error.retry_after_s)
+            return error_response(503, last_error, "overloaded", headers={"Retry-After": str(retry)})
         self.metrics.requests.labels("none", "upstream_error").inc()
         if not tried:
             return error_response(503, last_error, "upstream_error", headers=retry_after)
@@ -359,7 +362,10 @@ class Router:
             if resp.status == 503:  # instance full: another may take it
                 await resp.read()
                 resp.release()
-                return Overloaded(f"decode instance {target.url} is overloaded (503)")
+                over = Overloaded(f"decode instance {target.url} is overloaded (503)")
+                retry = resp.headers.get("Retry-After", "")
+                over.retry_after_s = int(retry) if retry.isdigit() and len(retry) < 6 else 0
+                return over
             if not stream or resp.status != 200:
                 return await self._relay_body(resp, plan, attempt, arrival)
             return await self._relay_stream(request, resp, plan, rid, attempt, wants_usage, arrival)

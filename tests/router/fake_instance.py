@@ -25,6 +25,7 @@ class Behavior:
     token_delay_s: float = 0.0  # between streamed tokens
     first_delay_s: float = 0.0  # before the first token (or before the whole non-streamed body)
     fail_status: int | None = None  # answer every generate request with this status
+    fail_headers: dict[str, str] = field(default_factory=dict)  # ... and these headers
     die_after_tokens: int | None = None  # abort the connection after this many tokens (simulated crash)
     load_delay_s: float = 0.0  # /load answers this late (a busy or hung instance)
     load_status: int = 200
@@ -141,7 +142,7 @@ class FakeInstance:
             b = self.behavior
             if b.fail_status is not None:
                 return web.json_response({"error": {"message": "fake failure", "type": "x", "code": b.fail_status}},
-                                         status=b.fail_status)
+                                         status=b.fail_status, headers=b.fail_headers)
             if b.first_delay_s:
                 await asyncio.sleep(b.first_delay_s)
             chat = request.path.endswith("/chat/completions")

@@ -144,3 +144,16 @@ def test_every_instance_over_budget_sheds_at_once_with_retry_after():
             assert status == 200 and len(d.decode[1].requests) == 1 and not d.decode[0].requests
 
     run(main())
+
+
+def test_an_instances_retry_after_reaches_the_client():
+    async def main():
+        async with Deployment(decode=2) as d:
+            for fake, retry in zip(d.decode, ("4", "9")):
+                fake.behavior.fail_status = 503
+                fake.behavior.fail_headers = {"Retry-After": retry}
+            async with d.client.post(d.url + "/v1/completions", json={"prompt": "x"}) as r:
+                await error_of(r, 503)
+                assert r.headers["Retry-After"] in ("4", "9")  # the last instance tried
+
+    run(main())
