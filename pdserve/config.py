@@ -45,8 +45,8 @@ class KVTransferConfig:
     order_timeout_s: float = 120.0  # the prefill and the push, end to end
     order_max_attempts: int = 3  # prefill candidates tried in turn
     order_backoff_s: float = 0.05  # before the second attempt; doubles after
-    # the deployment secret every KV agent of the deployment proves to its peers (flags --kv-secret /
-    # --kv-secret-file or PDSERVE_KV_SECRET / PDSERVE_KV_SECRET_FILE; `pdserve serve` generates one)
+    # the deployment secret (pdserve.secret: --deployment-secret-file or PDSERVE_DEPLOYMENT_SECRET(_FILE); `pdserve
+    # serve` generates one): KV agents prove it to their peers, internal HTTP requests are signed with it
     secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,13 +135,36 @@ class ServerConfig:
     port: int = 8000
     engine: EngineConfig = field(default_factory=EngineConfig)
     request_timeout_s: float = 600.0
+    # HTTP access and hardening (pdserve.server; docs/security.md)
+    api_keys: list[str] = field(default_factory=list)  # clients must send one as a bearer token (empty: none needed)
+    max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    body_read_timeout_s: float = 30.0  # a body not fully received within this gets 408
+    max_prompt_chars: int | None = None  # longer prompt text gets 400 untokenized (None: max_model_len x longest token)
+    tokenizer_workers: int = 1  # processes that tokenize long prompts off the server's GIL (0: threads only)
+    max_choices: int = 128  # most choices (n x prompts) in one request
+    max_queue_wait_s: float = 30.0  # a request that cannot start within this gets 503 + Retry-After (0: no limit)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request timeout must be positive, got {self.request_timeout_s}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max request bytes must be at least 1024, got {self.max_request_bytes}")
+        if self.body_read_timeout_s <= 0:
+            raise ValueError(f"body read timeout must be positive, got {self.body_read_timeout_s}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max prompt chars must be positive, got {self.max_prompt_chars}")
+        if self.tokenizer_workers < 0 or self.max_queue_wait_s < 0:
+            raise ValueError("tokenizer workers and max queue wait must not be negative")
+        if self.max_choices < 1:
+            raise ValueError(f"max choices must be at least 1, got {self.max_choices}")
 
     @property
     def role(self) -> str:
         return self.engine.kv_transfer.role
+
+    @property
+    def deployment_secret(self) -> bytes | None:
+        """Signs internal requests; an instance honours `pd` only when signed with it (one owner: the KV config)."""
+        return self.engine.kv_transfer.secret

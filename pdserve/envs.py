@@ -38,12 +38,19 @@ def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def kv_secret() -> str | None:
-    """`PDSERVE_KV_SECRET`: the deployment secret KV agents prove to each other (see pdserve.kv.secret); prefer
-    `PDSERVE_KV_SECRET_FILE` where the environment of a process is visible to other users."""
-    return os.environ.get("PDSERVE_KV_SECRET") or None
+def api_key() -> str | None:
+    """`PDSERVE_API_KEY`: the API key clients must send (`Authorization: Bearer <key>`) to an instance's or the
+    router's /v1 routes when no --api-key is given; the router also forwards it to instances by default."""
+    return os.environ.get("PDSERVE_API_KEY") or None
 
 
-def kv_secret_file() -> str | None:
-    """`PDSERVE_KV_SECRET_FILE`: path of a file holding the KV deployment secret (read when no secret is given)."""
-    return os.environ.get("PDSERVE_KV_SECRET_FILE") or None
+def deployment_secret() -> str | None:
+    """`PDSERVE_DEPLOYMENT_SECRET`: the one secret the processes of a deployment share (at least 16 bytes): it signs
+    internal HTTP requests (the router's `pd` orders, decode-to-prefill orders) and KV agents prove it to each other
+    (pdserve.kv.secret). Prefer `PDSERVE_DEPLOYMENT_SECRET_FILE` where a process's environment is visible to others."""
+    return os.environ.get("PDSERVE_DEPLOYMENT_SECRET") or None
+
+
+def deployment_secret_file() -> str | None:
+    """`PDSERVE_DEPLOYMENT_SECRET_FILE`: path of a file holding the deployment secret (read when no secret is given)."""
+    return os.environ.get("PDSERVE_DEPLOYMENT_SECRET_FILE") or None

@@ -13,7 +13,7 @@ import torch
 
 # The deployment secret every prefill/decode instance the tests start proves to its KV peers (tests of the
 # refusal without one remove it from their child's environment).
-os.environ.setdefault("PDSERVE_KV_SECRET", "pdserve-test-suite-kv-secret-not-for-production")
+os.environ.setdefault("PDSERVE_DEPLOYMENT_SECRET", "pdserve-test-suite-kv-secret-not-for-production")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -38,9 +38,9 @@ def test_unknown_subcommand_is_an_error():
     assert r.returncode != 0 and "invalid choice" in r.stderr
 
 
-def test_a_pd_instance_without_the_kv_secret_is_refused_at_once():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_KV_SECRET")}
+def test_a_pd_instance_without_the_deployment_secret_is_refused_at_once():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_DEPLOYMENT_SECRET")}
     r = subprocess.run([sys.executable, "-m", "pdserve.cli", "instance", "--role", "decode", "--port", "0"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2
-    assert "needs the deployment's KV secret" in r.stderr and "--kv-secret-file" in r.stderr
+    assert "needs the deployment secret" in r.stderr and "--deployment-secret-file" in r.stderr

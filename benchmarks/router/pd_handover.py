@@ -27,6 +27,7 @@ import os
 import queue
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,8 +40,10 @@ from typing import Any
 import aiohttp
 
 from pdserve import stats
+from pdserve.signing import sign_request
 
 ROOT = Path(__file__).resolve().parents[2]
+SECRET = secrets.token_urlsafe(32)  # this run's deployment secret: the launcher and the pd_direct requests share it
 PATHS = ("pd_direct", "router", "prefill_alone", "decode_local")
 
 
@@ -82,7 +85,8 @@ class Deployment:
                *args.instance_args.split()]
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_DEPLOYMENT_SECRET": SECRET},
+                                     start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
         self.output: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -125,11 +129,16 @@ class Deployment:
 
 async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                          timeout: float) -> dict[str, Any]:
-    """One streamed completion: client TTFT and, when present, the pd_timings of the usage chunk."""
+    """One streamed completion: client TTFT and, when present, the pd_timings of the usage chunk. A body with
+    `pd` is signed with the deployment secret, as the router signs it (an instance refuses it unsigned)."""
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if "pd" in body:
+        headers.update(sign_request(SECRET.encode(), "POST", "/v1/completions", data))
     t0 = time.perf_counter()
     ttft = None
     timings = None
-    async with session.post(url + "/v1/completions", json=body,
+    async with session.post(url + "/v1/completions", data=data, headers=headers,
                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
         if resp.status != 200:
             return {"error": f"HTTP {resp.status}: {(await resp.text())[:300]}"}

@@ -25,7 +25,7 @@ import numpy as np
 from pdserve.bench.paths import add_output_flags, result_path
 from pdserve.kv.config import AgentConfig
 from pdserve.kv.model_shapes import kv_shape
-from pdserve.kv.secret import generate_secret
+from pdserve.secret import generate_secret
 from pdserve.stats import median, percentile
 
 

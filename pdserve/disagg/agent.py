@@ -8,14 +8,13 @@ from pdserve.engine.kv_connector import KVPool
 from pdserve.engine.messages import POOL_REGION
 from pdserve.kv import AgentConfig, ThreadedAgent
 from pdserve.kv.errors import KVConfigError
+from pdserve.secret import HELP
 
 
 def agent_config(config: KVTransferConfig) -> AgentConfig:
     if config.secret is None:
         raise KVConfigError(
-            f"a {config.role} instance needs the deployment's KV secret, the same on every instance: "
-            "--kv-secret-file FILE (or --kv-secret VALUE, PDSERVE_KV_SECRET, PDSERVE_KV_SECRET_FILE); "
-            "`pdserve serve --prefill X --decode Y` makes one for the instances it starts")
+            f"a {config.role} instance needs the deployment secret, the same on every instance: {HELP}")
     return AgentConfig(host=config.host, port=config.port, transport=config.transport, secret=config.secret)
 
 

@@ -10,6 +10,7 @@ the router's per-phase metrics), nothing in the engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import asdict
@@ -22,6 +23,7 @@ from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.messages import KVAdmitted, KVFallback, KVReserved, PDEvent
 from pdserve.engine.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.signing import sign_request
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +34,19 @@ PUBLIC_TIMINGS = ("queue_s", "prefill_s", "handover_s", "first_token_s", "prefil
                   "num_cached_tokens", "push_s", "prefill_http_s")
 
 
+def order_sampling(params: SamplingParams) -> dict:
+    """The sampling parameters of the prefill side, which samples the first token only: max_tokens 1 (and
+    min_tokens at most 1); logit_bias as [id, bias] pairs (msgpack maps of the order take string keys only)."""
+    d = {**asdict(params), "max_tokens": 1, "min_tokens": min(params.min_tokens, 1)}
+    if params.logit_bias is not None:
+        d["logit_bias"] = [[int(k), float(v)] for k, v in params.logit_bias.items()]
+    return d
+
+
 def prefill_order(rid: str, prompt_token_ids: list[int], params: SamplingParams, ev: KVReserved) -> dict:
     """The body of POST /internal/pd/prefill."""
     d = ev.dest
-    return {"request_id": rid, "prompt_token_ids": prompt_token_ids, "sampling": {**asdict(params), "max_tokens": 1},
+    return {"request_id": rid, "prompt_token_ids": prompt_token_ids, "sampling": order_sampling(params),
             "dest": {"agent": d.agent, "region": d.region, "block_ids": list(d.block_ids),
                      "start_block": d.start_block, "request_id": d.request_id,
                      "layout": asdict(d.layout) if d.layout is not None else None}}
@@ -98,9 +109,18 @@ class DecodeDriver:
         if self.session is not None:
             asyncio.get_running_loop().create_task(self._abort_remote(url, rid))
 
+    def _signed(self, path: str, body: bytes, content_type: str) -> dict[str, str]:
+        """Headers of an internal request: the prefill instance verifies them with the deployment secret."""
+        headers = {"Content-Type": content_type}
+        if self.config.secret is not None:
+            headers.update(sign_request(self.config.secret, "POST", path, body))
+        return headers
+
     async def _abort_remote(self, url: str, rid: str) -> None:
+        body = json.dumps({"request_id": rid}).encode()
         try:
-            async with self.session.post(url.rstrip("/") + ABORT_ROUTE, json={"request_id": rid},
+            async with self.session.post(url.rstrip("/") + ABORT_ROUTE, data=body,
+                                         headers=self._signed(ABORT_ROUTE, body, "application/json"),
                                          timeout=aiohttp.ClientTimeout(total=2)) as r:
                 await r.read()
         except Exception:  # best effort: the lease frees the blocks anyway
@@ -125,7 +145,8 @@ class DecodeDriver:
                 t0 = time.time()
                 try:
                     async with self.session.post(
-                        url.rstrip("/") + PREFILL_ROUTE, data=payload, headers={"Content-Type": ORDER_CONTENT_TYPE},
+                        url.rstrip("/") + PREFILL_ROUTE, data=payload,
+                        headers=self._signed(PREFILL_ROUTE, payload, ORDER_CONTENT_TYPE),
                         timeout=aiohttp.ClientTimeout(total=cfg.order_timeout_s,
                                                       sock_connect=cfg.order_connect_timeout_s),
                     ) as r:

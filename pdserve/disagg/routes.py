@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -18,10 +19,11 @@ from aiohttp import web
 from pdserve.config import KVTransferConfig
 from pdserve.disagg.driver import ABORT_ROUTE, PREFILL_ROUTE, DecodeDriver
 from pdserve.engine.async_llm import AsyncLLM
-from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.engine.messages import POOL_REGION, KVDestination, KVLayout
+from pdserve.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.protocol import error_body
 from pdserve.sampling_params import InvalidParameter, SamplingParams
+from pdserve.signing import verify_request
 
 MAX_DEST_BLOCKS = 1 << 20
 
@@ -45,6 +47,11 @@ def parse_order(body: object) -> tuple[str, list[int], SamplingParams, KVDestina
     sampling = body["sampling"]
     if not isinstance(sampling, dict):
         raise TypeError("sampling must be an object")
+    bias = sampling.get("logit_bias")
+    if bias is not None:  # [id, bias] pairs on the wire (pdserve.disagg.driver.order_sampling)
+        if not isinstance(bias, list) or not all(isinstance(p, list) and len(p) == 2 for p in bias):
+            raise TypeError("sampling.logit_bias must be a list of [token id, bias] pairs")
+        sampling = {**sampling, "logit_bias": {k: v for k, v in bias}}
     params = SamplingParams(**sampling)
     d = body["dest"]
     if not isinstance(d, dict):
@@ -72,8 +79,10 @@ def add_prefill_routes(app: web.Application, llm: AsyncLLM, config: KVTransferCo
     orders: dict[str, str] = {}  # decode-side request id -> our engine request id
 
     async def prefill(request: web.Request) -> web.Response:
+        raw = await request.read()
+        verify_request(config.secret, request, raw)  # 401 unless a decode instance of this deployment signed it
         try:
-            remote_rid, ids, params, dest = parse_order(unpack_order(await request.read()))
+            remote_rid, ids, params, dest = parse_order(unpack_order(raw))
         except (ValueError, KeyError, TypeError, InvalidParameter) as e:
             return _json_error(f"bad prefill order: {e}", 400)
         ours = (llm.info.get("kv") or {}).get("layout")
@@ -99,8 +108,10 @@ def add_prefill_routes(app: web.Application, llm: AsyncLLM, config: KVTransferCo
             "bytes": done.nbytes, "transport": done.transport}})
 
     async def abort_order(request: web.Request) -> web.Response:
+        raw = await request.read()
+        verify_request(config.secret, request, raw)
         try:
-            body = await request.json()
+            body = json.loads(raw)
             rid = orders.get(str(body["request_id"]))
         except (ValueError, KeyError, TypeError):
             return _json_error("body must be {\"request_id\": ...}", 400)
@@ -112,10 +123,12 @@ def add_prefill_routes(app: web.Application, llm: AsyncLLM, config: KVTransferCo
     app.router.add_post(ABORT_ROUTE, abort_order)
 
 
-def add_abort_route(app: web.Application, llm: AsyncLLM) -> None:
+def add_abort_route(app: web.Application, llm: AsyncLLM, secret: bytes | None) -> None:
     async def abort_by_router_id(request: web.Request) -> web.Response:
+        raw = await request.read()
+        verify_request(secret, request, raw)  # only the router (or a process holding the secret) aborts by id
         try:
-            body = await request.json()
+            body = json.loads(raw)
             alias = str(body["request_id"])
         except (ValueError, KeyError, TypeError):
             return _json_error("body must be {\"request_id\": ...}", 400)
@@ -143,7 +156,7 @@ def pd_routes(llm: AsyncLLM, config: KVTransferConfig) -> Callable[[web.Applicat
     cycle."""
 
     def install(app: web.Application) -> None:
-        add_abort_route(app, llm)
+        add_abort_route(app, llm, config.secret)
         if config.role == "prefill":
             add_prefill_routes(app, llm, config)
         if config.role == "decode":

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pdserve.config import EngineConfig
-from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -41,6 +40,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.output_processor import RequestState
 from pdserve.engine.outputs import RequestOutput
+from pdserve.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

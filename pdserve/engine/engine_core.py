@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.errors import PromptTooLong
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, KVPool, make_connector
@@ -32,6 +31,7 @@ from pdserve.engine.messages import (
 from pdserve.engine.request import Request
 from pdserve.engine.runner import block_bytes, kv_cache_torch_dtype
 from pdserve.engine.scheduler import Scheduler
+from pdserve.errors import PromptTooLong
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.stats import median

@@ -27,8 +27,8 @@ from pdserve.kv.errors import (
     TransportUnavailableError,
 )
 from pdserve.kv.notify import Notification
-from pdserve.kv.secret import generate_secret, load_secret
 from pdserve.kv.threaded import ThreadedAgent
+from pdserve.secret import generate_secret, load_secret
 
 __all__ = [
     "AccessDeniedError",

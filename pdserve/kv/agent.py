@@ -80,9 +80,9 @@ class KVAgent:
         self.config = cfg = config or AgentConfig(**overrides)
         if cfg.secret is None and not cfg.insecure:
             raise KVConfigError("KV agent has no secret and will not listen without one: set AgentConfig.secret "
-                                "(pdserve.kv.secret.load_secret reads --kv-secret, --kv-secret-file, "
-                                "PDSERVE_KV_SECRET, PDSERVE_KV_SECRET_FILE), or insecure=True for an open port "
-                                "(tests only)")
+                                "(pdserve.secret.load_secret reads --deployment-secret-file, "
+                                "PDSERVE_DEPLOYMENT_SECRET, PDSERVE_DEPLOYMENT_SECRET_FILE), or insecure=True for "
+                                "an open port (tests only)")
         self.name = cfg.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.host_id = host_id()
         self.regions = RegionTable()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import KV_TRANSPORTS as TRANSPORTS
 from pdserve.envs import kv_cuda_streams
-from pdserve.kv.secret import check_secret
+from pdserve.secret import check_secret
 
 CUDA_COPY_METHODS = ("auto", "batch", "kernel", "percopy")
 
@@ -83,7 +83,7 @@ class AgentConfig:
             raise ValueError("tcp_connections must be at least 1")
         if self.secret is not None:
             if isinstance(self.secret, str):
-                raise ValueError("secret must be bytes (pdserve.kv.secret.load_secret turns text into bytes)")
+                raise ValueError("secret must be bytes (pdserve.secret.load_secret turns text into bytes)")
             self.secret = check_secret(self.secret)
             if self.insecure:
                 raise ValueError("insecure=True contradicts a configured secret; set one or the other")

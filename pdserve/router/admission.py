@@ -3,6 +3,8 @@
 A request is admitted at once while some healthy decode (or both) instance is under its limits; otherwise it
 waits in the router's queue, which is bounded in length and in time. Beyond either bound it is refused with
 503 + Retry-After, so overload is shed explicitly instead of growing every instance's queue without limit.
+When every healthy instance reports (in /load) that a new request would wait longer than its latency budget, the
+request is refused at once: queueing it in the router would only move the wait, not shorten it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from pdserve.router.pool import Instance, Pools
 class Rejected(Exception):
     """Admission refused the request: `status` (503/429) and a message for the client."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class Admission:
@@ -39,7 +42,15 @@ class Admission:
     def is_full(self, inst: Instance) -> bool:
         if inst.inflight >= self.config.max_inflight_per_instance:
             return True
-        return inst.load is not None and inst.load.num_waiting > self.config.max_waiting_per_instance
+        load = inst.load
+        return load is not None and (load.num_waiting > self.config.max_waiting_per_instance or load.over_budget)
+
+    def over_budget(self, targets: list[Instance]) -> float | None:
+        """When every target is over its latency budget: the seconds until the first is expected back under it."""
+        loads = [t.load for t in targets]
+        if not targets or not all(ld is not None and ld.over_budget for ld in loads):
+            return None
+        return min(ld.queue_wait_s - ld.max_queue_wait_s for ld in loads)  # type: ignore[union-attr]
 
     def spare(self) -> int:
         """How many more requests the healthy, non-full targets can take right now."""
@@ -57,6 +68,11 @@ class Admission:
         if not self.targets():
             self.metrics.rejected.labels("no_healthy_instance").inc()
             raise Rejected(503, "no_healthy_instance", "no healthy decode instance is available")
+        excess = self.over_budget(self.targets())
+        if excess is not None:
+            self.metrics.rejected.labels("over_budget").inc()
+            raise Rejected(503, "over_budget", "every instance is over its latency budget; retry later",
+                           max(float(self.config.retry_after_s), excess))
         if not self._waiters and self.spare() > 0:
             self.metrics.router_queue.observe(0.0)
             return 0.0

@@ -28,6 +28,9 @@ import yaml
 ROLES = ("prefill", "decode", "both")
 
 
+POLICY_NAMES = ("round_robin", "least_loaded", "kv_aware")  # pdserve.router.policies registers exactly these
+
+
 def normalize_url(url: str) -> str:
     """`host:port` or `http://host:port/` -> `http://host:port`, so pools and `pd.prefill_urls` compare equal."""
     url = url.strip()
@@ -52,7 +55,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
 
-    # policies (names from pdserve.router.policies.POLICIES)
+    # policies (POLICY_NAMES; pdserve.router.policies implements each)
     prefill_policy: str = "kv_aware"
     decode_policy: str = "least_loaded"
     both_policy: str = "least_loaded"
@@ -87,6 +90,13 @@ class RouterConfig:
     read_timeout_s: float = 600.0  # longest silence tolerated from an upstream (a long queue + prefill)
     abort_timeout_s: float = 1.0  # best-effort POST /v1/abort on client disconnect / decode death
 
+    # access and limits (docs/security.md)
+    api_keys: list[str] = field(default_factory=list)  # clients must send one as a bearer token (empty: none)
+    instance_api_key: str | None = None  # the key sent to instances (default: the router's first key)
+    deployment_secret: str | bytes | None = None  # signs the `pd` orders and aborts sent to instances (needed for PD)
+    max_request_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    body_read_timeout_s: float = 30.0  # a body not fully received within this gets 408
+
     def __post_init__(self) -> None:
         self.prefill = [normalize_url(u) for u in self.prefill]
         self.decode = [normalize_url(u) for u in self.decode]
@@ -99,12 +109,10 @@ class RouterConfig:
                 seen[url] = role
         if not self.decode and not self.both:
             raise ValueError("the router needs at least one decode or both instance (--decode URL or --both URL)")
-        from pdserve.router.policies import POLICIES  # late: policies import this module's types
-
         for name in ("prefill_policy", "decode_policy", "both_policy"):
             value = getattr(self, name)
-            if value not in POLICIES:
-                raise ValueError(f"{name}={value!r} is not one of {sorted(POLICIES)}")
+            if value not in POLICY_NAMES:
+                raise ValueError(f"{name}={value!r} is not one of {sorted(POLICY_NAMES)}")
         positive = [
             "prefix_chunk_chars", "prefix_cache_chunks", "chars_per_token", "max_prefill_candidates",
             "max_inflight_per_instance", "health_interval_s", "health_timeout_s", "breaker_failures",
@@ -122,6 +130,20 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if isinstance(self.api_keys, str):
+            self.api_keys = [self.api_keys]
+        if not isinstance(self.api_keys, list) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError("api_keys must be a list of non-empty strings")
+        from pdserve.secret import as_secret
+
+        as_secret(self.deployment_secret)  # refuses a secret too short to be safe
+        if self.max_request_bytes < 1024 or self.body_read_timeout_s <= 0:
+            raise ValueError("max_request_bytes must be at least 1024 and body_read_timeout_s positive")
+
+    @property
+    def upstream_api_key(self) -> str | None:
+        """The bearer token the router sends to instances."""
+        return self.instance_api_key or (self.api_keys[0] if self.api_keys else None)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RouterConfig:

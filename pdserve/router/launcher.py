@@ -180,14 +180,11 @@ def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
         base_port = args.port + 1 if args.port else 0
     extra = instance_argv(args)
     threads = max(1, (os.cpu_count() or 1) // len(plan))
-    secret_file = write_kv_secret(args, log_dir) if any(role != "both" for role, _ in plan) else None
     children: list[Child] = []
     try:
         for k, (role, name) in enumerate(plan):
             port = base_port + k if base_port else free_port()
-            env = dict(os.environ)
-            if secret_file is not None:  # never on a command line: other local users can read those
-                env["PDSERVE_KV_SECRET_FILE"] = str(secret_file)
+            env = dict(os.environ)  # with PDSERVE_DEPLOYMENT_SECRET_FILE (write_secret): never on a command line
             slot = k % len(gpus) if gpus else None
             gpu = gpus[slot] if slot is not None else None
             device: list[str] = []
@@ -209,16 +206,20 @@ def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
     return children
 
 
-def write_kv_secret(args: argparse.Namespace, log_dir: Path) -> Path:
-    """The deployment's KV secret in a file only this user can read: the one given (flag or environment), else a
-    new random one; the instances find it through PDSERVE_KV_SECRET_FILE."""
-    from pdserve.kv.secret import generate_secret, load_secret
+def write_secret(args: argparse.Namespace, log_dir: Path) -> Path:
+    """The deployment secret in a file only this user can read: the one given (flag or environment), else a new
+    random one. The router (this process) and every instance find it through PDSERVE_DEPLOYMENT_SECRET_FILE, which
+    this sets; command lines and environments never carry the secret itself."""
+    from pdserve.secret import generate_secret, load_secret
 
-    secret = load_secret(getattr(args, "kv_secret", None), getattr(args, "kv_secret_file", None))
-    path = log_dir / "kv-secret"
+    secret = load_secret(file=getattr(args, "deployment_secret_file", None))
+    path = log_dir / "deployment-secret"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(secret if secret is not None else generate_secret().encode())
+    os.environ.pop("PDSERVE_DEPLOYMENT_SECRET", None)
+    os.environ["PDSERVE_DEPLOYMENT_SECRET_FILE"] = str(path)
+    args.deployment_secret_file = str(path)
     return path
 
 
@@ -307,6 +308,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    write_secret(args, log_dir)  # one deployment secret for the router and every instance (signed orders, KV)
     children = spawn_children(args, log_dir)
     for c in children:
         where = f"GPU {c.gpu}" if c.gpu is not None else "CPU"

@@ -44,8 +44,11 @@ HELP = {
     "startup_wait_s": "seconds the router waits for its first health poll round",
     "connect_timeout_s": "timeout of connecting to an instance",
     "abort_timeout_s": "timeout of the best-effort POST /v1/abort",
+    "max_request_bytes": "larger request bodies get HTTP 413",
+    "body_read_timeout_s": "seconds a client may take to send its request body (then HTTP 408)",
 }
-EXCLUDED = set(ROLES) | {"host", "port"}
+ACCESS = {"api_keys", "instance_api_key", "deployment_secret"}  # secrets: their own flags, env fallbacks
+EXCLUDED = set(ROLES) | {"host", "port"} | ACCESS
 
 
 def _flag(name: str) -> str:
@@ -83,8 +86,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default=None, help=f"listen address (default: {RouterConfig.host})")
     parser.add_argument("--port", type=int, default=None, help=f"listen port (default: {RouterConfig.port})")
     add_tunable_arguments(parser)
+    add_access_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def add_access_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """The router's credentials (names and meaning shared with the instance flags, so `pdserve serve` passes the
+    same values to both)."""
+    parser.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                        help="clients must send `Authorization: Bearer KEY` to /v1/*, /tokenize, /detokenize "
+                             "(default: $PDSERVE_API_KEY, else no key needed)")
+    parser.add_argument("--instance-api-key", default=None, metavar="KEY",
+                        help="the key the router sends to instances (default: its own first key)")
+    parser.add_argument("--deployment-secret-file", default=None, metavar="FILE",
+                        help="file holding the deployment secret the router signs `pd` orders and aborts with "
+                             "(default: $PDSERVE_DEPLOYMENT_SECRET_FILE, $PDSERVE_DEPLOYMENT_SECRET); needed to disaggregate")
+
+
+def access_values(args: argparse.Namespace) -> dict[str, Any]:
+    """api_keys, instance_api_key and deployment_secret from flags, else the environment (None: not given)."""
+    from pdserve import envs
+    from pdserve.secret import load_secret
+
+    keys = getattr(args, "api_key", None) or ([envs.api_key()] if envs.api_key() else None)
+    return {"api_keys": list(keys) if keys else None,
+            "instance_api_key": getattr(args, "instance_api_key", None),
+            "deployment_secret": load_secret(file=getattr(args, "deployment_secret_file", None))}
 
 
 def build_config(args: argparse.Namespace, config_path: str | None = None, **extra: Any) -> RouterConfig:
@@ -99,6 +127,7 @@ def build_config(args: argparse.Namespace, config_path: str | None = None, **ext
         values[role] = list(urls) if isinstance(urls, list) and urls else None
     values["host"] = getattr(args, "host", None)
     values["port"] = getattr(args, "port", None)
+    values.update(access_values(args))
     values.update(extra)
     if config_path:
         return RouterConfig.from_yaml(config_path, **values)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import POLICY_NAMES, RouterConfig
 from pdserve.router.pool import Instance
 
 
@@ -40,6 +40,9 @@ POLICIES: dict[str, type[Policy]] = {}
 
 
 def register(name: str) -> Callable[[type[Policy]], type[Policy]]:
+    if name not in POLICY_NAMES:
+        raise ValueError(f"policy {name!r} must be listed in pdserve.router.config.POLICY_NAMES")
+
     def deco(cls: type[Policy]) -> type[Policy]:
         cls.name = name
         POLICIES[name] = cls

@@ -76,7 +76,7 @@ class CircuitBreaker:
 
 
 LOAD_FIELDS = ("num_running", "num_waiting", "running_tokens", "waiting_tokens", "kv_usage",
-               "num_free_blocks", "num_total_blocks")
+               "num_free_blocks", "num_total_blocks", "queue_wait_s", "max_queue_wait_s")
 
 
 @dataclass
@@ -88,7 +88,14 @@ class LoadSnapshot:
     kv_usage: float = 0.0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    queue_wait_s: float = 0.0  # the instance's estimate of how long a new request would wait to start
+    max_queue_wait_s: float = 0.0  # its latency budget (0: none)
     role: str | None = None
+
+    @property
+    def over_budget(self) -> bool:
+        """The instance would refuse a new request: its estimated wait exceeds its budget."""
+        return self.max_queue_wait_s > 0 and self.queue_wait_s > self.max_queue_wait_s
 
     @classmethod
     def from_json(cls, data: Any) -> LoadSnapshot:

@@ -26,9 +26,9 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
             if not isinstance(msg, dict):
                 continue
             content = msg.get("content")
-            if isinstance(content, list):  # OpenAI content parts
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"<|{msg.get('role', '')}|>{content or ''}")
+            if isinstance(content, list):  # OpenAI content parts (malformed ones are the instance's to refuse)
+                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            parts.append(f"<|{msg.get('role', '')}|>{content if isinstance(content, str) else ''}")
         return "\n".join(parts)
     prompt = body.get("prompt", "")
     if isinstance(prompt, str):

@@ -8,6 +8,11 @@ locally (short uncached prompt, every prefill queue over its limit, no prefill i
 Every accepted request ends with a response or an error: failures before the client saw a byte are retried on
 another decode instance (bounded), failures after are reported as an SSE error event, and client disconnects close
 the upstream connection (D aborts) and send best-effort `POST /v1/abort` to every instance involved.
+
+Access: clients need one of the router's API keys (pdserve.server.auth); the router sends its instance key to
+instances and signs every request carrying `pd` (and every abort) with the deployment secret, without which it
+never disaggregates. Bodies are read as strictly as an instance reads them (pdserve.server.body), and every error,
+404/405/413 included, is OpenAI's JSON error object.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdserve.protocol import APIError
 from pdserve.router.admission import Admission, Rejected
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -31,10 +37,16 @@ from pdserve.router.policies import RouteRequest, make_policy
 from pdserve.router.pool import Instance, Pools
 from pdserve.router.prefix import chunk_hashes, prompt_text
 from pdserve.router.sse import SSEFilter, error_event, pop_timings
+from pdserve.secret import as_secret
+from pdserve.server.auth import api_key_middleware, bearer
+from pdserve.server.body import RUNNER_OPTIONS, parse_json, read_body, read_json
+from pdserve.server.errors import error_middleware
+from pdserve.signing import sign_request
 
 log = logging.getLogger("pdserve.router")
 
 GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions")
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
 # failures of an upstream exchange: retried on another decode instance while the client has seen nothing
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
@@ -50,8 +62,16 @@ def error_response(status: int, message: str, type_: str, headers: dict[str, str
     return web.json_response(body, status=status, headers=headers)
 
 
+def read_json_bytes(raw: bytes) -> None:
+    """Strict JSON check of a body the router forwards unchanged (raises APIError 400)."""
+    if not isinstance(parse_json(raw), dict):
+        raise APIError("The request body must be a JSON object")
+
+
 class Overloaded(str):
     """An attempt's failure message when the instance said 503 (full), so the client gets 503 + Retry-After."""
+
+    retry_after_s = 0  # the instance's own Retry-After, when it sent one
 
 
 @dataclass
@@ -89,6 +109,11 @@ class Router:
         self.decode_policy = make_policy(config.decode_policy, config)
         self.both_policy = make_policy(config.both_policy, config)
         self.session: aiohttp.ClientSession | None = None
+        self.secret = as_secret(config.deployment_secret)
+        self.upstream_auth = bearer(config.upstream_api_key)
+        if config.prefill and self.secret is None:
+            log.warning("no deployment secret (PDSERVE_DEPLOYMENT_SECRET or --deployment-secret-file): instances "
+                        "refuse unsigned pd orders, so every request is prefilled on its decode instance")
         self._tasks: set[asyncio.Task] = set()
         for inst in self.pools:
             self.metrics.on_state(inst, inst.breaker.state, inst.breaker.state)
@@ -96,9 +121,13 @@ class Router:
     # ---- app and lifecycle ----
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        cfg = self.config
+        middlewares = [error_middleware(), api_key_middleware(cfg.api_keys)]
+        app = web.Application(middlewares=middlewares, client_max_size=cfg.max_request_bytes)
         for route in GENERATE_ROUTES:
             app.router.add_post(route, self.handle_generate)
+        for route in TOKENIZER_ROUTES:
+            app.router.add_post(route, self.handle_tokenizer)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -151,7 +180,7 @@ class Router:
 
         async def fetch(inst: Instance) -> list[dict[str, Any]]:
             try:
-                async with self.session.get(inst.url + "/v1/models", timeout=timeout) as resp:
+                async with self.session.get(inst.url + "/v1/models", timeout=timeout, headers=self.upstream_auth) as resp:
                     data = await resp.json(content_type=None)
                     return [m for m in data.get("data", []) if isinstance(m, dict)] if resp.status == 200 else []
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
@@ -165,13 +194,38 @@ class Router:
             return error_response(503, "no healthy instance answered /v1/models", "upstream_error")
         return web.json_response({"object": "list", "data": list(models.values())})
 
+    async def handle_tokenizer(self, request: web.Request) -> web.Response:
+        """/tokenize and /detokenize: checked here as strictly as an instance would, answered by the healthy decode
+        (or colocated) instance with the fewest requests outstanding."""
+        cfg = self.config
+        raw = await read_body(request, cfg.body_read_timeout_s, cfg.max_request_bytes)
+        read_json_bytes(raw)
+        targets = self.admission.targets()
+        if not targets:
+            return error_response(503, "no healthy instance is available", "upstream_error",
+                                  headers={"Retry-After": str(cfg.retry_after_s)})
+        target = min(targets, key=lambda i: i.inflight)
+        headers = {"Content-Type": "application/json", **self.upstream_auth}
+        try:
+            async with self.session.post(target.url + request.path, data=raw, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=cfg.read_timeout_s)) as resp:
+                data = await resp.read()
+                content_type = resp.headers.get("Content-Type", "application/json")
+                return web.Response(body=data, status=resp.status, headers={"Content-Type": content_type})
+        except UPSTREAM_ERRORS as exc:
+            return error_response(502, f"instance {target.url} failed: {exc!r}", "upstream_error")
+
     # ---- planning ----
 
     def route_request(self, path: str, body: dict[str, Any]) -> RouteRequest:
         cfg = self.config
         text = prompt_text(path, body)
+        prompt = body.get("prompt")
+        copies = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+        n = body.get("n")
+        copies *= n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 else 1
         return RouteRequest(
-            est_tokens=math.ceil(len(text) / cfg.chars_per_token),
+            est_tokens=math.ceil(len(text) / cfg.chars_per_token) * copies,
             hashes=chunk_hashes(text, cfg.prefix_chunk_chars),
             tokens_per_chunk=cfg.prefix_chunk_chars / cfg.chars_per_token,
         )
@@ -197,6 +251,8 @@ class Router:
         prefill = self.pools.available("prefill")
         if not prefill:
             return Plan(target, "local", [], "no_prefill")
+        if self.secret is None:  # an unsigned pd order would be refused
+            return Plan(target, "local", [], "no_secret")
         uncached = req.est_tokens - req.overlap_tokens(target)
         if uncached <= cfg.local_prefill_max_tokens:
             return Plan(target, "local", [], "short")
@@ -210,10 +266,7 @@ class Router:
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
-        try:
-            body = await request.json()
-        except ValueError:
-            return error_response(400, "request body is not valid JSON", "invalid_request_error")
+        _, body = await read_json(request, self.config.body_read_timeout_s, self.config.max_request_bytes)
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
         chat = request.path.endswith("/chat/completions")
@@ -226,8 +279,8 @@ class Router:
         try:
             await self.admission.acquire()
         except Rejected as rej:
-            return error_response(rej.status, str(rej), "overloaded",
-                                  headers={"Retry-After": str(self.config.retry_after_s)})
+            retry = max(self.config.retry_after_s, math.ceil(rej.retry_after_s or 0))
+            return error_response(rej.status, str(rej), "overloaded", headers={"Retry-After": str(retry)})
         req = self.route_request(request.path, body)
         rid = f"rt-{uuid.uuid4().hex}"
         return await self._dispatch(request, body, req, rid, arrival)
@@ -236,11 +289,10 @@ class Router:
         out = dict(body)
         if plan.mode == "pd":
             out["pd"] = {"prefill_urls": [p.url for p in plan.prefill], "request_id": rid}
-        if stream:
-            options = dict(body.get("stream_options") or {})
-            options["include_usage"] = True
-            out["stream_options"] = options
-        return out
+        options = body.get("stream_options")
+        if stream and body.get("stream") is True and (options is None or isinstance(options, dict)):
+            out["stream_options"] = {**(options or {}), "include_usage": True}
+        return out  # anything malformed goes through unchanged: the instance refuses it with a 400
 
     async def _dispatch(self, request: web.Request, body: dict[str, Any], req: RouteRequest, rid: str,
                         arrival: float) -> web.StreamResponse:
@@ -267,7 +319,8 @@ class Router:
         retry_after = {"Retry-After": str(self.config.retry_after_s)}
         if isinstance(last_error, Overloaded):
             self.metrics.requests.labels("none", "overloaded").inc()
-            return error_response(503, last_error, "overloaded", headers=retry_after)
+            retry = max(self.config.retry_after_s, last_error.retry_after_s)
+            return error_response(503, last_error, "overloaded", headers={"Retry-After": str(retry)})
         self.metrics.requests.labels("none", "upstream_error").inc()
         if not tried:
             return error_response(503, last_error, "upstream_error", headers=retry_after)
@@ -288,7 +341,7 @@ class Router:
             plan.prefill[0].pending_tokens += req.est_tokens
             plan.prefill[0].prefix.insert(req.hashes)
         try:
-            post = asyncio.ensure_future(self._post(url, payload, rid))
+            post = asyncio.ensure_future(self._post(url, request.path, payload, rid))
             try:
                 await asyncio.wait({post, attempt.down}, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
@@ -311,7 +364,10 @@ class Router:
             if resp.status == 503:  # instance full: another may take it
                 await resp.read()
                 resp.release()
-                return Overloaded(f"decode instance {target.url} is overloaded (503)")
+                over = Overloaded(f"decode instance {target.url} is overloaded (503)")
+                retry = resp.headers.get("Retry-After", "")
+                over.retry_after_s = int(retry) if retry.isdigit() and len(retry) < 6 else 0
+                return over
             if not stream or resp.status != 200:
                 return await self._relay_body(resp, plan, attempt, arrival)
             return await self._relay_stream(request, resp, plan, rid, attempt, wants_usage, arrival)
@@ -324,8 +380,16 @@ class Router:
             target.inflight -= 1
             self.admission.wake()
 
-    async def _post(self, url: str, payload: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
-        return await self.session.post(url, json=payload, headers={"X-Request-Id": rid})
+    def _headers(self, path: str, data: bytes, signed: bool) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", **self.upstream_auth}
+        if signed and self.secret is not None:
+            headers.update(sign_request(self.secret, "POST", path, data))
+        return headers
+
+    async def _post(self, url: str, path: str, payload: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
+        data = json.dumps(payload, ensure_ascii=False).encode()
+        headers = {"X-Request-Id": rid, **self._headers(path, data, "pd" in payload)}
+        return await self.session.post(url, data=data, headers=headers)
 
     async def _relay_body(self, resp: aiohttp.ClientResponse, plan: Plan, attempt: _Attempt,
                           arrival: float) -> web.StreamResponse | str:
@@ -422,9 +486,12 @@ class Router:
         """Best effort: tell instances to drop `rid` (covers a D that died before telling its P)."""
         timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
 
+        data = json.dumps({"request_id": rid}).encode()
+
         async def one(inst: Instance) -> None:
             try:
-                async with self.session.post(inst.url + "/v1/abort", json={"request_id": rid}, timeout=timeout):
+                async with self.session.post(inst.url + "/v1/abort", data=data, timeout=timeout,
+                                             headers=self._headers("/v1/abort", data, True)):
                     pass
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
@@ -435,7 +502,7 @@ class Router:
 async def start_router(config: RouterConfig) -> tuple[Router, web.AppRunner]:
     """Start serving on config.host:config.port; returns the router and the runner (call runner.cleanup())."""
     router = Router(config)
-    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None, **RUNNER_OPTIONS)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

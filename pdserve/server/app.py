@@ -1,18 +1,18 @@
-"""The instance's aiohttp application: OpenAI routes, health, version, load and metrics.
+"""The instance's aiohttp application: OpenAI routes, tokenize/detokenize, health, version, load and metrics.
 
 Why a factory taking the engine: the same app serves a colocated instance, a prefill or a decode instance
 (the PD layer adds its internal routes through `extra_routes`), and tests build it around any engine.
-Every error leaves as OpenAI's JSON error object with a meaningful status; nothing leaks a stack trace.
+Every error leaves as OpenAI's JSON error object with a meaningful status (404, 405, 413, 415 and 401 included);
+nothing leaks a stack trace. /health and /load read cached engine stats only, so a busy instance answers them at
+once (the router's health checks must never time out because the engine is working).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -20,42 +20,16 @@ from aiohttp import web
 from pdserve import __version__
 from pdserve.config import ServerConfig
 from pdserve.protocol import APIError, error_body, model_not_found
+from pdserve.secret import as_secret
+from pdserve.server import openai_routes
+from pdserve.server.admission import Admission
+from pdserve.server.auth import api_key_middleware
+from pdserve.server.errors import error_middleware, json_response
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from pdserve.server.state import STATE, ServerState, state
+from pdserve.server.tokenizing import TokenizerService
 
 log = logging.getLogger("pdserve.server")
-
-MAX_BODY_BYTES = 64 * 1024 * 1024  # long prompts sent as token-id lists run to megabytes
-
-
-@dataclass
-class ServerState:
-    """What every handler needs, stored once on the app."""
-
-    llm: Any  # pdserve.engine.async_llm.AsyncLLM, or anything with the same interface
-    config: ServerConfig
-    metrics: ServerMetrics
-    model_name: str
-    created: int
-
-
-STATE = web.AppKey("pdserve_state", ServerState)
-
-
-def state(request: web.Request) -> ServerState:
-    return request.app[STATE]
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=json.dumps(obj, ensure_ascii=False).encode(),
-        status=status,
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-def error_response(e: APIError) -> web.Response:
-    return json_response(e.body(), e.status, e.headers)
 
 
 async def maybe_await(value: Any) -> Any:
@@ -66,43 +40,29 @@ async def engine_stats(llm: Any) -> dict:
     return dict(await maybe_await(llm.stats()))
 
 
-_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+def engine_waiting(llm: Any) -> int:
+    """Requests in the engine's waiting queue, from its last stats (0 where it cannot say synchronously)."""
+    stats = llm.stats()
+    value = stats.get("num_waiting", 0) if isinstance(stats, dict) else 0
+    return value if isinstance(value, int) else 0
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Map every failure to OpenAI's error JSON: APIError as is, HTTP errors by status, the rest as a plain 500."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        if request.path.startswith("/v1/"):  # failures after admission are counted by the request's tracker
-            if e.status < 500:
-                state(request).metrics.outcome("invalid")
-            elif e.code in ("queue_full", "engine_dead"):
-                state(request).metrics.outcome("rejected")
-        return error_response(e)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = _HTTP_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "server_error")
-        headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
-        message = f"{e.reason}: {request.method} {request.path}" if e.status in (404, 405) else (e.text or e.reason)
-        return json_response(error_body(message, kind, code=str(e.status)), e.status, headers)
-    except (ConnectionResetError, BrokenPipeError):
-        raise
-    except Exception as e:  # the last line of defence: log the trace, answer without it
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        body = error_body(f"Internal server error ({type(e).__name__}); see the server log.", "server_error")
-        return json_response(body, 500)
+REJECTED_CODES = ("queue_full", "engine_dead", "over_budget", "queue_timeout")
+
+
+def count_error(request: web.Request, e: APIError) -> None:
+    """Requests refused before admission, by outcome (failures after it are counted by the request's tracker)."""
+    if request.path.startswith("/v1/"):
+        if e.status < 500:
+            state(request).metrics.outcome("invalid")
+        elif e.code in REJECTED_CODES:
+            state(request).metrics.outcome("rejected")
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine answers; 503 (with the reason) once it has died, so routers drain this instance."""
+    """200 while the engine process runs; 503 (with the reason) once it has died, so routers drain this instance.
+    Never waits on the engine: a busy instance is healthy."""
     llm = state(request).llm
-    try:
-        await engine_stats(llm)
-    except Exception as e:
-        return json_response(error_body(f"engine unavailable: {e}", "server_error"), 503)
     if not getattr(llm, "is_alive", True):
         return json_response(error_body("the engine process is not running", "server_error"), 503)
     return web.Response(text="OK")
@@ -141,6 +101,7 @@ async def load(request: web.Request) -> web.Response:
     s = state(request)
     stats = await engine_stats(s.llm)
     stats["role"] = s.config.role
+    stats.update(s.admission.snapshot())
     return json_response(stats)
 
 
@@ -160,11 +121,25 @@ def create_app(
     extra_routes: Callable[[web.Application], None] | None = None,
 ) -> web.Application:
     """Build the app around a started engine. `extra_routes(app)` may add routes (the PD layer's internal API)."""
-    from pdserve.server import openai_routes  # imports torch-free modules only; kept local to avoid a cycle
 
-    name = getattr(llm, "model_name", None) or server_config.engine.name
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ServerState(llm, server_config, ServerMetrics(name), name, int(time.time()))
+    cfg = server_config
+    name = getattr(llm, "model_name", None) or cfg.engine.name
+    middlewares = [error_middleware(count_error), api_key_middleware(cfg.api_keys)]
+    app = web.Application(middlewares=middlewares, client_max_size=cfg.max_request_bytes)
+    tokens = TokenizerService(llm.tokenizer, cfg.tokenizer_workers, timeout_s=cfg.request_timeout_s)
+    admission = Admission(cfg.max_queue_wait_s, waiting=lambda: engine_waiting(llm))
+    st = ServerState(llm, cfg, ServerMetrics(name), name, int(time.time()), tokens, admission,
+                     as_secret(cfg.deployment_secret))
+    app[STATE] = st
+
+    async def start_tokens(_app: web.Application) -> None:
+        await tokens.start()
+
+    async def stop_tokens(_app: web.Application) -> None:
+        await tokens.close()
+
+    app.on_startup.append(start_tokens)
+    app.on_cleanup.append(stop_tokens)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
@@ -173,6 +148,8 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", openai_routes.completions)
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
+    app.router.add_post("/tokenize", openai_routes.tokenize)
+    app.router.add_post("/detokenize", openai_routes.detokenize)
     if extra_routes is not None:
         extra_routes(app)
     return app

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve import envs
 from pdserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -32,6 +33,9 @@ from pdserve.config import (
     KVTransferConfig,
     ServerConfig,
 )
+from pdserve.secret import HELP as SECRET_HELP
+from pdserve.secret import load_secret
+from pdserve.server.body import RUNNER_OPTIONS
 
 log = logging.getLogger("pdserve.server")
 
@@ -116,11 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
                    help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
     k.add_argument("--kv-layerwise", default=_default(K, "layerwise"), choices=KV_LAYERWISE,
                    help="prefill role: push each layer's KV while later layers compute (auto: when the transport is tcp)")
-    k.add_argument("--kv-secret-file", default=None, metavar="FILE",
-                   help="the deployment's KV secret (same on every instance; env PDSERVE_KV_SECRET_FILE)")
-    k.add_argument("--kv-secret", default=None, metavar="VALUE",
-                   help="the secret itself (visible to local users in the process list: prefer --kv-secret-file or "
-                        "env PDSERVE_KV_SECRET)")
+    add_access_arguments(_Group(parser, "access and limits (docs/security.md)", skip))
     return parser
 
 
@@ -128,26 +128,60 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
 KV_FLAGS = {"role": "role", "kv_transport": "transport", "kv_host": "host", "kv_port": "port", "kv_lease": "lease_s",
             "kv_fallback": "fallback", "kv_layerwise": "layerwise"}
 # flag dest -> ServerConfig field
-SERVER_FLAGS = {"host": "host", "port": "port", "request_timeout": "request_timeout_s"}
+SERVER_FLAGS = {"host": "host", "port": "port", "request_timeout": "request_timeout_s",
+                "max_request_bytes": "max_request_bytes", "body_read_timeout": "body_read_timeout_s",
+                "max_prompt_chars": "max_prompt_chars", "tokenizer_workers": "tokenizer_workers",
+                "max_queue_wait": "max_queue_wait_s"}
 
 
 def _engine_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(EngineConfig) if f.name != "kv_transfer"]
 
 
+def add_access_arguments(a: Any) -> None:
+    S = ServerConfig
+    a.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                   help="clients must send `Authorization: Bearer KEY` to /v1/*, /tokenize, /detokenize (several "
+                        "keys allowed; default: $PDSERVE_API_KEY, else no key needed)")
+    a.add_argument("--deployment-secret-file", default=None, metavar="FILE",
+                   help="file holding the deployment secret that signs internal requests (default: "
+                        "$PDSERVE_DEPLOYMENT_SECRET_FILE, $PDSERVE_DEPLOYMENT_SECRET): signs internal requests and "
+                        "authenticates KV agents; a prefill or decode instance needs it")
+    a.add_argument("--max-request-bytes", type=int, default=_default(S, "max_request_bytes"),
+                   help="larger request bodies get HTTP 413")
+    a.add_argument("--body-read-timeout", type=float, default=_default(S, "body_read_timeout_s"),
+                   help="seconds a client may take to send its request body (then HTTP 408)")
+    a.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer prompt text gets HTTP 400 without tokenizing (default: max-model-len times the "
+                        "longest token in characters)")
+    a.add_argument("--tokenizer-workers", type=int, default=_default(S, "tokenizer_workers"),
+                   help="processes that tokenize long prompts off the server's event loop (0: threads only)")
+    a.add_argument("--max-queue-wait", type=float, default=_default(S, "max_queue_wait_s"),
+                   help="seconds a request may wait to start; one that cannot gets HTTP 503 + Retry-After at once "
+                        "(0: no limit)")
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The client API keys: --api-key, else $PDSERVE_API_KEY, else none (they never go on an instance's argv)."""
+    return list(args.api_key) if getattr(args, "api_key", None) else ([envs.api_key()] if envs.api_key() else [])
+
+
 def build_config(args: argparse.Namespace) -> ServerConfig:
     """Flags -> ServerConfig (raises ValueError with the dataclasses' own message on a bad value)."""
-    from pdserve.kv.secret import load_secret  # the KV package only when a flag set needs it
-
     ns = vars(args)
-    secret = load_secret(ns.get("kv_secret"), ns.get("kv_secret_file")) if ns["role"] != "both" else None
+    secret = load_secret(file=ns.get("deployment_secret_file"))
     if ns["role"] != "both" and secret is None:
-        raise ValueError(f"a {ns['role']} instance needs the deployment's KV secret, the same on every instance: "
-                         "--kv-secret-file FILE (or PDSERVE_KV_SECRET_FILE, PDSERVE_KV_SECRET); `pdserve serve "
-                         "--prefill X --decode Y` makes one for the instances it starts")
+        raise ValueError(f"a {ns['role']} instance needs the deployment secret, the same on every instance: "
+                         f"{SECRET_HELP}")
     kv = KVTransferConfig(**{field: ns[flag] for flag, field in KV_FLAGS.items()}, secret=secret)
     engine = EngineConfig(**{name: ns[name] for name in _engine_fields()}, kv_transfer=kv)
-    return ServerConfig(engine=engine, **{field: ns[flag] for flag, field in SERVER_FLAGS.items()})
+    server = {}
+    for flag, field in SERVER_FLAGS.items():
+        # `pdserve serve` shares some flags with the router, whose dest is the field name and default None
+        value = ns[flag] if flag in ns else ns.get(field)
+        if value is not None:
+            server[field] = value
+    return ServerConfig(engine=engine, **server, api_keys=api_keys(args))
 
 
 def config_argv(config: ServerConfig) -> list[str]:
@@ -210,6 +244,7 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
     runner = web.AppRunner(
         create_app(llm, config, routes),
         handler_cancellation=True,  # a client that disconnects cancels its handler, which aborts its request
+        **RUNNER_OPTIONS,  # request bodies are decoded by pdserve.server.body
         access_log=log if access_log else None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
@@ -222,6 +257,10 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
         await runner.cleanup()
         await llm.shutdown()
         return 1
+    if config.role != "both" and config.deployment_secret is None:
+        print("pdserve: warning: no deployment secret (PDSERVE_DEPLOYMENT_SECRET or --deployment-secret-file): "
+              "this instance refuses every `pd` order, so it cannot take part in disaggregated serving",
+              file=sys.stderr, flush=True)
     port = runner.addresses[0][1] if runner.addresses else config.port
     name = getattr(llm, "model_name", None) or config.engine.name
     print(f"pdserve: serving {name} on http://{config.host}:{port} (role {config.role})", flush=True)

@@ -10,15 +10,15 @@ import urllib.request
 
 import pytest
 
-from tests.server.live_server import LiveServer
+from tests.server.live_server import LiveServer, pd_headers
 
 DEAD = "http://127.0.0.1:1"  # nothing listens on port 1
 ARGS = ("--role", "decode", "--max-model-len", "512", "--num-gpu-blocks", "64", "--kv-transport", "tcp")
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    data = json.dumps(body).encode()  # a pd order must be signed with the deployment secret
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers=pd_headers(data))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())

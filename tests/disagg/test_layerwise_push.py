@@ -9,14 +9,14 @@ import urllib.request
 
 import pytest
 
-from tests.server.live_server import LiveServer
+from tests.server.live_server import LiveServer, pd_headers
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of " * 6]
 
 
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    data = json.dumps(body).encode()  # a pd order must be signed with the deployment secret
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers=pd_headers(data))
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.errors import PromptTooLong
+from pdserve.errors import PromptTooLong
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 
 

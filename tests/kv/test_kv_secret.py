@@ -11,15 +11,15 @@ from pdserve.kv.auth import Initiator, Responder, hkdf
 
 
 def test_secret_sources_in_order(tmp_path, monkeypatch, caplog):
-    monkeypatch.delenv("PDSERVE_KV_SECRET", raising=False)
-    monkeypatch.delenv("PDSERVE_KV_SECRET_FILE", raising=False)
+    monkeypatch.delenv("PDSERVE_DEPLOYMENT_SECRET", raising=False)
+    monkeypatch.delenv("PDSERVE_DEPLOYMENT_SECRET_FILE", raising=False)
     assert load_secret() is None
     f = tmp_path / "kv.secret"
     f.write_text("from-the-file-0123456789\n")
     f.chmod(0o600)
-    monkeypatch.setenv("PDSERVE_KV_SECRET_FILE", str(f))
+    monkeypatch.setenv("PDSERVE_DEPLOYMENT_SECRET_FILE", str(f))
     assert load_secret() == b"from-the-file-0123456789"
-    monkeypatch.setenv("PDSERVE_KV_SECRET", "from-the-environment-01")
+    monkeypatch.setenv("PDSERVE_DEPLOYMENT_SECRET", "from-the-environment-01")
     assert load_secret() == b"from-the-environment-01"
     g = tmp_path / "flag.secret"
     g.write_bytes(os.urandom(24))

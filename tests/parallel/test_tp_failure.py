@@ -14,8 +14,8 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.errors import EngineDead
 from pdserve.engine.executor import WorkerDied
+from pdserve.errors import EngineDead
 from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)

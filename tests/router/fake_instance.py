@@ -17,12 +17,15 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.signing import verify_request
+
 
 @dataclass
 class Behavior:
     token_delay_s: float = 0.0  # between streamed tokens
     first_delay_s: float = 0.0  # before the first token (or before the whole non-streamed body)
     fail_status: int | None = None  # answer every generate request with this status
+    fail_headers: dict[str, str] = field(default_factory=dict)  # ... and these headers
     die_after_tokens: int | None = None  # abort the connection after this many tokens (simulated crash)
     load_delay_s: float = 0.0  # /load answers this late (a busy or hung instance)
     load_status: int = 200
@@ -30,10 +33,13 @@ class Behavior:
 
 
 class FakeInstance:
-    def __init__(self, role: str = "decode", name: str = "fake", model: str = "fake-model") -> None:
+    def __init__(self, role: str = "decode", name: str = "fake", model: str = "fake-model",
+                 secret: bytes | None = None) -> None:
         self.role = role
         self.name = name
         self.model = model
+        self.secret = secret  # when set, `pd` orders and aborts must be signed with it (as a real instance checks)
+        self.authorization: list[str | None] = []  # the Authorization header of every generate request
         self.behavior = Behavior()
         self.requests: list[dict[str, Any]] = []  # bodies received on generate routes
         self.paths: list[str] = []
@@ -55,6 +61,8 @@ class FakeInstance:
         app.router.add_get("/load", self.load)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/abort", self.abort)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     async def start(self, port: int = 0, host: str = "127.0.0.1") -> str:
@@ -93,8 +101,21 @@ class FakeInstance:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "x"}]})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """One token per character (its code point)."""
+        self.paths.append(request.path)
+        tokens = [ord(c) for c in (await request.json())["prompt"]]
+        return web.json_response({"count": len(tokens), "max_model_len": 1024, "tokens": tokens, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        self.paths.append(request.path)
+        return web.json_response({"prompt": "".join(chr(t) for t in (await request.json())["tokens"])})
+
     async def abort(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        raw = await request.read()
+        if self.secret is not None:
+            verify_request(self.secret, request, raw)
+        body = json.loads(raw)
         self.aborts.append(body.get("request_id"))
         return web.json_response({"aborted": True})
 
@@ -109,7 +130,11 @@ class FakeInstance:
         return web.json_response(data, status=b.load_status)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        raw = await request.read()
+        body = json.loads(raw)
+        if "pd" in body and self.secret is not None:
+            verify_request(self.secret, request, raw)
+        self.authorization.append(request.headers.get("Authorization"))
         self.requests.append(body)
         self.paths.append(request.path)
         self.active += 1
@@ -117,7 +142,7 @@ class FakeInstance:
             b = self.behavior
             if b.fail_status is not None:
                 return web.json_response({"error": {"message": "fake failure", "type": "x", "code": b.fail_status}},
-                                         status=b.fail_status)
+                                         status=b.fail_status, headers=b.fail_headers)
             if b.first_delay_s:
                 await asyncio.sleep(b.first_delay_s)
             chat = request.path.endswith("/chat/completions")

@@ -15,6 +15,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.proxy import Router, bound_port, start_router
 from tests.router.fake_instance import FakeInstance
 
+SECRET = "router-tests-deployment-secret-0123"
+
 
 def run(coro: Any, timeout: float = 60.0) -> Any:
     """Run a test coroutine with a hard deadline, so a bug shows up as a failure instead of a hang."""
@@ -51,7 +53,8 @@ class Deployment:
 
     def __init__(self, prefill: int = 0, decode: int = 1, both: int = 0, **overrides: Any) -> None:
         self.counts = {"prefill": prefill, "decode": decode, "both": both}
-        self.overrides = {"health_interval_s": 0.05, "startup_wait_s": 2.0, "port": 0, **overrides}
+        self.overrides = {"health_interval_s": 0.05, "startup_wait_s": 2.0, "port": 0,
+                          "deployment_secret": SECRET, **overrides}
         self.fakes: dict[str, list[FakeInstance]] = {}
         self.router: Router | None = None
         self.url = ""
@@ -70,7 +73,9 @@ class Deployment:
 
     async def __aenter__(self) -> Deployment:
         for role, n in self.counts.items():
-            self.fakes[role] = [FakeInstance(role, name=f"{role}{i}") for i in range(n)]
+            secret = self.overrides["deployment_secret"]
+            self.fakes[role] = [FakeInstance(role, name=f"{role}{i}", secret=secret.encode() if secret else None)
+                                for i in range(n)]
             for fake in self.fakes[role]:
                 await fake.start()
         urls = {role: [f.url for f in fakes] for role, fakes in self.fakes.items()}

@@ -30,6 +30,7 @@ import aiohttp
 import pytest
 
 from tests.router.router_harness import wait_line
+from tests.server.live_server import SECRET
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,8 @@ ROUTER_FLAGS = ["--local-prefill-max-tokens", "0", "--health-timeout", "5", "--b
 
 
 def _start(cmd: list[str], pattern: str, timeout: float) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # one deployment secret for the routers and the instances: the routers sign their pd orders with it
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PDSERVE_DEPLOYMENT_SECRET": SECRET}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: queue.Queue = queue.Queue()

@@ -18,8 +18,18 @@ import time
 import urllib.request
 
 READY = re.compile(r"pdserve: serving (\S+) on (http://\S+) \(role (\w+)\)")
+# every test server gets this deployment secret (PD orders must be signed with it: see pd_headers)
+SECRET = "pdserve-tests-deployment-secret-0123456789"
 START_TIMEOUT_S = 300.0  # first start converts the GGUF tokenizer (~15 s) and assembles the default model
 STOP_TIMEOUT_S = 60.0
+
+
+def pd_headers(body: bytes, path: str = "/v1/completions") -> dict[str, str]:
+    """Headers signing `body` (sent to `path`) with the test servers' deployment secret, as the router signs the
+    requests it sends with a `pd` field; an instance refuses `pd` in an unsigned request."""
+    from pdserve.signing import sign_request
+
+    return {"Content-Type": "application/json", **sign_request(SECRET.encode(), "POST", path, body)}
 
 
 def parse_sse(raw: str) -> list:
@@ -36,7 +46,7 @@ def parse_sse(raw: str) -> list:
 class LiveServer:
     def __init__(self, *args: str, start_timeout_s: float = START_TIMEOUT_S):
         cmd = [sys.executable, "-m", "pdserve.server", "--port", "0", "--device", "cpu", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_DEPLOYMENT_SECRET": SECRET}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()

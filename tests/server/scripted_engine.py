@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.engine.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
+from pdserve.errors import EngineDead, PromptTooLong, QueueFull
 
 VOCAB = 256
 WORD = "abcdefghijklmnopqrstuvwxyz"
@@ -22,6 +22,7 @@ class ByteTokenizer:
 
     vocab_size = VOCAB
     eos_token_ids = [0]
+    max_token_chars = 1  # a character is at least one byte, so at least one token
     delay_s = 0.0  # a blocking pause per encode, standing in for a long prompt's tokenization
 
     def encode(self, text: str) -> list[int]:

@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from pdserve.config import EngineConfig, ServerConfig
+from pdserve.config import EngineConfig, KVTransferConfig, ServerConfig
 from pdserve.engine.messages import ImportParams
 from pdserve.server.app import create_app
+from pdserve.server.body import RUNNER_OPTIONS
+from pdserve.signing import sign_request
 from tests.server.live_server import parse_sse
 from tests.server.scripted_engine import WORD, ScriptedLLM
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def serve(test: Callable[[aiohttp.ClientSession, str, ScriptedLLM], Awaitable[None]], llm=None, timeout_s=600.0):
+def serve(test: Callable[[aiohttp.ClientSession, str, ScriptedLLM], Awaitable[None]], llm=None, timeout_s=600.0,
+          **config: object):
     """Run `test(session, base_url, llm)` against the app on a loopback port, cancelling handlers on disconnect."""
     llm = llm or ScriptedLLM()
-    config = ServerConfig(engine=EngineConfig(model="scripted"), request_timeout_s=timeout_s)
+    secret = config.pop("secret", None)
+    engine = EngineConfig(model="scripted", kv_transfer=KVTransferConfig(secret=secret.encode() if secret else None))
+    config = ServerConfig(engine=engine, request_timeout_s=timeout_s, **config)
 
     async def main() -> None:
-        server = TestServer(create_app(llm, config), handler_cancellation=True)
-        await server.start_server()
+        server = TestServer(create_app(llm, config))
+        await server.start_server(**RUNNER_OPTIONS)  # handler_cancellation is on in test servers
         try:
             async with aiohttp.ClientSession() as session:
                 await test(session, str(server.make_url("")).rstrip("/"), llm)
@@ -141,17 +147,47 @@ def test_logprobs_shapes():
     serve(t)
 
 
-def test_pd_field_reaches_the_engine_typed():
+SECRET = "test-deployment-secret-0123456789"
+
+
+def test_pd_field_is_honoured_only_when_signed():
     async def t(s, url, llm):
         pd = {"prefill_urls": ["http://127.0.0.1:9"], "request_id": "rt-1"}
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "pd": pd}) as r:
+        body = json.dumps({"prompt": "x", "max_tokens": 1, "pd": pd}).encode()
+        post = url + "/v1/completions"
+        async with s.post(post, data=body) as r:
+            assert (await expect_error(r, 401))["code"] == "missing_signature"
+        wrong = sign_request(b"another-secret-of-enough-length", "POST", "/v1/completions", body)
+        async with s.post(post, data=body, headers=wrong) as r:
+            assert (await expect_error(r, 401))["code"] == "invalid_signature"
+        headers = sign_request(SECRET.encode(), "POST", "/v1/completions", body)
+        async with s.post(post, data=body[:-1] + b" }", headers=headers) as r:  # the body was altered
+            assert (await expect_error(r, 401))["code"] == "invalid_signature"
+        async with s.post(post, data=body, headers=headers) as r:
             assert r.status == 200
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "pd": {}}) as r:
+        async with s.post(post, data=body, headers=headers) as r:
+            assert (await expect_error(r, 401))["code"] == "replayed_signature"
+
+        async def signed(pd: object) -> aiohttp.ClientResponse:
+            b = json.dumps({"prompt": "x", "max_tokens": 1, "pd": pd}).encode()
+            return await s.post(post, data=b, headers=sign_request(SECRET.encode(), "POST", "/v1/completions", b))
+
+        async with await signed({}) as r:
             assert r.status == 200  # no prefill candidate: a local prefill
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1,
-                                                         "pd": {"prefill_urls": "nope"}}) as r:
-            assert r.status == 400 and (await r.json())["error"]["param"] == "pd"
+        async with await signed({"prefill_urls": "nope"}) as r:
+            assert (await expect_error(r, 400))["param"] == "pd"
         assert llm.seen_kv == [ImportParams(("http://127.0.0.1:9",), "rt-1"), None]
+
+    serve(t, secret=SECRET)
+
+
+def test_pd_field_is_refused_without_a_deployment_secret():
+    async def t(s, url, llm):
+        body = json.dumps({"prompt": "x", "max_tokens": 1, "pd": {"k": 1}}).encode()
+        headers = sign_request(SECRET.encode(), "POST", "/v1/completions", body)
+        async with s.post(url + "/v1/completions", data=body, headers=headers) as r:
+            assert (await expect_error(r, 401))["code"] == "no_deployment_secret"
+        assert llm.seen_kv == []
 
     serve(t)
 
@@ -264,7 +300,7 @@ def test_metrics_after_traffic():
     async def t(s, url, llm):
         async with s.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}) as r:
             assert r.status == 200
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "n": 2}) as r:
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "n": 0}) as r:
             assert r.status == 400
         async with s.get(url + "/metrics") as r:
             text = await r.text()

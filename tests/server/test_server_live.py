@@ -176,14 +176,14 @@ def test_invalid_requests_get_openai_errors(client, server, tokenizer):
     status, body = post_raw(server, "/v1/chat/completions", json.dumps({"model": server.model}).encode())
     assert status == 400 and body["error"]["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=server.model, prompt=PROMPT, n=2)
-    assert e.value.status_code == 400 and "n must be 1" in e.value.message
+        client.completions.create(model=server.model, prompt=PROMPT, n=2, temperature=0)
+    assert e.value.status_code == 400 and "n must be 1 when using greedy sampling" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.model, prompt=PROMPT, temperature=5)
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=server.model, prompt=["one", "two"])
-    assert "batch prompts" in e.value.message
+        client.completions.create(model=server.model, prompt=[[1, 2], []])
+    assert "prompt[1]" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt=PROMPT)
     assert e.value.body["code"] == "model_not_found"

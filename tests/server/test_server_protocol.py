@@ -8,6 +8,7 @@ import pytest
 
 from pdserve import protocol as P
 from pdserve.engine.outputs import TokenLogprob
+from pdserve.errors import PromptTooLong
 from pdserve.sampling_params import SamplingParams
 
 
@@ -27,7 +28,7 @@ def rejects(parse, body, param=None, status=400, contains=None) -> P.APIError:
 
 def test_completion_defaults_match_sampling_params():
     req = P.parse_completion({"model": "m", "prompt": "hi"})
-    assert req.prompt == "hi" and req.model == "m" and not req.stream
+    assert req.prompts == ["hi"] and req.model == "m" and not req.stream and req.n == 1
     assert req.sampling.max_tokens == SamplingParams().max_tokens
     assert not req.max_tokens_given
     assert req.sampling.temperature == SamplingParams().temperature
@@ -55,7 +56,7 @@ def test_completion_fields_reach_sampling_params():
     }
     req = P.parse_completion(body)
     s = req.sampling
-    assert req.prompt == [1, 2, 3]
+    assert req.prompts == [[1, 2, 3]]
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (7, 0, 0.5, 4, 0.1, 11)
     assert s.stop == ["END"] and s.stop_token_ids == [5] and s.ignore_eos and s.min_tokens == 2
     assert s.include_stop_str_in_output and s.logprobs == 3
@@ -63,21 +64,66 @@ def test_completion_fields_reach_sampling_params():
     assert req.stream and req.include_usage and req.max_tokens_given
 
 
-def test_single_element_prompt_lists_are_unwrapped():
-    assert P.parse_completion({"prompt": ["abc"]}).prompt == "abc"
-    assert P.parse_completion({"prompt": [[4, 5]]}).prompt == [4, 5]
+def test_prompt_forms():
+    assert P.parse_completion({"prompt": ["abc"]}).prompts == ["abc"]
+    assert P.parse_completion({"prompt": [[4, 5]]}).prompts == [[4, 5]]
+    assert P.parse_completion({"prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert P.parse_completion({"prompt": [[1], [2, 3]]}).prompts == [[1], [2, 3]]
+    assert P.parse_completion({"prompt": ""}).prompts == [""]
+
+
+def test_new_sampling_fields_reach_sampling_params():
+    body = {"prompt": "a", "n": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+            "logit_bias": {"17": 5, "3": -150}, "allowed_token_ids": [1, 2], "seed": -5}
+    req = P.parse_completion(body)
+    s = req.sampling
+    assert req.n == 3 and (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1, 1.2)
+    assert s.logit_bias == {17: 5.0, 3: -100.0}  # clamped to [-100, 100] as vLLM does
+    assert s.allowed_token_ids == [1, 2] and s.seed == -5
+    assert P.parse_completion({"prompt": "a", "seed": -1}).sampling.seed is None  # vLLM: -1 means no seed
+
+
+def test_child_seeds_follow_vllm():
+    s = P.parse_completion({"prompt": "a", "n": 3, "seed": 10}).sampling
+    assert [P.child_sampling(s, i).seed for i in range(3)] == [10, 11, 12]
+    unseeded = P.parse_completion({"prompt": "a", "n": 2}).sampling
+    assert [P.child_sampling(unseeded, i).seed for i in range(2)] == [None, None]
 
 
 @pytest.mark.parametrize(
     "body, param, contains",
     [
-        ({"prompt": ["a", "b"]}, "prompt", "batch prompts"),
-        ({"prompt": [[1], [2]]}, "prompt", "batch prompts"),
+        ({"prompt": ["a", 1]}, "prompt", None),
+        ({"prompt": [[1], []]}, "prompt", "prompt[1]"),
+        ({"prompt": [[1], ["x"]]}, "prompt", "prompt[1]"),
         ({}, "prompt", "required"),
         ({"prompt": 5}, "prompt", None),
         ({"prompt": []}, "prompt", None),
         ({"prompt": [1, "x"]}, "prompt", None),
-        ({"prompt": "a", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "a", "n": 2, "temperature": 0}, "n", "greedy"),
+        ({"prompt": "a", "n": 0}, "n", None),
+        ({"prompt": "a", "n": 200}, "n", "at most"),
+        ({"prompt": ["a"] * 65, "n": 2}, "n", "at most"),
+        ({"prompt": "a", "best_of": 2}, "best_of", "not supported"),
+        ({"prompt": "a", "max_tokens": 2**63}, "max_tokens", "64-bit"),
+        ({"prompt": "a", "top_k": 10**19}, "top_k", "64-bit"),
+        ({"prompt": "a", "top_k": -2}, "top_k", None),
+        ({"prompt": "a", "seed": 2**64}, "seed", "64-bit"),
+        ({"prompt": "a", "seed": -(2**63) - 1}, "seed", "64-bit"),
+        ({"prompt": "a", "min_tokens": 5, "max_tokens": 4}, "min_tokens", "at most"),
+        ({"prompt": "a", "min_tokens": -1}, "min_tokens", None),
+        ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty", None),
+        ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty", None),
+        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", None),
+        ({"prompt": "a", "min_p": 1.5}, "min_p", None),
+        ({"prompt": "a", "top_p": 1.01}, "top_p", None),
+        ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", None),
+        ({"prompt": "a", "logit_bias": {"1": "big"}}, "logit_bias", None),
+        ({"prompt": "a", "logit_bias": [1]}, "logit_bias", None),
+        ({"prompt": "a", "allowed_token_ids": []}, "allowed_token_ids", None),
+        ({"prompt": "a", "allowed_token_ids": [-1]}, "allowed_token_ids", None),
+        ({"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids", None),
+        ({"prompt": "a", "logprobs": -1}, "logprobs", None),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens", None),
         ({"prompt": "a", "max_tokens": "5"}, "max_tokens", "integer"),
         ({"prompt": "a", "max_tokens": True}, "max_tokens", "integer"),
@@ -92,9 +138,6 @@ def test_single_element_prompt_lists_are_unwrapped():
         ({"prompt": "a", "stop": [""]}, "stop", None),
         ({"prompt": "a", "pd": "x"}, "pd", None),
         ({"prompt": "a", "suffix": "z"}, "suffix", "not supported"),
-        ({"prompt": "a", "best_of": 2}, "best_of", "not supported"),
-        ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-        ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
         ({"prompt": "a", "seed": 1.5}, "seed", "integer"),
     ],
 )
@@ -108,7 +151,8 @@ def test_body_must_be_an_object():
 
 
 def test_neutral_penalties_are_accepted():
-    P.parse_completion({"prompt": "a", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}})
+    req = P.parse_completion({"prompt": "a", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}})
+    assert not req.sampling.has_penalties and req.sampling.logit_bias is None
 
 
 def test_chat_parsing():
@@ -132,8 +176,8 @@ def test_chat_parsing():
 def test_chat_without_max_tokens_is_filled_from_the_context():
     req = P.parse_chat({"messages": [{"role": "user", "content": "x"}]})
     assert req.sampling.max_tokens is None and not req.max_tokens_given
-    P.resolve_max_tokens(req, prompt_tokens=10, max_model_len=64)
-    assert req.sampling.max_tokens == 54
+    assert P.sampling_for_prompt(req, prompt_tokens=10, max_model_len=64).max_tokens == 54
+    assert req.sampling.max_tokens is None  # the request's own parameters stay untouched
 
 
 @pytest.mark.parametrize(
@@ -152,7 +196,8 @@ def test_chat_without_max_tokens_is_filled_from_the_context():
             {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
             "response_format",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 3, "temperature": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "continue_final_message"),
     ],
 )
 def test_invalid_chat_requests(body, param):
@@ -162,16 +207,28 @@ def test_invalid_chat_requests(body, param):
 def test_context_length_errors_name_both_numbers():
     req = P.parse_completion({"prompt": "a", "max_tokens": 10})
     with pytest.raises(P.APIError) as info:
-        P.resolve_max_tokens(req, prompt_tokens=60, max_model_len=64)
+        P.sampling_for_prompt(req, prompt_tokens=60, max_model_len=64)
     assert info.value.status == 400 and info.value.code == "context_length_exceeded"
     assert "64" in info.value.message and "70" in info.value.message and "60" in info.value.message
+    assert info.value.message == str(PromptTooLong(60, 64, 10))  # one wording, shared with the engine
     req = P.parse_completion({"prompt": "a"})
     with pytest.raises(P.APIError) as info:
-        P.resolve_max_tokens(req, prompt_tokens=64, max_model_len=64)
+        P.sampling_for_prompt(req, prompt_tokens=64, max_model_len=64)
     assert "64 tokens" in info.value.message
     req = P.parse_completion({"prompt": "a"})  # default max_tokens shrinks to the room left
-    P.resolve_max_tokens(req, prompt_tokens=60, max_model_len=64)
-    assert req.sampling.max_tokens == 4
+    assert P.sampling_for_prompt(req, prompt_tokens=60, max_model_len=64).max_tokens == 4
+
+
+def test_tokenize_and_detokenize_requests():
+    t = P.parse_tokenize({"prompt": "hi", "return_token_strs": True, "unknown": 1})
+    assert (t.prompt, t.add_special_tokens, t.return_token_strs, t.messages) == ("hi", True, True, None)
+    c = P.parse_tokenize({"messages": [{"role": "user", "content": "x"}]})
+    assert c.messages == [{"role": "user", "content": "x"}] and not c.add_special_tokens and c.add_generation_prompt
+    rejects(P.parse_tokenize, {"prompt": 5}, "prompt")
+    rejects(P.parse_tokenize, {}, "prompt")
+    assert P.parse_detokenize({"tokens": [1, 2]}) == (None, [1, 2])
+    rejects(P.parse_detokenize, {"tokens": [1, "2"]}, "tokens")
+    rejects(P.parse_detokenize, {"tokens": "12"}, "tokens")
 
 
 def test_sse_framing_is_compact_json_and_done():
@@ -211,3 +268,12 @@ def test_logprob_objects():
 def test_usage_totals():
     u = P.usage(5, 3, 2)
     assert u["total_tokens"] == 8 and u["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+def test_vllm_extras():
+    assert P.parse_completion({"prompt": "a", "return_tokens_as_token_ids": True}).tokens_as_ids
+    rejects(P.parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs")
+    rejects(P.parse_completion, {"prompt": "a", "use_beam_search": True}, "use_beam_search")
+    chat = P.parse_chat({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False,
+                         "continue_final_message": True})
+    assert chat.continue_final_message and not chat.add_generation_prompt
