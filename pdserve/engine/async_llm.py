@@ -42,6 +42,7 @@ from pdserve.engine.output_processor import RequestState
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.sampling_params import SamplingParams
+from pdserve.validation import check_prompt_len
 
 log = logging.getLogger(__name__)
 
@@ -228,11 +229,7 @@ class AsyncLLM:
 
     # ---- requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len or (params.max_tokens is not None and n + params.max_tokens > self.max_model_len):
-            raise PromptTooLong(n, self.max_model_len, params.max_tokens)
+        check_prompt_len(len(prompt_token_ids), self.max_model_len, params.max_tokens)
         waiting = self._stats.get("num_waiting", 0) + self._adds_since_stats
         if waiting >= self.config.max_waiting:
             raise QueueFull(waiting, self.config.max_waiting)

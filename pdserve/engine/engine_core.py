@@ -31,10 +31,10 @@ from pdserve.engine.messages import (
 from pdserve.engine.request import Request
 from pdserve.engine.runner import block_bytes, kv_cache_torch_dtype
 from pdserve.engine.scheduler import Scheduler
-from pdserve.errors import PromptTooLong
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.stats import median
+from pdserve.validation import check_prompt_len, check_request_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -144,20 +144,10 @@ class EngineCore:
         return int(budget // bb)
 
     # ---- requests
-    def check_prompt(self, num_tokens: int, params: SamplingParams) -> None:
-        if num_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if num_tokens >= self.max_model_len or (
-            params.max_tokens is not None and num_tokens + params.max_tokens > self.max_model_len
-        ):
-            raise PromptTooLong(num_tokens, self.max_model_len, params.max_tokens)
-
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:4]}")
-        self.check_prompt(len(prompt_token_ids), params)
+        """A checked request (pdserve.validation: the ids the prompt and the parameters name, the prompt's length)."""
+        check_request_token_ids(prompt_token_ids, params, self.hf_config.vocab_size)
+        check_prompt_len(len(prompt_token_ids), self.max_model_len, params.max_tokens)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
