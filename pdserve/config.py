@@ -14,7 +14,10 @@ DEFAULT_MODEL = "gemma-3-270m"  # the embedded default: the GGUF shipped by the 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 ROLES = ("prefill", "decode", "both")
-KV_TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl")
+KV_TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl", "mooncake", "nccl")
+# transports `auto` never picks (they are used only when named): their side channels fence less (pdserve/kv/README.md)
+KV_OPT_IN_TRANSPORTS = ("mooncake", "nccl")
+KV_PROTOCOLS = ("rdma", "tcp")  # --kv-protocol: what Mooncake moves bytes over
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -34,7 +37,7 @@ class KVTransferConfig:
     decode side's orders to prefill instances. Only prefill and decode instances use it."""
 
     role: str = "both"  # prefill | decode | both (colocated: no KV transfer)
-    transport: str = "auto"  # auto | tcp | cuda_ipc | nixl
+    transport: str = "auto"  # auto | tcp | cuda_ipc | nixl | mooncake | nccl
     host: str = "127.0.0.1"  # where the KV agent listens (0.0.0.0 across hosts)
     port: int = 0  # 0: any free port
     lease_s: float = 30.0  # longest a block may be held or reserved for a peer

@@ -33,8 +33,8 @@ def spawn_peer(name: str, **agent_kw) -> Remote:
 
 def local_agent(**kw) -> tuple[KVAgent, Pool, int]:
     pool = Pool(NB, BB, "numpy", "cpu")
-    agent = KVAgent(AgentConfig(transport="tcp", io_timeout_s=3.0, tcp_stripe_min_bytes=64 << 10,
-                                **with_security(kw)))
+    agent = KVAgent(AgentConfig(**{"transport": "tcp", "io_timeout_s": 3.0, "tcp_stripe_min_bytes": 64 << 10,
+                                   **with_security(kw)}))
     return agent, pool, agent.register(pool.data, name="kv")
 
 
