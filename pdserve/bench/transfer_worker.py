@@ -128,6 +128,11 @@ class Worker:
     async def cmd_connect(self, address: str) -> str:
         return await self.agent.connect(address)
 
+    async def cmd_grant(self, key: str, ids: list[int], seconds: float, peer: str | None = None,
+                        mode: str = "w") -> None:
+        """Grant our blocks `ids` to `peer` under `key` (tests: this process as the receiving engine)."""
+        self.agent.grant_blocks(key, self.region, ids, self.pool.block_bytes, mode, time.time() + seconds, peer)
+
     async def cmd_fill(self, seed: int) -> None:
         self.pool.fill(seed)
 
@@ -139,7 +144,7 @@ class Worker:
         return out
 
     async def cmd_xfer(self, op: str, peer: str, local_ids: list[int], remote_ids: list[int], iters: int, warmup: int,
-                       transport: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
+                       transport: str | None = None, timeout: float = 60.0, key: str | None = None) -> dict[str, Any]:
         """Timed transfers, each from the call (descriptor building included) to completion at this side."""
         bb = self.pool.block_bytes
         rr = self.agent.peer(peer).region_id("kv")
@@ -151,9 +156,9 @@ class Worker:
             xl = block_xfers(local_ids, remote_ids, bb, self.region, rr, coalesce=False)  # the agent coalesces
             notif = {"i": i, "t0": t0}
             if op == "write":
-                res = await self.agent.write(peer, xl, notif, transport=transport, timeout=timeout)
+                res = await self.agent.write(peer, xl, notif, transport=transport, timeout=timeout, key=key)
             else:
-                res = await self.agent.read(peer, xl, notif, transport=transport, timeout=timeout)
+                res = await self.agent.read(peer, xl, notif, transport=transport, timeout=timeout, key=key)
             if i >= warmup:
                 times.append((time.perf_counter_ns() - t0) / 1e9)
         assert res is not None
