@@ -26,10 +26,16 @@ from pdserve.stats import median, percentile
 class Pool:
     """A block-major pool [num_blocks, block_bytes] of bytes: numpy on CPU (tests), torch on CPU or CUDA (bench)."""
 
-    def __init__(self, num_blocks: int, block_bytes: int, backend: str, device: str) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int, backend: str, device: str, alloc: str = "torch") -> None:
         self.num_blocks, self.block_bytes, self.backend, self.device = num_blocks, block_bytes, backend, device
         if backend == "numpy":
             self.data: Any = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+        elif alloc == "vmm":  # CUDA VMM memory (pdserve.kv.vmm): shareable with processes that do not see this GPU
+            import torch
+
+            from pdserve.kv.vmm import vmm_zeros
+
+            self.data = vmm_zeros((num_blocks, block_bytes), torch.uint8, device)
         else:
             import torch
 
@@ -88,7 +94,8 @@ class Worker:
             import torch
 
             torch.cuda.set_device(torch.device(dev))
-        self.pool = Pool(spec["num_blocks"], spec["block_bytes"], spec.get("backend", "torch"), dev)
+        self.pool = Pool(spec["num_blocks"], spec["block_bytes"], spec.get("backend", "torch"), dev,
+                         spec.get("alloc", "torch"))
         self.agent = KVAgent(AgentConfig(**spec.get("agent", {})))
         src = self.pool.data
         self.region = self.agent.register(src, name="kv")
@@ -171,6 +178,9 @@ class Worker:
         if tr is not None and getattr(tr, "_copier", None) is not None:
             out["copy_method"] = tr._copier.name
         return out
+
+    async def cmd_peer_transport(self, peer: str) -> dict[str, Any]:
+        return self.agent.peer_transport(peer)
 
     async def cmd_copy_method(self) -> str | None:
         tr = self.agent.transports.get("cuda_ipc")
@@ -284,6 +294,10 @@ class Worker:
 
 
 def worker_main(conn: Any, spec: dict[str, Any]) -> None:
+    if spec.get("visible_devices") is not None:  # before CUDA initializes in this process: it reads this once
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec["visible_devices"])
+    for k, v in spec.get("env", {}).items():
+        os.environ[k] = str(v)
     try:
         w = Worker(spec)
     except Exception as e:
