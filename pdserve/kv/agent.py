@@ -308,7 +308,8 @@ class KVAgent:
     def peer_transport(self, peer: str) -> dict[str, Any]:
         """Which transport transfers between our regions and `peer`'s take, and why each faster one cannot:
         {"transport": name or "none", "unavailable": {faster transport: reason}} (what /metrics shows per peer).
-        Faster means earlier in the automatic order (cuda_ipc, nixl, tcp), or the forced transport."""
+        Faster means earlier in the automatic order (cuda_ipc, nixl, tcp) among those this process started, or the
+        forced transport."""
         p = self._peers.get(peer)
         if p is None or not p.alive:
             raise PeerDisconnectedError(f"not connected to peer {peer!r}")
@@ -320,6 +321,8 @@ class KVAgent:
         unavailable: dict[str, str] = {}
         for name in order:
             tr = self.transports.get(name)
+            if tr is None and name != self.config.transport:
+                continue  # not started here (not installed, no GPU): nothing that could have served
             why = errors.get(name) or (tr.supports(p, local, remote) if tr is not None else
                                        "not available in this process")
             if not why:
