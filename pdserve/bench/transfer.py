@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-iters", type=int, default=200, help="single-block transfers timed (0: skip)")
     p.add_argument("--devices", default=None, help="two devices, e.g. cuda:0,cuda:1 or cpu,cpu (default: auto)")
     p.add_argument("--backend", default="torch", choices=["torch", "numpy"], help="pool memory (numpy: CPU only)")
+    p.add_argument("--pool-alloc", default="torch", choices=["torch", "vmm"],
+                   help="GPU pools: torch.zeros, or pdserve.kv.vmm (CUDA VMM, shareable whatever GPUs are visible)")
+    p.add_argument("--isolate-gpus", action="store_true",
+                   help="start each process with CUDA_VISIBLE_DEVICES set to its own GPU (as instances started by hand)")
     p.add_argument("--tcp-connections", type=int, default=None, help="default: min(4, CPU cores)")
     p.add_argument("--cuda-copy", default="auto", choices=["auto", "batch", "kernel", "percopy"])
     p.add_argument("--host", default="127.0.0.1")
@@ -189,13 +193,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     specs = [{"num_blocks": pl["pool_blocks"], "block_bytes": pl["block_bytes"], "backend": args.backend,
-              "device": d, "env": env, "optional_extras": optional,
+              "device": d, "env": env, "optional_extras": optional, "alloc": args.pool_alloc,
               "agent": {**agent_cfg, "name": f"bench-{r}-{os.getpid()}"}} for r, d in zip("AB", devices)]
+    if args.isolate_gpus:
+        for spec, d in zip(specs, devices):
+            if not d.startswith("cuda:"):
+                raise ValueError("--isolate-gpus needs --devices cuda:X,cuda:Y")
+            spec["visible_devices"], spec["device"] = d.split(":")[1], "cuda:0"
     out: dict[str, Any] = {"machine": machine_info(), "command": [sys.executable, *sys.argv], "args": {k: v for k, v in vars(args).items() if not callable(v)},
                            "git_commit": _git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "workload": {k: v for k, v in pl.items() if k not in ("src", "dst", "devices")} | {
                                "layout": args.layout, "tokens": args.tokens, "block_size": args.block_size,
-                               "devices": devices, "backend": args.backend},
+                               "devices": devices, "backend": args.backend, "pool_alloc": args.pool_alloc,
+                               "isolate_gpus": args.isolate_gpus},
                            "results": {}, "ceilings": {}, "checks": {}}
     a = b = None
     try:
@@ -213,7 +223,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             transports = [None if args.transport == "auto" else args.transport]
         gpu = all(d.startswith("cuda") for d in devices)
-        kind = "peer_copy" if gpu and "cuda_ipc" in both and args.transport != "tcp" else "raw_tcp"
+        # the peer-copy ceiling needs cuda_ipc's mapping of the peer pool (not there across isolated GPUs without VMM)
+        mapped = gpu and "cuda_ipc" in both and a.call("peer_transport", peer=peer)["transport"] == "cuda_ipc"
+        kind = "peer_copy" if mapped and args.transport != "tcp" else "raw_tcp"
         ceil = Ceiling(a, b, ainfo, binfo, peer, pl, args, kind)
         if args.memcheck > 0:
             out["memcheck"] = memcheck(a, b, peer, pl, args, transports[0])
