@@ -321,8 +321,9 @@ class KVAgent:
         unavailable: dict[str, str] = {}
         for name in order:
             tr = self.transports.get(name)
-            if tr is None and name != self.config.transport:
-                continue  # not started here (not installed, no GPU): nothing that could have served
+            forced = name == self.config.transport
+            if not forced and (tr is None or not tr.applies(local, remote)):
+                continue  # not started here (not installed, no GPU) or not meant for this memory: nothing lost
             why = errors.get(name) or (tr.supports(p, local, remote) if tr is not None else
                                        "not available in this process")
             if not why:

@@ -172,3 +172,25 @@ def test_without_torch_distributed_the_error_says_so(monkeypatch):
     monkeypatch.setattr(dist, "is_available", lambda: False)
     with pytest.raises(TransportUnavailableError, match="transport nccl needs torch built with torch.distributed"):
         KVAgent(AgentConfig(transport="nccl", **OPEN))
+
+
+@pytest.mark.timeout(60)
+def test_a_data_path_that_fails_the_probe_is_never_used():
+    """If whoever answers on the new communicator cannot produce the MAC under the deployment secret (here: one side
+    derives a different probe key), the pair is not used: the transfer fails at once, saying why."""
+    async def main():
+        b, pb, rb = local_agent(name="decode", transport="nccl", **OPEN)
+        a, pa, ra = local_agent(name="prefill", transport="nccl", **OPEN)
+        b.transports["nccl"]._probe_key = bytes(32)
+        await b.start()
+        peer = await a.connect(b.address)
+        t0 = time.monotonic()
+        with pytest.raises(TransportUnavailableError, match="failed its probe"):
+            await a.write_blocks(peer, [0], [1], BB, ra, "kv", timeout=20)
+        assert time.monotonic() - t0 < 15
+        assert "failed its probe" in a.peer_transport(peer)["unavailable"]["nccl"]
+        assert not pb.data[1].any()
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())

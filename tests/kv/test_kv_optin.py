@@ -154,3 +154,17 @@ def test_engine_api_unchanged(transport):
         await dec.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_threaded_agent_reports_the_transport_per_peer():
+    from pdserve.kv import ThreadedAgent
+    from tests.kv.kv_helpers import SECRET
+
+    with ThreadedAgent(AgentConfig(name="d0", secret=SECRET)) as dec, \
+            ThreadedAgent(AgentConfig(name="p0", secret=SECRET)) as pre:
+        for ag in (dec, pre):
+            ag.register(np.zeros(4096, np.uint8), name="kv")
+        peer = pre.connect(dec.address)
+        # host memory on both sides: tcp, and no faster transport this process started could have served
+        assert pre.peer_transports() == {peer: {"transport": "tcp", "unavailable": {}}}

@@ -64,6 +64,11 @@ class Transport(ABC):
         """Send `msg` to this transport's counterpart in `peer`, on the authenticated, ordered control connection."""
         await peer.send({"t": "tp", "tr": self.name, "m": msg})
 
+    def applies(self, local: list[MemoryRegion], remote: list[RemoteRegion]) -> bool:
+        """Whether this transport is meant for these kinds of memory at all (cuda_ipc: GPU memory only). One that
+        does not apply is not reported as unable to serve (KVAgent.peer_transport)."""
+        return True
+
     @abstractmethod
     def supports(self, peer: Peer, local: list[MemoryRegion], remote: list[RemoteRegion]) -> str | None:
         """None if this transport can move between these regions, else the reason it cannot."""

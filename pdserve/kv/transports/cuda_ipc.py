@@ -237,6 +237,9 @@ class CudaIpcTransport(Transport):
         """The peer's region as a tensor in this process (used by the benchmark's peer-copy ceiling)."""
         return peer.extra[self.name][remote_region]
 
+    def applies(self, local: list[MemoryRegion], remote: list[RemoteRegion]) -> bool:
+        return all(r.kind == "cuda" for r in local) and all(r.kind == "cuda" for r in remote)
+
     def supports(self, peer: Peer, local: list[MemoryRegion], remote: list[RemoteRegion]) -> str | None:
         if peer.host_id != self.ctx.host_id:
             return "peer is on another host"

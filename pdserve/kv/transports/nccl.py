@@ -39,7 +39,7 @@ from pdserve.kv.errors import (
     TransferTimeoutError,
 )
 from pdserve.kv.grants import check_key
-from pdserve.kv.transports.nccl_pair import Op, Pair
+from pdserve.kv.transports.nccl_pair import Op, Pair, fail_future
 from pdserve.kv.transports.nccl_setup import MessageError, PairSetup, PeerState, field_of
 from pdserve.kv.wire import MAX_KEY_BYTES, pack_descs, unpack_descs
 
@@ -73,7 +73,7 @@ class NcclTransport(PairSetup):
         if want_cuda and len({r.device for r in local}) > 1:
             return "local regions on more than one GPU"
         st = self._peers.get(peer.name)
-        if st is not None and st.pair is not None and st.pair.ready.done() and st.pair.broken is not None:
+        if st is not None and st.pair is not None and st.pair.setup_failed:
             return st.pair.broken
         return None
 
@@ -274,7 +274,7 @@ class NcclTransport(PairSetup):
             if name == peer.name:
                 for fut in w.values():
                     if not fut.done():
-                        fut.set_exception(err)
+                        fail_future(fut, err)
         self._lose_pair(peer, err)
 
     async def close(self) -> None:

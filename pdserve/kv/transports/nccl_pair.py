@@ -40,17 +40,31 @@ class Op:
     tensor: Any
 
 
+def fail_future(fut: asyncio.Future, err: BaseException) -> None:
+    """Fail `fut` and mark its exception retrieved: the futures of a failed pair are not all awaited, and an
+    unretrieved one is logged with a traceback whenever the garbage collector meets it (in Python 3.11, formatting
+    that traceback inside another ast.parse breaks it: "AST constructor recursion depth mismatch")."""
+    if not fut.done():
+        fut.set_exception(err)
+        fut.exception()
+
+
 def probe_tag(key: bytes, gen: int, nonce: bytes, rank: int, names: tuple[str, str]) -> bytes:
     msg = b"pdkv nccl probe" + gen.to_bytes(8, "little") + nonce + bytes([rank]) + "\0".join(names).encode()
     return hmac.digest(key, msg, "sha256")
 
 
 class Pair:
-    def __init__(self, peer: str, gen: int, rank: int, backend: str, device: int, timeout_s: float) -> None:
+    def __init__(self, peer: str, gen: int, rank: int, backend: str, device: int, timeout_s: float,
+                 op_timeout_s: float) -> None:
         self.peer, self.gen, self.rank, self.backend, self.device = peer, gen, rank, backend, device
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # set-up (store calls, communicator creation, probe)
+        # the process group's own timeout: past every transfer deadline, so our abort always comes first (torch's
+        # NCCL watchdog tears the whole process down when an operation outlives it)
+        self.op_timeout_s = op_timeout_s
         self.pg: Any = None
         self.broken: str | None = None
+        self.setup_failed = False  # the communicator could not be made or failed its probe: not retried for this peer
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kv-nccl-{gen}")
         self._next_seq = 1  # allocation (rank 0 only)
@@ -66,7 +80,7 @@ class Pair:
         import torch.distributed as dist
 
         store = make_store(call, self.timeout_s)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+        timeout = datetime.timedelta(seconds=self.op_timeout_s)
         if self.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host else
@@ -114,6 +128,7 @@ class Pair:
             await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
         except Exception as e:
             why = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+            self.setup_failed = True
             self.fail(f"setting up the {self.backend} communicator with {self.peer} failed: {why}")
             return
         if not self.ready.done():
@@ -131,10 +146,10 @@ class Pair:
         they completed here (raises if they failed)."""
         fut = asyncio.get_running_loop().create_future()
         if self.broken is not None:
-            fut.set_exception(KVTransferError(self.broken))
+            fail_future(fut, KVTransferError(self.broken))
             return fut
         if seq < self._next_issue or seq in self._plans:
-            fut.set_exception(KVTransferError(f"transfer number {seq} of the pair with {self.peer} was used twice"))
+            fail_future(fut, KVTransferError(f"transfer number {seq} of the pair with {self.peer} was used twice"))
             return fut
         self._plans[seq] = (ops, fut, wait_event, timeout_s)
         self._futs.add(fut)
@@ -176,7 +191,7 @@ class Pair:
         with torch.cuda.device(dev), torch.cuda.stream(self._side):
             if wait_event is not None:
                 self._side.wait_event(wait_event)
-            else:
+            elif any(o.kind == "send" for o in ops):  # sends read what the producer queued on the default stream
                 self._side.wait_stream(torch.cuda.default_stream(dev))
             works = self._issue_nccl(ops, peer, dev)
             for w in works:
@@ -209,35 +224,41 @@ class Pair:
             self.broken = why
         err = KVTransferError(why)
         if not self.ready.done():
-            self.ready.set_exception(err)
-            self.ready.exception()  # retrieved: a pair nobody waited on does not log "never retrieved"
+            fail_future(self.ready, err)
         for p in self._plans.values():
-            if p is not None and not p[1].done():
-                p[1].set_exception(err)
+            if p is not None:
+                fail_future(p[1], err)
         self._plans.clear()
         for fut in list(self._futs):
             if not fut.done():
-                fut.set_exception(err)
-        pg = self.pg
-        if pg is not None:
-            threading.Thread(target=_abort, args=(pg, self.peer), name="kv-nccl-abort", daemon=True).start()
+                fail_future(fut, err)
+        # the process group (with its store) is aborted and released in a helper thread, so its destructor runs
+        # there at a known time, not in whatever thread a garbage collection happens to hit it
+        holder = [self.pg]
+        self.pg = None
+        threading.Thread(target=_abort, args=(holder, self.peer, self._thread), name="kv-nccl-abort",
+                         daemon=True).start()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-def _abort(pg: Any, peer: str) -> None:
-    try:
-        pg.abort()
-    except Exception as e:  # best effort: the communicator may be half made or already gone
-        log.debug("aborting the communicator with %s: %s", peer, e)
+def _abort(holder: list, peer: str, pair_thread: concurrent.futures.ThreadPoolExecutor) -> None:
+    pg = holder.pop()
+    if pg is not None:
+        try:
+            pg.abort()
+        except Exception as e:  # best effort: the communicator may be half made or already gone
+            log.debug("aborting the communicator with %s: %s", peer, e)
+    pair_thread.shutdown(wait=True)  # the pair's thread may still hold an operation: let it end first
+    del pg
 
 
 def _settle(fut: asyncio.Future, c: concurrent.futures.Future) -> None:
     if fut.done():
         return
     if c.cancelled():
-        fut.set_exception(KVTransferError("the pair's communicator was shut down"))
+        fail_future(fut, KVTransferError("the pair's communicator was shut down"))
     elif c.exception() is not None:
         e = c.exception()
-        fut.set_exception(e if isinstance(e, KVTransferError) else KVTransferError(f"{type(e).__name__}: {e}"))
+        fail_future(fut, e if isinstance(e, KVTransferError) else KVTransferError(f"{type(e).__name__}: {e}"))
     else:
         fut.set_result(None)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.kv.auth import INSECURE_SECRET, hkdf
 from pdserve.kv.errors import KVTransferError, TransferTimeoutError, TransportUnavailableError
 from pdserve.kv.transports.base import Transport
-from pdserve.kv.transports.nccl_pair import Pair, probe_tag
+from pdserve.kv.transports.nccl_pair import Pair, fail_future, probe_tag
 from pdserve.kv.transports.pair_store import LocalMap, StoreError
 
 if TYPE_CHECKING:
@@ -77,6 +77,10 @@ class PairSetup(Transport):
         secret = ctx.secret or INSECURE_SECRET
         self._probe_key = hkdf(secret, b"pdserve-kv-nccl", b"pdkv nccl probe key", 32)
 
+    def _timeouts(self) -> tuple[float, float]:
+        cfg = self.ctx.config
+        return cfg.nccl_setup_timeout_s, max(cfg.nccl_setup_timeout_s, cfg.transfer_timeout_s) + 60.0
+
     def _state(self, peer: Peer) -> PeerState:
         st = self._peers.get(peer.name)
         if st is None:
@@ -88,7 +92,7 @@ class PairSetup(Transport):
         st = self._peers.pop(peer.name, None)
         for name, fut in list(self._rpcs.values()):
             if name == peer.name and not fut.done():
-                fut.set_exception(StoreError(str(err)))
+                fail_future(fut, StoreError(str(err)))
         if st is not None and st.pair is not None:
             st.pair.fail(str(err))
             st.changed.set()
@@ -150,7 +154,7 @@ class PairSetup(Transport):
         """Rank 0: a new communicator for the pair (generation `gen`): tell the peer, build ours."""
         try:
             gen, nonce, backend = next(self._gens), secrets.token_bytes(32), self.backend()
-            pair = Pair(peer.name, gen, 0, backend, self._device(), self.ctx.config.nccl_setup_timeout_s)
+            pair = Pair(peer.name, gen, 0, backend, self._device(), *self._timeouts())
             self._install(st, pair)
             st.store = local = LocalMap()
             await self.send_message(peer, {"op": "setup", "g": gen, "n": nonce, "b": backend})
@@ -180,7 +184,7 @@ class PairSetup(Transport):
             raise MessageError("an out-of-turn nccl set-up")
         if backend != self.backend():
             raise MessageError(f"nccl set-up for backend {backend!r}, this side uses {self.backend()}")
-        pair = Pair(peer.name, gen, 1, backend, self._device(), self.ctx.config.nccl_setup_timeout_s)
+        pair = Pair(peer.name, gen, 1, backend, self._device(), *self._timeouts())
         self._install(st, pair)
         loop = asyncio.get_running_loop()
 
@@ -231,27 +235,30 @@ class PairSetup(Transport):
             return
         err = m.get("e")
         if err is not None:
-            entry[1].set_exception(StoreError(f"the peer's store refused: {str(err)[:500]}"))
+            fail_future(entry[1], StoreError(f"the peer's store refused: {str(err)[:500]}"))
         else:
             entry[1].set_result(m.get("v"))
 
     async def _pair(self, peer: Peer, deadline: float) -> Pair:
-        """The pair's ready communicator, waiting (within `deadline`) for one being made."""
+        """The pair's ready communicator, waiting (within `deadline`) for one being made; a pair that failed its
+        set-up raises at once (its reason names what failed)."""
         st = self._peers.get(peer.name)
         if st is None:
             await self.on_peer(peer)
             st = self._peers.get(peer.name)
             if st is None:
-                raise TransportUnavailableError(f"nccl cannot serve {peer.describe()}: "
-                                                f"{self.supports(peer, self.ctx.regions.all(), list(peer.regions.values()))}")
+                raise TransportUnavailableError(f"nccl cannot serve {peer.describe()}: its pool and ours are not "
+                                                "both CUDA or both host memory")
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeoutError(f"the nccl communicator with {peer.describe()} was not ready in time")
             pair = st.pair
+            if pair is not None and pair.setup_failed:
+                raise TransportUnavailableError(f"nccl cannot serve {peer.describe()}: {pair.broken}")
             if pair is None or (pair.broken is not None and pair.ready.done()):
                 if st.rank == 0:
-                    self._start_setup(peer, st)
+                    self._start_setup(peer, st)  # rank 1 waits for rank 0's next generation (a reset asked for it)
                 changed = st.changed
                 try:
                     await asyncio.wait_for(changed.wait(), remaining)
@@ -260,10 +267,8 @@ class PairSetup(Transport):
                 continue
             try:
                 return await asyncio.wait_for(asyncio.shield(pair.ready), remaining)
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, KVTransferError):
                 continue
-            except KVTransferError as e:
-                raise TransportUnavailableError(f"nccl cannot serve {peer.describe()}: {e}") from None
 
     def _break(self, peer: Peer, pair: Pair, why: str) -> None:
         pair.fail(why)
