@@ -18,6 +18,9 @@ KV_TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl", "mooncake", "nccl")
 # transports `auto` never picks (they are used only when named): their side channels fence less (pdserve/kv/README.md)
 KV_OPT_IN_TRANSPORTS = ("mooncake", "nccl")
 KV_PROTOCOLS = ("rdma", "tcp")  # --kv-protocol: what Mooncake moves bytes over
+# --kv-pool-alloc: the KV pool's memory on CUDA: torch.zeros, or pdserve.kv.vmm.vmm_zeros (CUDA VMM: cuda_ipc works
+# between instances that each see only their own GPU); auto = vmm for prefill/decode roles where the GPU supports it
+KV_POOL_ALLOCS = ("auto", "torch", "vmm")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

@@ -183,6 +183,7 @@ class Allocation:
 
     def export_fd(self) -> int:
         """A new file descriptor for the allocation's handle (the caller sends it, then closes it)."""
+        ensure_context(self.device)
         fd = ctypes.c_int(-1)
         _check(_cuda().cuMemExportToShareableHandle(ctypes.byref(fd), ctypes.c_uint64(self.handle),
                                                     ctypes.c_int(_HANDLE_POSIX_FD), ctypes.c_uint64(0)),
@@ -194,6 +195,7 @@ class Allocation:
             _registry.pop(getattr(self, "ptr", -1), None)
         if getattr(self, "ptr", None) is not None:
             try:
+                ensure_context(self.device)
                 _unmap(self.ptr, self.size, self.handle)
             except Exception:  # at interpreter exit the driver may be gone; the process releases it anyway
                 pass
