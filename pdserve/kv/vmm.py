@@ -275,3 +275,38 @@ class Imported:
             ensure_context(self.device)
             _unmap(self.ptr, self.size, None)
             self.ptr = 0
+
+
+def vmm_supported(device: int) -> str | None:
+    """None when `device` (a CUDA ordinal) can make shareable VMM allocations, else the reason it cannot."""
+    try:
+        ensure_context(device)
+        if not _attr(_ATTR_VMM, device):
+            return f"GPU {device} has no virtual memory management"
+        if not _attr(_ATTR_POSIX_FD, device):
+            return f"GPU {device} cannot export POSIX file-descriptor handles"
+    except VmmError as e:
+        return str(e)
+    return None
+
+
+def pool_zeros(shape: Any, dtype: Any, device: Any, alloc: str = "auto") -> tuple[Any, str]:
+    """The engine's KV pool: (tensor, "vmm" | "torch"). `alloc` is config.KV_POOL_ALLOCS: "vmm" (an error where it
+    cannot be made), "torch" (torch.zeros), "auto" (vmm on CUDA where supported, else torch.zeros with one log line
+    saying why; host memory always torch)."""
+    import logging
+
+    import torch
+
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if alloc == "torch" or dev.type != "cuda":
+        if alloc == "vmm":
+            raise ValueError(f"a VMM pool lives on a CUDA device, not {dev}")
+        return torch.zeros(shape, dtype=dtype, device=dev), "torch"
+    if alloc == "auto":
+        why = vmm_supported(dev.index if dev.index is not None else torch.cuda.current_device())
+        if why is not None:
+            logging.getLogger(__name__).warning("KV pool: torch.zeros instead of a VMM allocation (%s); cuda_ipc then "
+                                                "needs the peers' GPUs visible in each process", why)
+            return torch.zeros(shape, dtype=dtype, device=dev), "torch"
+    return vmm_zeros(shape, dtype, dev), "vmm"
