@@ -123,3 +123,13 @@ def test_nccl_between_processes_that_see_one_gpu_each():
     finally:
         a.close()
         b.close()
+
+
+def test_pool_zeros_picks_vmm_on_a_gpu_that_supports_it():
+    from pdserve.kv.vmm import find_allocation, pool_zeros, vmm_supported
+
+    assert vmm_supported(0) is None  # H100/H200 make shareable VMM allocations
+    t, kind = pool_zeros((8, 2, 16, 128), torch.float16, "cuda:0", "auto")
+    assert kind == "vmm" and find_allocation(t.data_ptr()) is not None and not t.any()
+    t2, kind2 = pool_zeros((8, 2, 16, 128), torch.float16, "cuda:0", "torch")
+    assert kind2 == "torch" and find_allocation(t2.data_ptr()) is None
