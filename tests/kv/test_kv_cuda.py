@@ -105,3 +105,25 @@ def test_gpu_memory_over_tcp_under_grants(mac_payload):
         await b.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
+def test_gpu_memory_does_not_grow_with_transfers_in_flight(tmp_path, transport):
+    """The benchmark's memory check, small: 32 transfers of 128 qwen3-8b blocks in flight; neither process's device
+    memory in use grows by one transfer's bytes (no temporary receive buffers)."""
+    import argparse
+    import json
+
+    from pdserve.bench import transfer as bench_transfer
+
+    parser = argparse.ArgumentParser()
+    bench_transfer.add_arguments(parser)
+    args = parser.parse_args(["--transport", transport, "--model-config", "qwen3-8b", "--tokens", "2048", "--memcheck",
+                              "32", "--warmup", "1", "--result-dir", str(tmp_path), "--result-filename", "m.json"])
+    assert bench_transfer.main(args) == 0
+    r = json.loads((tmp_path / "m.json").read_text())
+    m = r["memcheck"]
+    assert m["transport"] == transport and r["checks"]["memcheck_no_growth"] and r["checks"]["memcheck_checksums_match"]
+    for side in m["sides"].values():
+        assert side["kind"] == "cuda device memory in use" and side["grew_bytes"] < m["bytes_per_transfer"]
