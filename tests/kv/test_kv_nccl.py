@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from pdserve.kv import AccessDeniedError, AgentConfig, KVAgent
-from pdserve.kv.errors import TransportUnavailableError
+from pdserve.kv.errors import TransferTimeoutError, TransportUnavailableError
 from pdserve.kv.transports.pair_store import MAX_KEYS, LocalMap, StoreError
 from tests.kv.kv_helpers import BB, GRANTS, NB, OPEN, local_agent, spawn_peer
 
@@ -194,3 +194,39 @@ def test_a_data_path_that_fails_the_probe_is_never_used():
         await b.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_a_stalled_peer_times_out_and_the_pair_is_remade():
+    """A peer that stops answering fails the transfer at its deadline; the generation is broken on both sides and
+    rank 0 makes a new communicator, so the next transfer after the peer recovers lands."""
+    import os
+    import signal
+
+    dec = spawn_peer("zdec", transport="nccl", **OPEN)
+    try:
+        async def main():
+            a, pa, ra = local_agent(name="apre", transport="nccl", **OPEN)
+            loop = asyncio.get_running_loop()
+            call = lambda *x, **k: loop.run_in_executor(None, lambda: dec.call(*x, **k))  # noqa: E731
+            peer = await a.connect((await call("info"))["address"])
+            pa.fill(9)
+            await a.write_blocks(peer, [0], [0], BB, ra, "kv")
+            gen = a.transports["nccl"]._peers[peer].pair.gen
+            os.kill(dec.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeoutError, match="no answer"):
+                await a.write_blocks(peer, [1], [1], BB, ra, "kv", timeout=1.0)
+            assert time.monotonic() - t0 < 3.0
+            os.kill(dec.proc.pid, signal.SIGCONT)
+            res = await a.write_blocks(peer, [2, 3], [2, 3], BB, ra, "kv", timeout=30)
+            assert res.transport == "nccl" and a.transports["nccl"]._peers[peer].pair.gen > gen
+            want = [hashlib.blake2b(pa.data[i].tobytes(), digest_size=16).hexdigest() for i in (0, 2, 3)]
+            assert await call("checksums", ids=[0, 2, 3]) == want
+            await a.close()
+
+        asyncio.run(main())
+    finally:
+        if dec.proc.is_alive():
+            os.kill(dec.proc.pid, signal.SIGCONT)
+        dec.close()

@@ -223,13 +223,17 @@ class NcclTransport(PairSetup):
         w = self._waiting[(peer.name, xfer_id)] = {"resp": asyncio.get_running_loop().create_future()}
         if op == "write":
             w["fin"] = asyncio.get_running_loop().create_future()
+        descs = pack_descs(xfers.remote_region, xfers.remote_offset, xfers.length)
         seq = pair.alloc() if st.rank == 0 else 0
         try:
-            # numbered and sent without an await in between: requests leave in the order of their numbers
-            await self.send_message(peer, {"op": "req", "x": xfer_id, "o": op, "s": seq, "g": pair.gen, "k": key or "",
-                                           "d": pack_descs(xfers.remote_region, xfers.remote_offset, xfers.length),
-                                           "n": notif if op == "write" else None})
-            resp = await self._answer(w["resp"], peer, op, xfer_id, deadline)
+            try:  # numbered and sent without an await in between: requests leave in the order of their numbers
+                await self.send_message(peer, {"op": "req", "x": xfer_id, "o": op, "s": seq, "g": pair.gen,
+                                               "k": key or "", "d": descs, "n": notif if op == "write" else None})
+                resp = await self._answer(w["resp"], peer, op, xfer_id, deadline)
+            except KVTransferError as e:
+                # the two sides may now disagree on which numbers were used: this generation cannot go on
+                self._break(peer, pair, f"nccl {op} {xfer_id}: {e}")
+                raise
             if not resp.get("ok"):
                 if seq:
                     pair.skip(seq)
