@@ -14,7 +14,13 @@ DEFAULT_MODEL = "gemma-3-270m"  # the embedded default: the GGUF shipped by the 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 ROLES = ("prefill", "decode", "both")
-KV_TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl")
+KV_TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl", "mooncake", "nccl")
+# transports `auto` never picks (they are used only when named): their side channels fence less (pdserve/kv/README.md)
+KV_OPT_IN_TRANSPORTS = ("mooncake", "nccl")
+KV_PROTOCOLS = ("rdma", "tcp")  # --kv-protocol: what Mooncake moves bytes over
+# --kv-pool-alloc: the KV pool's memory on CUDA: torch.zeros, or pdserve.kv.vmm.vmm_zeros (CUDA VMM: cuda_ipc works
+# between instances that each see only their own GPU); auto = vmm for prefill/decode roles where the GPU supports it
+KV_POOL_ALLOCS = ("auto", "torch", "vmm")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -34,12 +40,15 @@ class KVTransferConfig:
     decode side's orders to prefill instances. Only prefill and decode instances use it."""
 
     role: str = "both"  # prefill | decode | both (colocated: no KV transfer)
-    transport: str = "auto"  # auto | tcp | cuda_ipc | nixl
+    transport: str = "auto"  # auto | tcp | cuda_ipc | nixl | mooncake | nccl
     host: str = "127.0.0.1"  # where the KV agent listens (0.0.0.0 across hosts)
     port: int = 0  # 0: any free port
     lease_s: float = 30.0  # longest a block may be held or reserved for a peer
     fallback: str = "recompute"  # decode side, when the handover fails: recompute the prefill locally, or fail
     layerwise: str = "auto"  # prefill side: push each layer's KV as soon as it is computed (auto: over tcp)
+    pool_alloc: str = "auto"  # KV_POOL_ALLOCS: the pool's memory on CUDA (auto: VMM where the GPU supports it)
+    protocol: str = "rdma"  # KV_PROTOCOLS: what the mooncake transport moves bytes over
+    devices: str = ""  # RDMA devices the mooncake transport may use, comma-separated ("": every one it finds)
     # decode side: the order to a prefill instance (POST /internal/pd/prefill)
     order_connect_timeout_s: float = 2.0
     order_timeout_s: float = 120.0  # the prefill and the push, end to end
@@ -54,6 +63,8 @@ class KVTransferConfig:
         _check("kv_transport", self.transport, KV_TRANSPORTS)
         _check("kv_fallback", self.fallback, KV_FALLBACKS)
         _check("kv_layerwise", self.layerwise, KV_LAYERWISE)
+        _check("kv_pool_alloc", self.pool_alloc, KV_POOL_ALLOCS)
+        _check("kv_protocol", self.protocol, KV_PROTOCOLS)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"kv_port must be in [0, 65535], got {self.port}")
         for name in ("lease_s", "order_connect_timeout_s", "order_timeout_s"):

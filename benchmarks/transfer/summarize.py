@@ -13,15 +13,15 @@ from pathlib import Path
 
 def rows(results: dict[str, dict]) -> list[str]:
     out = []
+    order = {"write": 0, "read": 1, "single_block_write": 2}
     for name, r in sorted(results.items()):
-        for op in ("write", "read", "single_block_write"):
-            x = r["results"].get(op)
-            if not x:
-                continue
+        # single-transport runs name results by op; `--transport all` runs by op:transport
+        for op in sorted(r["results"], key=lambda k: (order.get(k.split(":")[0], 3), k)):
+            x = r["results"][op]
             tr = x["transport"] + (f"/{x['copy_method']}" if x.get("copy_method") else "")
             frac = f"{x['fraction_of_ceiling'] * 100:.0f}%" if "fraction_of_ceiling" in x else ""
             e2e = f"{x['e2e_median_us']:.0f}" if "e2e_median_us" in x else ""
-            out.append(f"{name:<22}{op:<20}{tr:<18}{x['descs_in']:>6}->{x['descs_out']:<6}{x['median_ms']:>9.3f}"
+            out.append(f"{name:<22}{op:<28}{tr:<18}{x['descs_in']:>6}->{x['descs_out']:<6}{x['median_ms']:>9.3f}"
                        f"{x['p99_ms']:>9.3f}{x['GBps']:>8.1f}{x.get('ceiling_GBps', float('nan')):>8.1f}{frac:>6}{e2e:>8}")
     return out
 
@@ -61,6 +61,14 @@ def targets(results: dict[str, dict]) -> list[str]:
                 lines.append(f"[INFO] {op}: pdserve cuda_ipc {a['median_ms']:.3f} ms vs NIXL {b['median_ms']:.3f} ms "
                              f"({b['median_ms'] / a['median_ms']:.2f}x)")
     for name, r in sorted(results.items()):
+        mc = r.get("memcheck")
+        if mc:
+            grew = {side: v["grew_bytes"] for side, v in mc["sides"].items()}
+            check(f"{name}: {mc['transfers_in_flight']} transfers in flight over {mc['transport']} grow no side by a "
+                  "transfer's bytes", bool(r["checks"].get("memcheck_no_growth")),
+                  ", ".join(f"{k} +{v / 2**20:.1f} MiB ({mc['sides'][k]['kind']})" for k, v in grew.items())
+                  + f" vs {mc['bytes_per_transfer'] / 2**20:.0f} MiB per transfer")
+    for name, r in sorted(results.items()):
         bad = [k for k, v in r.get("checks", {}).items() if k.endswith("_checksums_match") and not v]
         check(f"{name} checksums", not bad, "all match" if not bad else f"mismatch: {bad}")
     return lines
@@ -79,7 +87,7 @@ def main(folder: str) -> int:
     any_r = next(iter(results.values()))
     m = any_r["machine"]
     print(f"machine {m.get('hostname')} gpus {m.get('gpus')} torch {m.get('torch')} commit {any_r.get('git_commit')}")
-    print(f"{'run':<22}{'what':<20}{'transport':<18}{'descs':>13}{'med ms':>9}{'p99 ms':>9}{'GB/s':>8}{'ceil':>8}"
+    print(f"{'run':<22}{'what':<28}{'transport':<18}{'descs':>13}{'med ms':>9}{'p99 ms':>9}{'GB/s':>8}{'ceil':>8}"
           f"{'of':>6}{'e2e us':>8}")
     print("\n".join(rows(results)))
     lines = targets(results)

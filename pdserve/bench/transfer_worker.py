@@ -17,6 +17,7 @@ import numpy as np
 from pdserve.kv.agent import KVAgent
 from pdserve.kv.config import AgentConfig
 from pdserve.kv.descs import block_xfers
+from pdserve.kv.errors import TransportUnavailableError
 from pdserve.kv.notify import Notification
 from pdserve.kv.transports.tcp import split_address, tune_socket
 from pdserve.kv.wire import recv_into_exact
@@ -26,10 +27,16 @@ from pdserve.stats import median, percentile
 class Pool:
     """A block-major pool [num_blocks, block_bytes] of bytes: numpy on CPU (tests), torch on CPU or CUDA (bench)."""
 
-    def __init__(self, num_blocks: int, block_bytes: int, backend: str, device: str) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int, backend: str, device: str, alloc: str = "torch") -> None:
         self.num_blocks, self.block_bytes, self.backend, self.device = num_blocks, block_bytes, backend, device
         if backend == "numpy":
             self.data: Any = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+        elif alloc == "vmm":  # CUDA VMM memory (pdserve.kv.vmm): shareable with processes that do not see this GPU
+            import torch
+
+            from pdserve.kv.vmm import vmm_zeros
+
+            self.data = vmm_zeros((num_blocks, block_bytes), torch.uint8, device)
         else:
             import torch
 
@@ -74,6 +81,57 @@ class Pool:
         return out
 
 
+class MemSampler:
+    """Peak memory of this process while it runs, sampled in a thread: for a CUDA pool the device's memory in use
+    (cudaMemGetInfo: NCCL's and the transports' own buffers included) and torch's allocations, for host pools the
+    resident set size."""
+
+    def __init__(self, pool: Pool, interval_s: float) -> None:
+        self.pool, self.interval_s = pool, interval_s
+        self.cuda = pool.backend == "torch" and pool.data.is_cuda
+        if self.cuda:
+            import torch
+
+            self.dev = pool.data.device
+            torch.cuda.synchronize(self.dev)
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        self.baseline = {"used": self._used(), "allocated": self._allocated()}
+        self.peak = self.baseline["used"]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-bench-mem", daemon=True)
+        self._thread.start()
+
+    def _used(self) -> int:
+        if self.cuda:
+            import torch
+
+            free, total = torch.cuda.mem_get_info(self.dev)
+            return int(total - free)
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+    def _allocated(self) -> int:
+        if self.cuda:
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.dev))
+        return 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self._used())
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(5)
+        self.peak = max(self.peak, self._used())
+        return {"kind": "cuda device memory in use" if self.cuda else "resident set size",
+                "before_used": self.baseline["used"], "peak_used": self.peak, "grew_bytes": self.peak - self.baseline["used"],
+                "before_torch_allocated": self.baseline["allocated"], "peak_torch_allocated": self._allocated(),
+                "pool_bytes": int(self.pool.data.nbytes)}
+
+
 def summarize(seconds: list[float], nbytes: int) -> dict[str, float]:
     med = median(seconds)
     return {"median_ms": med * 1e3, "p99_ms": percentile(seconds, 99.0) * 1e3, "min_ms": min(seconds) * 1e3,
@@ -88,14 +146,30 @@ class Worker:
             import torch
 
             torch.cuda.set_device(torch.device(dev))
-        self.pool = Pool(spec["num_blocks"], spec["block_bytes"], spec.get("backend", "torch"), dev)
-        self.agent = KVAgent(AgentConfig(**spec.get("agent", {})))
+        self.pool = Pool(spec["num_blocks"], spec["block_bytes"], spec.get("backend", "torch"), dev,
+                         spec.get("alloc", "torch"))
+        self.skipped: dict[str, str] = {}  # opt-in transports that could not start here, and why
+        self.agent = self._agent(dict(spec.get("agent", {})), spec.get("optional_extras", False))
         src = self.pool.data
         self.region = self.agent.register(src, name="kv")
         self.latencies_ns: list[int] = []
         self.agent.on_notification(self._on_notif)
         self._raw_sets: dict[int, list[socket.socket]] = {}
         self._raw_socks: list[socket.socket] = []
+
+    def _agent(self, cfg: dict[str, Any], optional: bool) -> KVAgent:
+        """The agent; with `optional`, an opt-in transport (extra_transports) that cannot start here is left out
+        and its reason kept (the benchmark's `--transport all` reports it), instead of failing the worker."""
+        while True:
+            try:
+                return KVAgent(AgentConfig(**cfg))
+            except TransportUnavailableError as e:
+                extras = list(cfg.get("extra_transports", ()))
+                bad = next((t for t in extras if f"transport {t}" in str(e)), None)
+                if not optional or bad is None:
+                    raise
+                self.skipped[bad] = str(e)
+                cfg["extra_transports"] = [t for t in extras if t != bad]
 
     def _on_notif(self, n: Notification) -> None:
         try:
@@ -123,10 +197,15 @@ class Worker:
 
     async def cmd_info(self) -> dict[str, Any]:
         return {"address": self.agent.address, "name": self.agent.name, "region": self.region,
-                "transports": sorted(self.agent.transports), "pid": os.getpid()}
+                "transports": sorted(self.agent.transports), "pid": os.getpid(), "skipped": self.skipped}
 
     async def cmd_connect(self, address: str) -> str:
         return await self.agent.connect(address)
+
+    async def cmd_grant(self, key: str, ids: list[int], seconds: float, peer: str | None = None,
+                        mode: str = "w") -> None:
+        """Grant our blocks `ids` to `peer` under `key` (tests: this process as the receiving engine)."""
+        self.agent.grant_blocks(key, self.region, ids, self.pool.block_bytes, mode, time.time() + seconds, peer)
 
     async def cmd_fill(self, seed: int) -> None:
         self.pool.fill(seed)
@@ -139,7 +218,7 @@ class Worker:
         return out
 
     async def cmd_xfer(self, op: str, peer: str, local_ids: list[int], remote_ids: list[int], iters: int, warmup: int,
-                       transport: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
+                       transport: str | None = None, timeout: float = 60.0, key: str | None = None) -> dict[str, Any]:
         """Timed transfers, each from the call (descriptor building included) to completion at this side."""
         bb = self.pool.block_bytes
         rr = self.agent.peer(peer).region_id("kv")
@@ -151,9 +230,9 @@ class Worker:
             xl = block_xfers(local_ids, remote_ids, bb, self.region, rr, coalesce=False)  # the agent coalesces
             notif = {"i": i, "t0": t0}
             if op == "write":
-                res = await self.agent.write(peer, xl, notif, transport=transport, timeout=timeout)
+                res = await self.agent.write(peer, xl, notif, transport=transport, timeout=timeout, key=key)
             else:
-                res = await self.agent.read(peer, xl, notif, transport=transport, timeout=timeout)
+                res = await self.agent.read(peer, xl, notif, transport=transport, timeout=timeout, key=key)
             if i >= warmup:
                 times.append((time.perf_counter_ns() - t0) / 1e9)
         assert res is not None
@@ -166,6 +245,32 @@ class Worker:
         if tr is not None and getattr(tr, "_copier", None) is not None:
             out["copy_method"] = tr._copier.name
         return out
+
+    async def cmd_xfer_many(self, op: str, peer: str, local_ids: list[int], remote_ids: list[int], count: int,
+                            transport: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+        """`count` transfers of the same blocks started at once (the memory check: as many handovers in flight as
+        a loaded server has); returns the wall time and the transport used."""
+        bb = self.pool.block_bytes
+        rr = self.agent.peer(peer).region_id("kv")
+        self.pool.sync()
+        t0 = time.perf_counter()
+        fn = self.agent.write if op == "write" else self.agent.read
+        res = await asyncio.gather(*(fn(peer, block_xfers(local_ids, remote_ids, bb, self.region, rr, coalesce=False),
+                                        {"i": i}, transport=transport, timeout=timeout) for i in range(count)))
+        return {"seconds": time.perf_counter() - t0, "transport": res[0].transport, "count": count,
+                "bytes": sum(r.nbytes for r in res)}
+
+    async def cmd_mem_start(self, interval_s: float = 0.001) -> dict[str, Any]:
+        """Start sampling this process's memory (the pool's GPU: device memory in use and torch's allocations;
+        host pools: resident set size) until mem_stop."""
+        self._mem = MemSampler(self.pool, interval_s)
+        return self._mem.baseline
+
+    async def cmd_mem_stop(self) -> dict[str, Any]:
+        return self._mem.stop()
+
+    async def cmd_peer_transport(self, peer: str) -> dict[str, Any]:
+        return self.agent.peer_transport(peer)
 
     async def cmd_copy_method(self) -> str | None:
         tr = self.agent.transports.get("cuda_ipc")
@@ -279,6 +384,10 @@ class Worker:
 
 
 def worker_main(conn: Any, spec: dict[str, Any]) -> None:
+    if spec.get("visible_devices") is not None:  # before CUDA initializes in this process: it reads this once
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec["visible_devices"])
+    for k, v in spec.get("env", {}).items():
+        os.environ[k] = str(v)
     try:
         w = Worker(spec)
     except Exception as e:

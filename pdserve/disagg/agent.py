@@ -15,7 +15,8 @@ def agent_config(config: KVTransferConfig) -> AgentConfig:
     if config.secret is None:
         raise KVConfigError(
             f"a {config.role} instance needs the deployment secret, the same on every instance: {HELP}")
-    return AgentConfig(host=config.host, port=config.port, transport=config.transport, secret=config.secret)
+    return AgentConfig(host=config.host, port=config.port, transport=config.transport, secret=config.secret,
+                       protocol=config.protocol, devices=config.devices)
 
 
 def start_agent(config: KVTransferConfig, pool: KVPool, agent: ThreadedAgent | None = None) -> tuple[ThreadedAgent, int]:

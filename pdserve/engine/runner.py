@@ -83,7 +83,8 @@ def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> i
 
 class ModelRunner:
     def __init__(self, model, cfg, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 attention_backend: str = "auto", kv_cache_dtype: torch.dtype | None = None, tp_size: int = 1):
+                 attention_backend: str = "auto", kv_cache_dtype: torch.dtype | None = None, tp_size: int = 1,
+                 pool_alloc: str = "torch"):
         self.model = model
         self.cfg = cfg
         self.device = device
@@ -93,8 +94,13 @@ class ModelRunner:
         # one extra block past the pool's range: padded rows of a captured decode graph write there
         self.scratch_block = num_blocks
         self.tp_size = tp_size
-        self.kv_cache = torch.zeros(kv_cache_shape(cfg, num_blocks + 1, block_size, tp_size), dtype=self.kv_dtype,
-                                    device=device)
+        shape = kv_cache_shape(cfg, num_blocks + 1, block_size, tp_size)
+        if pool_alloc == "torch" or device.type != "cuda":
+            self.kv_cache, self.pool_alloc = torch.zeros(shape, dtype=self.kv_dtype, device=device), "torch"
+        else:  # CUDA VMM (pdserve.kv.vmm): a peer can map it over cuda_ipc however GPUs are made visible to it
+            from pdserve.kv.vmm import pool_zeros
+
+            self.kv_cache, self.pool_alloc = pool_zeros(shape, self.kv_dtype, device, pool_alloc)
         self.backend = get_backend(attention_backend, device)
         self.staging = Staging(device, 1 << 20)  # eager steps (grows)
         self.block_rows = BlockRows()  # block tables converted to numpy once per new block (rank 0)

@@ -153,8 +153,10 @@ class Worker:
 
     def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,
                     kv_dtype: torch.dtype) -> dict:
+        kv = self.config.kv_transfer
         self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, num_blocks, block_size,
-                                  attention_backend, kv_dtype, self.tp.size)
+                                  attention_backend, kv_dtype, self.tp.size,
+                                  kv.pool_alloc if kv.disaggregated else "torch")
         return self.kv_pool_info()
 
     def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int, emulate: bool = False) -> None:

@@ -59,6 +59,7 @@ from pdserve.kv.wire import ProtocolError
 
 log = logging.getLogger(__name__)
 _FAILED_SEEN = 4096  # failure reports remembered per agent, so one failed transfer is reported once
+_AUTO_ORDER = ("cuda_ipc", "nixl", "tcp")  # what `auto` tries, fastest first (mooncake and nccl only when named)
 
 
 @dataclass(frozen=True)
@@ -284,8 +285,55 @@ class KVAgent:
         for t in self.transports.values():
             try:
                 await t.on_peer(peer)
-            except Exception as e:  # a transport that cannot map this peer is simply not chosen for it
-                log.warning("transport %s cannot serve %s: %s", t.name, peer.describe(), e)
+                peer.extra.get("why_not", {}).pop(t.name, None)
+            except Exception as e:  # a transport that cannot map this peer is not chosen for it (and that is said)
+                peer.extra.setdefault("why_not", {})[t.name] = f"{type(e).__name__}: {e}"
+                log.debug("transport %s cannot serve %s: %s", t.name, peer.describe(), e)
+        self._say_transport(peer)
+
+    def _say_transport(self, peer: Peer) -> None:
+        """One log line per peer (and per change) naming the transport its transfers of the KV pool take, and why
+        no faster one serves: never a silent slow path."""
+        choice = self.peer_transport(peer.name)
+        said = (choice["transport"], tuple(sorted(choice["unavailable"].items())))
+        if not peer.regions or peer.extra.get("said") == said:
+            return
+        peer.extra["said"] = said
+        if choice["unavailable"]:
+            log.warning("KV %s: transfers use %s; %s", peer.describe(), choice["transport"],
+                        "; ".join(f"{k} cannot serve: {v}" for k, v in choice["unavailable"].items()))
+        else:
+            log.info("KV %s: transfers use %s", peer.describe(), choice["transport"])
+
+    def peer_transport(self, peer: str) -> dict[str, Any]:
+        """Which transport transfers between our regions and `peer`'s take, and why each faster one cannot:
+        {"transport": name or "none", "unavailable": {faster transport: reason}} (what /metrics shows per peer).
+        Faster means earlier in the automatic order (cuda_ipc, nixl, tcp) among those this process started, or the
+        forced transport."""
+        p = self._peers.get(peer)
+        if p is None or not p.alive:
+            raise PeerDisconnectedError(f"not connected to peer {peer!r}")
+        local, remote = self.regions.all(), list(p.regions.values())
+        if not local or not remote:
+            return {"transport": "none", "unavailable": {}}
+        errors = p.extra.get("why_not", {})
+        order = [self.config.transport] if self.config.transport != "auto" else list(_AUTO_ORDER)
+        unavailable: dict[str, str] = {}
+        for name in order:
+            tr = self.transports.get(name)
+            forced = name == self.config.transport
+            if not forced and (tr is None or not tr.applies(local, remote)):
+                continue  # not started here (not installed, no GPU) or not meant for this memory: nothing lost
+            why = errors.get(name) or (tr.supports(p, local, remote) if tr is not None else
+                                       "not available in this process")
+            if not why:
+                return {"transport": name, "unavailable": unavailable}
+            unavailable[name] = why
+        return {"transport": "none", "unavailable": unavailable}
+
+    def peer_transports(self) -> dict[str, dict[str, Any]]:
+        """`peer_transport` for every connected peer, by peer name."""
+        return {name: self.peer_transport(name) for name, p in list(self._peers.items()) if p.alive}
 
     async def connect(self, target: str, timeout: float | None = None) -> str:
         """Handshake with the agent at `target` ("host:port", or a name when a metadata backend is configured);
@@ -362,6 +410,12 @@ class KVAgent:
             peer.regions, extra = frames.region_update(msg)
             peer.hello.update(extra)
             await self._transports_on_peer(peer)
+        elif t == "tp":  # a transport's own message (side-channel set-up, a two-sided transfer's request)
+            name, body = frames.transport_message(msg)
+            tr = self.transports.get(name)
+            if tr is None:
+                raise frames.FrameError(f"a message for transport {name[:32]!r}, which this agent does not run")
+            await tr.on_message(peer, body)
         else:
             log.debug("ignored a control frame of unknown type %r from %s", t[:32], peer.describe())
 
@@ -485,7 +539,7 @@ class KVAgent:
             if why:
                 raise TransportUnavailableError(f"transport {name} cannot serve {peer.describe()}: {why}")
             return tr
-        for name in ("cuda_ipc", "nixl", "tcp"):
+        for name in _AUTO_ORDER:
             tr = self.transports.get(name)
             if tr is not None and tr.supports(peer, local, remote) is None:
                 return tr

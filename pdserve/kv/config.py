@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pdserve.config import KV_OPT_IN_TRANSPORTS as OPT_IN_TRANSPORTS
+from pdserve.config import KV_PROTOCOLS as PROTOCOLS
 from pdserve.config import KV_TRANSPORTS as TRANSPORTS
 from pdserve.envs import kv_cuda_streams
 from pdserve.secret import check_secret
 
 CUDA_COPY_METHODS = ("auto", "batch", "kernel", "percopy")
+NCCL_BACKENDS = ("auto", "nccl", "gloo")  # auto: nccl for CUDA pools, gloo for host memory
 
 
 @dataclass
@@ -23,7 +26,10 @@ class AgentConfig:
     host: str = "127.0.0.1"  # listen address ("0.0.0.0" for multi-host)
     port: int = 0  # 0 picks a free port
     advertise_host: str | None = None  # address peers should dial, if different from `host`
-    transport: str = "auto"  # auto | tcp | cuda_ipc | nixl
+    transport: str = "auto"  # auto | tcp | cuda_ipc | nixl | mooncake | nccl
+    # opt-in transports (mooncake, nccl) to start beside the automatic ones: usable by naming them per transfer
+    # (`transport=`), never picked by auto (the transfer benchmark's `--transport all` uses this)
+    extra_transports: tuple[str, ...] = ()
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 10.0  # longest a single socket operation may stall before the transfer fails
     transfer_timeout_s: float = 120.0  # default deadline of one transfer
@@ -40,6 +46,12 @@ class AgentConfig:
     etcd_prefix: str = "/pdserve/kv/agents/"
     etcd_ttl_s: int = 30
     max_queued_notifications: int = 65536
+    # ---- mooncake (--kv-devices, --kv-protocol): Mooncake Transfer Engine's own configuration, no code patch ----
+    devices: str = ""  # RDMA devices Mooncake may use, comma-separated ("mlx5_0,mlx5_1"); "" = every one it finds
+    protocol: str = "rdma"  # rdma | tcp: what Mooncake moves bytes over (rdma with no device is an error, not tcp)
+    # ---- nccl: a 2-rank torch.distributed communicator per connected pair ----
+    nccl_backend: str = "auto"  # auto (nccl for CUDA pools, gloo for host memory) | nccl | gloo
+    nccl_setup_timeout_s: float = 60.0  # creating a pair's communicator (NCCL init) may take this long
 
     # ---- security (README, "Security"): who may connect, and what a connected peer may touch ----
     secret: bytes | None = field(default=None, repr=False)  # the deployment secret every agent proves; never sent
@@ -70,6 +82,16 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {self.transport!r}")
+        self.extra_transports = tuple(self.extra_transports)
+        bad = [t for t in self.extra_transports if t not in OPT_IN_TRANSPORTS]
+        if bad:
+            raise ValueError(f"extra_transports may name only {', '.join(OPT_IN_TRANSPORTS)}; got {bad}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {self.protocol!r}")
+        if self.nccl_backend not in NCCL_BACKENDS:
+            raise ValueError(f"nccl_backend must be one of {', '.join(NCCL_BACKENDS)}; got {self.nccl_backend!r}")
+        if self.nccl_setup_timeout_s <= 0:
+            raise ValueError("nccl_setup_timeout_s must be positive")
         if self.cuda_copy not in CUDA_COPY_METHODS:
             raise ValueError(f"cuda_copy must be one of {', '.join(CUDA_COPY_METHODS)}; got {self.cuda_copy!r}")
         if self.metadata not in ("p2p", "etcd"):
@@ -101,6 +123,17 @@ class AgentConfig:
     def access_control(self) -> bool:
         """Whether incoming transfers and notifications are checked against grants."""
         return not (self.insecure or self.open_access)
+
+    def wants(self, transport: str) -> bool:
+        """Whether this agent should start `transport`: automatic ones unless another is forced, opt-in ones only
+        when forced or listed in extra_transports."""
+        if transport in OPT_IN_TRANSPORTS:
+            return self.transport == transport or transport in self.extra_transports
+        return self.transport in ("auto", transport)
+
+    @property
+    def device_list(self) -> list[str]:
+        return [d.strip() for d in self.devices.split(",") if d.strip()]
 
     @property
     def tls(self) -> bool:

@@ -119,5 +119,13 @@ def note(msg: dict[str, Any], max_payload: int) -> Note:
     return Note(_int(msg, "x", 0, (1 << 63) - 1), str(op), _bytes(msg, "p", max_payload), key or None, why)
 
 
+def transport_message(msg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A 'tp' frame: (transport name, its message map with a string 'op')."""
+    name = str(_str(msg, "tr", 32))
+    body = _dict(msg.get("m"), "field 'm'")
+    _str(body, "op", 32)
+    return name, body
+
+
 def region_update(msg: dict[str, Any]) -> tuple[dict[int, RemoteRegion], dict[str, Any]]:
     return regions(msg.get("regions")), _dict(msg.get("extra"), "field 'extra'")

@@ -110,6 +110,11 @@ class ThreadedAgent:
                           timeout: float = 30.0) -> Notification:
         return self._call(self.agent.wait_notification(peer, predicate, timeout), timeout + 1.0)
 
+    def peer_transports(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+        """KVAgent.peer_transports: per connected peer, the transport its transfers take and why each faster one
+        cannot serve (for /metrics)."""
+        return self._call(self._sync(self.agent.peer_transports), timeout)
+
     def peer_region_id(self, peer: str, name: str) -> int:
         return self.agent.peer(peer).region_id(name)
 

@@ -25,6 +25,8 @@ from pdserve.config import (
     KV_CACHE_DTYPES,
     KV_FALLBACKS,
     KV_LAYERWISE,
+    KV_POOL_ALLOCS,
+    KV_PROTOCOLS,
     KV_TRANSPORTS,
     LOAD_FORMATS,
     LOG_LEVELS,
@@ -120,13 +122,21 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
                    help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
     k.add_argument("--kv-layerwise", default=_default(K, "layerwise"), choices=KV_LAYERWISE,
                    help="prefill role: push each layer's KV while later layers compute (auto: when the transport is tcp)")
+    k.add_argument("--kv-pool-alloc", default=_default(K, "pool_alloc"), choices=KV_POOL_ALLOCS,
+                   help="the KV pool's GPU memory: vmm (CUDA VMM, shareable over cuda_ipc whatever GPUs each process "
+                        "sees), torch, or auto (vmm for prefill/decode roles where the GPU supports it)")
+    k.add_argument("--kv-protocol", default=_default(K, "protocol"), choices=KV_PROTOCOLS,
+                   help="mooncake transport: rdma or tcp")
+    k.add_argument("--kv-devices", default=_default(K, "devices"), metavar="DEV[,DEV]",
+                   help="mooncake transport: the RDMA devices to use, e.g. mlx5_0,mlx5_1 (default: every one found)")
     add_access_arguments(_Group(parser, "access and limits (docs/security.md)", skip))
     return parser
 
 
 # flag dest -> KVTransferConfig field, for the flags whose names differ from the fields
 KV_FLAGS = {"role": "role", "kv_transport": "transport", "kv_host": "host", "kv_port": "port", "kv_lease": "lease_s",
-            "kv_fallback": "fallback", "kv_layerwise": "layerwise"}
+            "kv_fallback": "fallback", "kv_layerwise": "layerwise", "kv_pool_alloc": "pool_alloc",
+            "kv_protocol": "protocol", "kv_devices": "devices"}
 # flag dest -> ServerConfig field
 SERVER_FLAGS = {"host": "host", "port": "port", "request_timeout": "request_timeout_s",
                 "max_request_bytes": "max_request_bytes", "body_read_timeout": "body_read_timeout_s",

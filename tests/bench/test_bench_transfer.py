@@ -57,3 +57,54 @@ def test_module_entry_point_and_old_out_flag(tmp_path):
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
     assert rec["checks"]["write_checksums_match"] and rec["results"]["write"]["bytes"] == 8 * 65536
+
+
+def _mooncake_installed() -> bool:
+    from pdserve.kv.errors import TransportUnavailableError
+    from pdserve.kv.transports.mooncake import load_engine
+
+    try:
+        load_engine()
+    except TransportUnavailableError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_bench_transfer_all_transports_one_table(tmp_path, capsys):
+    """Every transport both processes offer, same bytes, same run, the raw-socket ceiling interleaved with all."""
+    parser = argparse.ArgumentParser()
+    bench_transfer.add_arguments(parser)
+    args = parser.parse_args(["--transport", "all", "--backend", "numpy", "--block-bytes", str(64 << 10),
+                              "--num-blocks", "24", "--iters", "2", "--warmup", "1", "--latency-iters", "5",
+                              "--tcp-connections", "1", "--kv-protocol", "tcp", "--result-dir", str(tmp_path),
+                              "--result-filename", "all.json"])
+    assert bench_transfer.main(args) == 0
+    r = json.loads((tmp_path / "all.json").read_text())
+    want = ["tcp", "nccl"] + (["mooncake"] if _mooncake_installed() else [])
+    for t in want:
+        for op in ("write", "read"):
+            res = r["results"][f"{op}:{t}"]
+            assert res["transport"] == t and res["bytes"] == 24 * (64 << 10)
+            assert res["ceiling_GBps"] == r["ceilings"][op]["GBps"] and res["fraction_of_ceiling"] > 0
+            assert r["checks"][f"{op}:{t}_checksums_match"] and r["checks"][f"{op}:{t}_differed_before"]
+        assert r["results"][f"single_block_write:{t}"]["e2e_median_us"] > 0
+    printed = capsys.readouterr().out
+    assert all(f"write:{t}" in printed for t in want)
+
+
+@pytest.mark.timeout(240)
+def test_bench_transfer_memcheck_nccl_cpu(tmp_path):
+    """32 handovers' worth of transfers in flight over nccl (Gloo here): memory does not grow by even one."""
+    parser = argparse.ArgumentParser()
+    bench_transfer.add_arguments(parser)
+    args = parser.parse_args(["--transport", "nccl", "--backend", "numpy", "--block-bytes", str(256 << 10),
+                              "--num-blocks", "48", "--warmup", "1", "--memcheck", "32", "--result-dir",
+                              str(tmp_path), "--result-filename", "mem.json"])
+    assert bench_transfer.main(args) == 0
+    r = json.loads((tmp_path / "mem.json").read_text())
+    m = r["memcheck"]
+    assert m["transfers_in_flight"] == 32 and m["transport"] == "nccl" and m["bytes_moved"] == 32 * 48 * (256 << 10)
+    assert r["checks"] == {"memcheck_checksums_match": True, "memcheck_no_growth": True}
+    for side in m["sides"].values():
+        assert side["kind"] == "resident set size" and side["grew_bytes"] < m["bytes_per_transfer"]

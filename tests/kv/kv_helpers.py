@@ -31,19 +31,19 @@ def spawn_peer(name: str, **agent_kw) -> Remote:
     return Remote(CTX, name, spec, timeout=30)
 
 
-def local_agent(**kw) -> tuple[KVAgent, Pool, int]:
+def local_agent(unit: int = 0, **kw) -> tuple[KVAgent, Pool, int]:
     pool = Pool(NB, BB, "numpy", "cpu")
-    agent = KVAgent(AgentConfig(transport="tcp", io_timeout_s=3.0, tcp_stripe_min_bytes=64 << 10,
-                                **with_security(kw)))
-    return agent, pool, agent.register(pool.data, name="kv")
+    agent = KVAgent(AgentConfig(**{"transport": "tcp", "io_timeout_s": 3.0, "tcp_stripe_min_bytes": 64 << 10,
+                                   **with_security(kw)}))
+    return agent, pool, agent.register(pool.data, name="kv", unit_bytes=unit)
 
 
 BIG = 48 << 20  # bytes of a mid-transfer write: far more than socket buffers hold
 
 
-def big_peer(name: str) -> Remote:
+def big_peer(name: str, **agent_kw) -> Remote:
     spec = {"num_blocks": 1, "block_bytes": BIG, "backend": "numpy", "device": "cpu",
-            "agent": {"transport": "tcp", "name": name, **OPEN}}
+            "agent": {"transport": "tcp", "name": name, **OPEN, **agent_kw}}
     return Remote(CTX, name, spec, timeout=30)
 
 

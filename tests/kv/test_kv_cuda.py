@@ -16,12 +16,30 @@ BB = 36 * 2 * 16 * 8 * 128 * 2  # one qwen3-8b block of 16 tokens
 NB = 64
 
 
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _mooncake() -> bool:
+    from pdserve.kv.transports.mooncake import load_engine
+
+    try:
+        load_engine()
+    except Exception:
+        return False
+    return True
+
+
+MOONCAKE = pytest.mark.skipif(not _mooncake(), reason="Mooncake (mooncake-transfer-engine-cuda13) is not installed")
+
+
 def _pair(transport: str, copy: str = "auto") -> tuple[Remote, Remote, str]:
     n = torch.cuda.device_count()
     devs = ["cuda:0", "cuda:1"] if n >= 2 else ["cuda:0", "cuda:0"]
     ctx = mp.get_context("spawn")
-    rs = [Remote(ctx, name, {"num_blocks": NB, "block_bytes": BB, "backend": "torch", "device": d,
-                             "agent": {"transport": transport, "cuda_copy": copy, "name": name, **OPEN}}, timeout=120)
+    extra = {"protocol": "tcp"} if transport == "mooncake" else {}  # no RDMA device on the lent machines
+    rs = [Remote(ctx, name, {"num_blocks": NB, "block_bytes": BB, "backend": "torch", "device": d, "env": ENV,
+                             "agent": {"transport": transport, "cuda_copy": copy, "name": name, **extra, **OPEN}},
+                 timeout=120)
           for name, d in zip(("ga", "gb"), devs)]
     peer = rs[0].call("connect", address=rs[1].call("info")["address"])
     return rs[0], rs[1], peer
@@ -31,7 +49,8 @@ def _pair(transport: str, copy: str = "auto") -> tuple[Remote, Remote, str]:
 @pytest.mark.parametrize("transport,copy", [("cuda_ipc", "batch"), pytest.param("cuda_ipc", "kernel", marks=pytest.mark.xfail(
     reason="seen on 2xH200: Triton refuses the IPC-mapped pointer of the peer GPU ('cannot be accessed from Triton')")),
                                             ("cuda_ipc", "percopy"),
-                                            ("cuda_ipc", "auto"), ("tcp", "auto")])
+                                            ("cuda_ipc", "auto"), ("tcp", "auto"), ("nccl", "auto"),
+                                            pytest.param("mooncake", "auto", marks=MOONCAKE)])
 def test_gpu_blocks_arrive_byte_exact(transport, copy):
     a, b, peer = _pair(transport, copy)
     try:
@@ -86,3 +105,25 @@ def test_gpu_memory_over_tcp_under_grants(mac_payload):
         await b.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
+def test_gpu_memory_does_not_grow_with_transfers_in_flight(tmp_path, transport):
+    """The benchmark's memory check, small: 32 transfers of 128 qwen3-8b blocks in flight; neither process's device
+    memory in use grows by one transfer's bytes (no temporary receive buffers)."""
+    import argparse
+    import json
+
+    from pdserve.bench import transfer as bench_transfer
+
+    parser = argparse.ArgumentParser()
+    bench_transfer.add_arguments(parser)
+    args = parser.parse_args(["--transport", transport, "--model-config", "qwen3-8b", "--tokens", "2048", "--memcheck",
+                              "32", "--warmup", "1", "--result-dir", str(tmp_path), "--result-filename", "m.json"])
+    assert bench_transfer.main(args) == 0
+    r = json.loads((tmp_path / "m.json").read_text())
+    m = r["memcheck"]
+    assert m["transport"] == transport and r["checks"]["memcheck_no_growth"] and r["checks"]["memcheck_checksums_match"]
+    for side in m["sides"].values():
+        assert side["kind"] == "cuda device memory in use" and side["grew_bytes"] < m["bytes_per_transfer"]

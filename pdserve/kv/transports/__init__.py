@@ -1,5 +1,5 @@
 """Transport registry: which transports this process can offer, built lazily so missing optional libraries
-(CUDA, NIXL) never break import on a CPU-only machine."""
+(CUDA, NIXL, Mooncake) never break import on a CPU-only machine."""
 
 from __future__ import annotations
 
@@ -17,20 +17,22 @@ log = logging.getLogger(__name__)
 
 
 def build_transports(ctx: TransportContext) -> dict[str, Transport]:
-    """tcp always; cuda_ipc when CUDA is usable; nixl when importable and allowed by the configuration.
+    """tcp always; cuda_ipc when CUDA is usable; nixl when importable and allowed by the configuration; mooncake and
+    nccl only when named (forced, or in extra_transports).
 
     A transport forced by configuration but unavailable is an error here, at construction, not at first transfer.
     """
-    want = ctx.config.transport
+    cfg = ctx.config
+    want = cfg.transport
     out: dict[str, Transport] = {"tcp": TcpTransport(ctx)}
-    if want in ("auto", "cuda_ipc"):
+    if cfg.wants("cuda_ipc"):
         from pdserve.kv.transports.cuda_ipc import CudaIpcTransport
 
         if CudaIpcTransport.available():
             out["cuda_ipc"] = CudaIpcTransport(ctx)
         elif want == "cuda_ipc":
             raise TransportUnavailableError("transport cuda_ipc needs torch with CUDA and a visible GPU")
-    if want in ("auto", "nixl"):
+    if cfg.wants("nixl"):
         from pdserve.kv.transports.nixl import NixlTransport
 
         if NixlTransport.available():
@@ -42,4 +44,18 @@ def build_transports(ctx: TransportContext) -> dict[str, Transport]:
                 log.warning("NIXL is importable but its agent failed to start: %s", e)
         elif want == "nixl":
             raise TransportUnavailableError("transport nixl needs the nixl (or nixl_cu13 / nixl_cu12) package")
+    for name in ("mooncake", "nccl"):
+        if cfg.wants(name):
+            out[name] = _opt_in(name, ctx)
     return out
+
+
+def _opt_in(name: str, ctx: TransportContext) -> Transport:
+    """An opt-in transport, or TransportUnavailableError naming what to install or configure."""
+    if name == "mooncake":
+        from pdserve.kv.transports.mooncake import MooncakeTransport
+
+        return MooncakeTransport(ctx)
+    from pdserve.kv.transports.nccl import NcclTransport
+
+    return NcclTransport(ctx)

@@ -51,9 +51,23 @@ class Transport(ABC):
         """A peer connected or its region table changed: map its memory now so the first transfer is fast."""
         return None  # default: nothing to do
 
+    async def on_message(self, peer: Peer, msg: dict[str, Any]) -> None:
+        """A message this transport's counterpart in `peer` sent over the authenticated control connection
+        (`send_message`): a side channel's set-up or a two-sided transfer's request. Validate everything in it."""
+        return None  # default: nothing to do
+
     def on_peer_lost(self, peer: Peer) -> None:
         """The peer is gone: drop connections and mappings."""
         return None  # default: nothing to do
+
+    async def send_message(self, peer: Peer, msg: dict[str, Any]) -> None:
+        """Send `msg` to this transport's counterpart in `peer`, on the authenticated, ordered control connection."""
+        await peer.send({"t": "tp", "tr": self.name, "m": msg})
+
+    def applies(self, local: list[MemoryRegion], remote: list[RemoteRegion]) -> bool:
+        """Whether this transport is meant for these kinds of memory at all (cuda_ipc: GPU memory only). One that
+        does not apply is not reported as unable to serve (KVAgent.peer_transport)."""
+        return True
 
     @abstractmethod
     def supports(self, peer: Peer, local: list[MemoryRegion], remote: list[RemoteRegion]) -> str | None:
