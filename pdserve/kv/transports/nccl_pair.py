@@ -205,12 +205,19 @@ class Pair:
     def _issue_nccl(self, ops: list[Op], peer: int, dev: Any) -> list[Any]:
         pg = self.pg
         if len(ops) > 1 and pg.supports_coalescing:
-            pg._start_coalescing(dev)  # one NCCL group: every run of the transfer in one launch
+            # one NCCL group: every run of the transfer in one launch. A ProcessGroup takes the device; a backend
+            # object (ProcessGroupNCCL in torch 2.11) takes none.
+            try:
+                pg._start_coalescing(dev)
+                with_device = True
+            except TypeError:
+                pg._start_coalescing()
+                with_device = False
             try:
                 for o in ops:
                     (pg.send if o.kind == "send" else pg.recv)([o.tensor], peer, 0)
             finally:
-                work = pg._end_coalescing(dev)
+                work = pg._end_coalescing(dev) if with_device else pg._end_coalescing()
             return [work]
         return [(pg.send if o.kind == "send" else pg.recv)([o.tensor], peer, 0) for o in ops]
 
