@@ -5,7 +5,7 @@ One program per (row, KV head, split) with the query heads of a GQA group packed
 is loaded once per group; the splits of a row are merged by a second small kernel (skipped when there is one
 split). A split's share is computed in the kernel from the row's own KV length, so a grid sized for an upper-bound
 length (a CUDA graph) still spreads a short row over every split. In a mixed batch the kernel reads the row's query
-offsets and leaves rows with more than one new token to the prefill kernel. fp8 pools are read as fp8 and widened in
+offsets and leaves rows with more than one new token to the prefill kernel. fp8 pools are read as fp8 and widened (to fp16, one instruction per pair) in
 registers; k_scale folds into the softmax scale and v_scale into the output, accumulation is fp32.
 """
 
@@ -30,6 +30,7 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -56,6 +57,8 @@ def _decode_kernel(
     gmask = g < G
     dmask = d < D
     q = tl.load(Q + row * s_qt + h[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F16:  # fp8 pool: e4m3 widens to fp16 in one instruction per pair (to bf16 it takes three)
+        q = q.to(tl.float16)
     qk_scale = sm_scale
     if HAS_KS:
         qk_scale = qk_scale * tl.load(KS)
@@ -137,6 +140,19 @@ def decode_block_n(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
     return 64
 
 
+# (keys per step, warps, stages) of the decode kernel for 16-bit queries, by (pool is fp8, at least 8 rows), from
+# benchmarks/attention/sweep_decode.py on an H200 (results_h200/decode_sweep_fp16dot.json): 128-key tiles keep
+# more bytes in flight once there are rows enough to fill the GPU; a single row with many splits does better with 64.
+DECODE_TILES = {(False, False): (64, 4, 2), (False, True): (128, 4, 3), (True, False): (64, 4, 3),
+                (True, True): (128, 4, 3)}
+
+
+def decode_tile(head_dim: int, dtype: torch.dtype, fp8: bool, num_rows: int = 8) -> tuple[int, int, int]:
+    if dtype == torch.float32:
+        return decode_block_n(16, head_dim, dtype), 4, 2
+    return DECODE_TILES[(fp8, num_rows >= 8)]
+
+
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # the Triton interpreter (tests on CPU)
         return 8
@@ -155,13 +171,14 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
                  max_seq_len: int, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  query_start_loc: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 num_splits: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Decode attention of rows with one new token.
 
     q [T, Hq, D]; kv_layer [num_blocks, 2, block_size, Hk, D] (any strides, D contiguous); block_tables [B, W] and
     seq_lens [B] int32 on device. Without `query_start_loc`, row b's query is token b (a decode-only batch); with it
     ([B+1] int32), row b's query is token query_start_loc[b] and rows with another count of new tokens are skipped
-    (their output rows are left as they are). Returns `out` ([T, Hq, D], allocated if not given).
+    (their output rows are left as they are). Returns `out` ([T, Hq, D], allocated if not given). `tile` =
+    (keys per step, warps, stages) overrides decode_tile's choice (benchmarks/attention/sweep_decode.py).
     """
     b = seq_lens.shape[0]
     if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
@@ -178,6 +195,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     splits = num_splits or decode_splits(b, hk, max_seq_len, sliding_window, q.device)
     single = splits == 1
     block_d = triton.next_power_of_2(d)
+    block_n, warps, stages = tile or decode_tile(d, q.dtype, fp8, b)
     if single:
         part_o = part_m = part_l = out
         s_p = (0, 0, 0)
@@ -198,10 +216,10 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         *s_p,
         scale, softcap or 1.0, sliding_window or 0,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d, BS=bs,
-        BLOCK_N=decode_block_n(bs, d, q.dtype), MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
+        BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
         HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
+        num_warps=warps, num_stages=stages,
     )
     if not single:
         _merge_kernel[(b, hq)](

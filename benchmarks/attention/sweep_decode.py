@@ -1,0 +1,95 @@
+"""Tile sweep of the split-K paged decode kernel (keys per step, warps, stages) for bf16 and fp8 pools, in the
+engine's head-major pool layout ([blocks, kv heads, layers, 2, block size, head dim], one layer's strided view),
+against the HBM copy rate measured in the same run. Prints the best tile per pool dtype over the shapes (geometric
+mean of the fraction of the floor) and writes every timing as JSON.
+
+  python benchmarks/attention/sweep_decode.py --out $OUT/decode_sweep.json [--hq 32 --hk 8 --head-dim 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+
+import numpy as np
+import torch
+import triton.testing
+
+from pdserve.bench.ceilings import hbm_copy_gbps
+from pdserve.bench.record import new_record, save_json
+from pdserve.ops.attention.common import as_storage, is_fp8
+from pdserve.ops.attention.decode import decode_tile, paged_decode
+
+SHAPES = [(1, 8192), (32, 4096), (128, 2048), (256, 1024), (256, 4096)]
+TILES = [(32, 4, 2)] + [(n, w, s) for n, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hk", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4, help="layers in the pool (the view's strides skip the others)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    hbm = hbm_copy_gbps(dev)
+    rec = new_record("decode_tile_sweep", vars(args))
+    rec["ceilings"] = {"hbm_copy_gbps": hbm, "gpu": torch.cuda.get_device_name(dev)}
+    rec["rows"], rec["best"] = [], {}
+    max_tokens = max(b * c for b, c in SHAPES)
+    nb = max_tokens // args.block_size + 64
+    rng = np.random.default_rng(0)
+    for name, dt in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        pool = torch.empty((nb, args.hk, args.layers, 2, args.block_size, args.head_dim), dtype=dt, device=dev)
+        if is_fp8(dt):
+            as_storage(pool).random_(0, 256).bitwise_and_(0x77)
+        else:
+            pool.normal_()
+        layer = pool[:, :, 1].permute(0, 2, 3, 1, 4)  # [blocks, 2, block size, kv heads, head dim], strided
+        scale = torch.tensor(1.0, device=dev) if is_fp8(dt) else None
+        default = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), 8)  # the many-row tile
+        scores: dict[tuple, list[float]] = {t: [] for t in TILES}
+        for b, ctx in SHAPES:
+            width = -(-ctx // args.block_size)
+            perm = rng.permutation(nb)[: b * width] if b * width <= nb else rng.integers(0, nb, b * width)
+            bt = torch.tensor(perm.reshape(b, width).astype(np.int32), device=dev)
+            sl = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+            q = torch.randn((b, args.hq, args.head_dim), dtype=torch.bfloat16, device=dev)
+            kv_bytes = b * ctx * args.hk * args.head_dim * 2 * pool.element_size()
+            floor = kv_bytes / (hbm * 1e9) * 1e6
+            ref = paged_decode(q, layer, bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale)
+            for t in TILES:
+                try:
+                    out = paged_decode(q, layer, bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale,
+                                       tile=t)
+                    if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
+                        raise RuntimeError("output differs from the default tile's")
+                    call = functools.partial(paged_decode, q, layer, bt, sl, ctx, args.head_dim ** -0.5,
+                                             k_scale=scale, v_scale=scale, tile=t)
+                    us = 1e3 * triton.testing.do_bench(call, warmup=5, rep=25, return_mode="median")
+                except Exception as e:  # out of resources, compile failure
+                    rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "error": str(e)[:200]})
+                    scores[t].append(1e-3)
+                    continue
+                scores[t].append(floor / us)
+                rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "us": us, "floor_us": floor,
+                                    "of_floor": floor / us, "default": t == default})
+        ranked = sorted(TILES, key=lambda t: -math.prod(scores[t]) ** (1 / len(scores[t])))
+        for t in ranked[:5] + [default]:
+            gm = math.prod(scores[t]) ** (1 / len(scores[t]))
+            print(f"{name} tile {t}: geo-mean {100 * gm:5.1f}% of floor; per shape "
+                  + " ".join(f"{100 * s:4.0f}%" for s in scores[t]) + ("  (default)" if t == default else ""),
+                  flush=True)
+        rec["best"][name] = {"tile": ranked[0], "per_shape": scores[ranked[0]],
+                             "default": default, "default_per_shape": scores[default]}
+    if args.out:
+        save_json(rec, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
