@@ -9,6 +9,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from pdserve.model import shapes
+
 
 @dataclass(frozen=True)
 class KVShape:
@@ -30,6 +32,7 @@ KNOWN = {
     "llama-3.1-8b": KVShape("llama-3.1-8b", 32, 8, 128),
     "llama-3.1-70b": KVShape("llama-3.1-70b", 80, 8, 128),
     "gemma-3-270m": KVShape("gemma-3-270m", 18, 1, 256),
+    "qwen3-30b-a3b": KVShape("qwen3-30b-a3b", 48, 4, 128),
 }
 
 
@@ -48,5 +51,5 @@ def kv_shape(name_or_path: str, dtype_bytes: int = 2) -> KVShape:
     layers = int(cfg["num_hidden_layers"])
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    head_dim = shapes.head_dim(cfg)
     return KVShape(os.path.basename(os.path.dirname(os.path.abspath(path))), layers, kv_heads, head_dim, dtype_bytes)

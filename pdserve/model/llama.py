@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.model import shapes
 from pdserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from pdserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 from pdserve.model.rope_config import rope_params
@@ -18,7 +19,7 @@ from pdserve.model.rope_config import rope_params
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int, rope: RotaryEmbedding, qk_norm: bool = False):
         super().__init__()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = shapes.head_dim(cfg)
         sliding = None
         layer_types = getattr(cfg, "layer_types", None)
         if layer_types and layer_types[layer_idx] == "sliding_attention" and getattr(cfg, "sliding_window", None):
@@ -57,7 +58,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = shapes.head_dim(cfg)
         base, scaling = rope_params(cfg)
         rope = RotaryEmbedding(head_dim, base, cfg.max_position_embeddings, scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
