@@ -151,3 +151,13 @@ def test_config_argv_reproduces_the_config():
     cfg = build_config(parser.parse_args(argv))
     assert build_config(parser.parse_args(config_argv(cfg))) == cfg
     assert sorted(config_argv(cfg)) == sorted(argv)
+
+
+def test_docs_modules_lists_every_module():
+    import importlib.util
+
+    repo = ROOT.parent
+    spec = importlib.util.spec_from_file_location("gen_modules", repo / "docs" / "gen_modules.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (repo / "docs" / "modules.md").read_text() == gen.render(), "run `python docs/gen_modules.py`"

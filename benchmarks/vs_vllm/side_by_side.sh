@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM 0.22 and pdserve on the same lent machine, measured by the same client (vLLM's own `bench serve`), random
 # weights in a real model's shape; then compare.py writes the ratios. Adapted from shared/anchors/side_by_side.sh
-# (staging is the same: $STAGE/p0..p4 the vLLM wheel in 5 parts, $STAGE/deps, $STAGE/nixl, $STAGE/model[-moe]).
+# (staging is the same: $STAGE/p0..pN the vLLM wheel split in parts vpart00.. small enough to carry one per call, $STAGE/deps, $STAGE/nixl, $STAGE/model[-moe]).
 #
 #   OUT=$OUT STAGE=.vllm-stage bash benchmarks/vs_vllm/side_by_side.sh MODE [MODE ...]
 # MODE: single (vLLM on GPU 0, pdserve on GPU 1 at once; SINGLE_GPU=1: one after the other on GPU 0),
@@ -19,11 +19,16 @@ export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 WORKLOADS=${WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:8:1"}
 MAXLEN=${MAXLEN:-40960}
 
+nixl_wheels() {  # $S/nixl: the small wheels; $S/nx0, $S/nx1: nixl_cu13's wheel in two parts (one per call)
+  mkdir -p /tmp/nixlw; cp $S/nixl/*.whl /tmp/nixlw/ 2>/dev/null
+  [ -f $S/nx0/nxpart00 ] && cat $S/nx0/nxpart00 $S/nx1/nxpart01 > /tmp/nixlw/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
+}
 install_vllm() {
   [ -d /tmp/site/vllm ] && return
-  cat $S/p0/vpart00 $S/p1/vpart01 $S/p2/vpart02 $S/p3/vpart03 $S/p4/vpart04 > /tmp/vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl
+  cat $(for i in 0 1 2 3 4 5 6 7 8 9; do ls $S/p$i/vpart* 2>/dev/null; done) > /tmp/vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl
+  nixl_wheels  # NIXL for pd-vllm, when staged
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    /tmp/vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl $S/deps/*.whl $(ls $S/nixl/*.whl 2>/dev/null) 2>&1 | tail -2
+    /tmp/vllm-0.22.0-cp38-abi3-manylinux_2_28_x86_64.whl $S/deps/*.whl $(ls /tmp/nixlw/*.whl 2>/dev/null) 2>&1 | tail -2
   rm -rf /tmp/site/nixl_ep /tmp/site/nixl_ep_cu13
 }
 install_pdserve() { command -v pdserve >/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2; }

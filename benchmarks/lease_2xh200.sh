@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The 2xH200 lease of the session, one stage per device call (written before the lease; a machine goes back 30 s
+# after a call ends). Staged files (ignored, carried one folder per call): .vllm-stage/{deps,p0..p5,model,model-moe,
+# anchors,nixl,nx0,nx1} (benchmarks/vs_vllm/side_by_side.sh) and .mc (the Mooncake CUDA 13 wheel and the .deb
+# libraries it loads: libibverbs1, ibverbs-providers, libnuma1, libnl-3-200, libnl-route-3-200).
+#   OUT=$OUT bash benchmarks/lease_2xh200.sh STAGE
+# Stages:
+#   sbs        vLLM and pdserve side by side, one GPU each at once, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16)
+#   moe        the same with dummy Qwen3-30B-A3B and --kv-cache-dtype fp8 on both
+#   pd         pdserve 1P1D (`serve --prefill 1 --decode 1`) and vLLM 1P1D NIXL, 1024/1024 c256 and 8192/16
+#   transfer   benchmarks/transfer/run_2xh200.sh with NIXL and Mooncake installed; the PD GPU tests
+set -uo pipefail
+STAGE=${1:?stage}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
+W="$OUT/$STAGE"; mkdir -p "$W"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$W/pip.txt" 2>&1 || echo "editable install failed"
+nvidia-smi -L > "$W/gpus.txt" 2>&1
+t0=$(date +%s)
+SBS="benchmarks/vs_vllm/side_by_side.sh"
+case $STAGE in
+  sbs)
+    WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS single 2>&1 | tail -25 ;;
+  moe)
+    WORKLOADS="1024:1024:512:256 8192:16:16:1" MODEL=.vllm-stage/model-moe VLLM_ARGS="--kv-cache-dtype fp8" \
+      PDSERVE_ARGS="--kv-cache-dtype fp8" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS single 2>&1 | tail -25 ;;
+  pd)
+    WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS pd-pdserve pd-vllm \
+      2>&1 | tail -25 ;;
+  transfer)
+    mkdir -p /tmp/mcroot && for f in .mc/*.deb; do dpkg -x "$f" /tmp/mcroot; done
+    export LD_LIBRARY_PATH="/tmp/mcroot/usr/lib/x86_64-linux-gnu:/tmp/mcroot/usr/lib/x86_64-linux-gnu/libibverbs:${LD_LIBRARY_PATH:-}"
+    mkdir -p /tmp/mcw && cp .mc/*.whl /tmp/mcw/
+    S=.vllm-stage; mkdir -p /tmp/nixlw; cp $S/nixl/*.whl /tmp/nixlw/ 2>/dev/null
+    [ -f $S/nx0/nxpart00 ] && cat $S/nx0/nxpart00 $S/nx1/nxpart01 > /tmp/nixlw/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
+    NIXL_WHEELS=/tmp/nixlw MOONCAKE_WHEELS=/tmp/mcw OUT=$W timeout 420 bash benchmarks/transfer/run_2xh200.sh 2>&1 | tail -40
+    echo "== PD GPU tests"
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv tests/disagg tests/parallel 2>&1 \
+      | tee "$W/gpu_tests_pd.txt" | grep -v "^\.*$" | tail -15 ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+echo "stage $STAGE took $(( $(date +%s) - t0 )) s"
