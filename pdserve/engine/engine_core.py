@@ -132,6 +132,8 @@ class EngineCore:
         pool = KVPool(self.runner.kv_cache, config.block_size, bb, num_blocks, self.hf_config.vocab_size, self.device)
         self.connector: KVConnector | None = make_connector(kvt, pool, wake or (lambda: None), kv_agent)
         self._inflight: InFlight | None = None
+        # async scheduling: steps launched while the one before was in flight, and steps that had to wait for it
+        self.async_counts = {"overlapped": 0, "waited": 0}
         self.async_scheduling = False
         self.set_async_scheduling(config.async_scheduling)
         log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each), role %s",
@@ -234,10 +236,13 @@ class EngineCore:
         prev = self._inflight
         if prev is not None and not can_schedule_ahead(prev):
             outputs += self._collect(prev)  # this step needs what the previous one sampled: wait for it first
+            self.async_counts["waited"] += 1
             prev = None
         batch = self.scheduler.schedule()
         outputs += failed_outputs(batch)
         launched = self._launch(batch) if batch else None
+        if launched is not None and prev is not None:
+            self.async_counts["overlapped"] += 1
         if prev is not None:
             outputs += self._collect(prev)
         if launched is not None and not self.async_scheduling:
@@ -348,6 +353,7 @@ class EngineCore:
             "prefix_cache_queries": pool.queries,
             "prefix_cache_hits": pool.hits,
             "num_steps": self.num_steps,
+            "async_steps_overlapped": self.async_counts["overlapped"],
         }
         if self.connector is not None:
             out["pd"] = {**self.handover.as_dict(), **self.connector.stats(),
