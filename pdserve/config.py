@@ -104,6 +104,9 @@ class EngineConfig:
     max_waiting: int = 4096  # requests queued beyond this are refused (HTTP 503)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # disable CUDA graphs for decode
+    # schedule step n+1 while step n runs on the device (one step in flight; pdserve/engine/async_step.py);
+    # None: on for CUDA devices, off on CPU. Prefill-role instances always wait for each step.
+    async_scheduling: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     kv_cache_dtype: str = "auto"
     log_level: str = "info"  # of the engine process too

@@ -1,8 +1,13 @@
 """The engine core: owns the model, the KV pool and the scheduler, and advances every request one step at a time.
-Synchronous on purpose: it runs in its own process (or inline for offline use and tests).
+It runs in its own process (or inline for offline use and tests).
 
-A step: take what the KV connector reports (disaggregated instances), schedule, run the model, update the
-requests. The scheduler makes every state change; the connector is only asked questions and handed pushes.
+A step: take what the KV connector reports (disaggregated instances), schedule, launch the model (forward and
+sampling queued on the device), collect the sampled ids, update the requests. The scheduler makes every state
+change; the connector is only asked questions and handed pushes.
+
+Async scheduling (`EngineConfig.async_scheduling`): one step stays in flight. `step()` schedules and launches step
+n+1 while step n runs on the device, then collects step n and returns its outputs, so in steady decoding the host's
+only wait is for step n's sampled ids (pdserve/engine/async_step.py says when a step is waited for at once instead).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.async_step import InFlight, async_supported, can_schedule_ahead, needs_history
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, KVPool, make_connector
@@ -30,7 +36,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.request import Request
 from pdserve.engine.runner import block_bytes, kv_cache_torch_dtype
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, failed_outputs
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.stats import median
@@ -125,6 +131,11 @@ class EngineCore:
         self.handover = HandoverStats()
         pool = KVPool(self.runner.kv_cache, config.block_size, bb, num_blocks, self.hf_config.vocab_size, self.device)
         self.connector: KVConnector | None = make_connector(kvt, pool, wake or (lambda: None), kv_agent)
+        self._inflight: InFlight | None = None
+        # async scheduling: steps launched while the one before was in flight, and steps that had to wait for it
+        self.async_counts = {"overlapped": 0, "waited": 0}
+        self.async_scheduling = False
+        self.set_async_scheduling(config.async_scheduling)
         log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each), role %s",
                  time.time() - t0, config.model, self.device, self.dtype, num_blocks, config.block_size, bb / 2**20,
                  kvt.role)
@@ -181,19 +192,28 @@ class EngineCore:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def needs_step(self) -> bool:
-        """A step would compute something, or take a peer's report, or watch a peer's deadline."""
-        return self.scheduler.has_work() or self.executor.failed is not None or (self.connector is not None and (
+        """A step would compute something, collect one in flight, take a peer's report, or watch a deadline."""
+        return self.has_work() or self.executor.failed is not None or (self.connector is not None and (
             self.connector.has_events() or self.scheduler.has_remote() or bool(self.kv.quarantine)))
+
+    def set_async_scheduling(self, enabled: bool | None) -> None:
+        """Turn async scheduling on or off (None: on for CUDA devices), where the instance supports it (not on a
+        prefill-role instance, whose steps hand each first token to a KV push). Takes effect from the next step."""
+        want = self.device.type == "cuda" if enabled is None else enabled
+        self.async_scheduling = want and async_supported(self.connector.role if self.connector is not None else None)
+        self.runner.share_tokens = self.async_scheduling and self.executor.size > 1
 
     def take_events(self) -> list[PDEvent]:
         events, self._events = self._events, []
         return events
 
     def check_whole(self) -> None:
-        """Raise unless no request holds a block (tests)."""
+        """Raise unless no request holds a block and no step is in flight (tests)."""
+        if self._inflight is not None or self.kv.retired:
+            raise AssertionError("a step is still in flight (step until has_work() is False)")
         self.kv.pool.check_whole()
 
     def close(self) -> None:
@@ -202,19 +222,63 @@ class EngineCore:
 
     # ---- one step
     def step(self) -> list[CoreOutput]:
+        """Schedule and launch a step; collect the step before it (async scheduling) or this one. Returns the
+        outputs of the steps collected."""
         self.executor.check()  # a dead tensor-parallel rank fails the instance (WorkerDied is fatal)
+        try:
+            return self._step()
+        except BaseException:
+            self._drop_in_flight()
+            raise
+
+    def _step(self) -> list[CoreOutput]:
         outputs = self._take_kv_reports() if self.connector is not None else []
+        prev = self._inflight
+        if prev is not None and not can_schedule_ahead(prev):
+            outputs += self._collect(prev)  # this step needs what the previous one sampled: wait for it first
+            self.async_counts["waited"] += 1
+            prev = None
         batch = self.scheduler.schedule()
-        hook = self.connector.layer_hook(batch) if (batch and self.connector is not None) else None
-        sampled, result = self.executor.execute(batch, hook) if batch else ([], None)
-        self.num_steps += bool(batch)
-        new, exports = self.scheduler.update(batch, sampled, result.token_ids if result else [],
-                                             result.logprobs if result else [], time.time())
+        outputs += failed_outputs(batch)
+        launched = self._launch(batch) if batch else None
+        if launched is not None and prev is not None:
+            self.async_counts["overlapped"] += 1
+        if prev is not None:
+            outputs += self._collect(prev)
+        if launched is not None and not self.async_scheduling:
+            outputs += self._collect(launched)
+        return outputs
+
+    def _set_in_flight(self, step: InFlight | None) -> None:
+        self._inflight = step
+        self.scheduler.defer_frees = step is not None
+
+    def _launch(self, batch) -> InFlight:
+        hook = self.connector.layer_hook(batch) if self.connector is not None else None
+        handle = self.executor.launch(batch, hook)
+        self.num_steps += 1
+        self.scheduler.launched(batch, handle.reqs)
+        step = InFlight(batch, handle, needs_history(handle.reqs))
+        self._set_in_flight(step)
+        return step
+
+    def _collect(self, step: InFlight) -> list[CoreOutput]:
+        result = self.executor.collect(step.handle)
+        # blocks retired while this step was the newest in flight (requests that ended in the collect before it,
+        # aborts) are free now: nothing launched after it touches them
+        self.kv.release_retired()
+        self._set_in_flight(None if self._inflight is step else self._inflight)
+        new, exports = self.scheduler.collected(step.handle.reqs, result.token_ids if result else [],
+                                                result.logprobs if result else [], time.time())
         for ex in exports:
             self.connector.start_export(ex)
             self.handover.exports += 1
-        return outputs + new
+        return new
 
+    def _drop_in_flight(self) -> None:
+        """After a failed step: forget what was in flight (the engine loop ends the requests)."""
+        self._set_in_flight(None)
+        self.kv.release_retired()
     # ---- disaggregation: what the connector reports, applied through the scheduler
     def _take_kv_reports(self) -> list[CoreOutput]:
         c, s, now = self.connector, self.scheduler, time.time()
@@ -289,6 +353,7 @@ class EngineCore:
             "prefix_cache_queries": pool.queries,
             "prefix_cache_hits": pool.hits,
             "num_steps": self.num_steps,
+            "async_steps_overlapped": self.async_counts["overlapped"],
         }
         if self.connector is not None:
             out["pd"] = {**self.handover.as_dict(), **self.connector.stats(),

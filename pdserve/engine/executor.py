@@ -27,7 +27,7 @@ from multiprocessing.connection import wait
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.runner import ModelRunner, StepHandle
 from pdserve.engine.sampler import SampleResult
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.step_inputs import StepPlan
@@ -238,11 +238,23 @@ class Executor:
                             timeout_s=CAPTURE_TIMEOUT_S)
 
     def execute(self, batch: ScheduledBatch, after_layer=None) -> tuple[list, SampleResult | None]:
-        """One step on every rank; rank 0 samples."""
+        """One step on every rank, waited for; rank 0 samples."""
+        handle = self.launch(batch, after_layer)
+        return handle.reqs, self.collect(handle)
+
+    def launch(self, batch: ScheduledBatch, after_layer=None) -> StepHandle:
+        """Queue one step on every rank (the plan goes to the other ranks first); rank 0 samples on its device."""
+        return self._guarded(self.runner.launch, batch, after_layer)
+
+    def collect(self, handle: StepHandle) -> SampleResult | None:
+        """Wait for a launched step's sampled ids."""
+        return self._guarded(self.runner.collect, handle)
+
+    def _guarded(self, fn, *args):
         self.check()
         self._in_step = True
         try:
-            out = self.runner.execute(batch, after_layer)
+            out = fn(*args)
             self.check()  # a rank died during the step (an aborted NCCL collective returns garbage): drop it
             return out
         except WorkerDied:

@@ -1,6 +1,8 @@
 """Maps requests to blocks: prefix-cache lookups at admission, growing a request's block list as it runs,
 registering full blocks in the prefix cache, freeing everything a request holds, and quarantining blocks a
-remote peer may still write into (out of circulation until the peer is done or the lease ends)."""
+remote peer may still write into (out of circulation until the peer is done or the lease ends), and holding the
+blocks of requests that ended while a launched step may still write into them (async scheduling: `retire`, then
+`release_retired` once that step was collected)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.quarantine: dict[str, Quarantine] = {}  # request id -> blocks a peer may still write
+        self.retired: list[list[int]] = []  # blocks of ended requests that a step in flight may still write
 
     def _extend_hashes(self, req: Request, upto_tokens: int) -> None:
         bs = self.block_size
@@ -72,14 +75,16 @@ class KVCacheManager:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def cache_computed(self, req: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+    def cache_computed(self, req: Request, upto: int | None = None) -> None:
+        """Register the request's full, computed blocks in the prefix cache — only blocks within the first `upto`
+        tokens when given (async scheduling: tokens before the first placeholder, whose ids are known)."""
         if not self.pool.enable_prefix_caching:
             return
-        n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        computed = req.num_computed_tokens if upto is None else min(upto, req.num_computed_tokens)
+        n_full = min(computed // self.block_size, len(req.block_ids))
         if n_full <= req.num_registered_blocks:  # the common decode step: no block filled up
             return
-        self._extend_hashes(req, req.num_computed_tokens)
+        self._extend_hashes(req, computed)
         for i in range(req.num_registered_blocks, n_full):
             self.pool.cache_block(req.block_ids[i], req.block_hashes[i])
         req.num_registered_blocks = n_full
@@ -89,6 +94,18 @@ class KVCacheManager:
             self.pool.release(req.block_ids)
             req.block_ids = []
         req.num_registered_blocks = 0
+
+    def retire(self, req: Request) -> None:
+        """Like `free`, but the blocks stay held until `release_retired`: a launched step may still write them."""
+        if req.block_ids:
+            self.retired.append(req.block_ids)
+            req.block_ids = []
+        req.num_registered_blocks = 0
+
+    def release_retired(self) -> None:
+        for ids in self.retired:
+            self.pool.release(ids)
+        self.retired.clear()
 
     def reset_for_recompute(self, req: Request) -> None:
         self.free(req)

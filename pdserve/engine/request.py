@@ -29,7 +29,10 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.time)
     token_ids: list[int] = field(init=False)  # prompt followed by output
-    num_computed_tokens: int = 0  # tokens whose KV is in the pool
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool (or is being written by a launched step)
+    # async scheduling: the last `num_pending` entries of token_ids are placeholders -(row + 1) for tokens sampled
+    # by launched steps and not yet on the host (Scheduler.launched appends them, Scheduler.collected fills them)
+    num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hash chain over full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
@@ -89,11 +92,13 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-    def check_stop(self, max_model_len: int) -> bool:
-        """Apply the token-level stop rules after a new token; sets finish_reason. Stop strings live in the frontend."""
+    def check_stop(self, max_model_len: int, upto: int | None = None) -> bool:
+        """Apply the token-level stop rules after a new token — the last one, or the one at `upto - 1` when later
+        entries are placeholders; sets finish_reason. Stop strings live in the frontend."""
         p = self.params
-        last = self.token_ids[-1]
-        n_out = self.num_output_tokens
+        n = len(self.token_ids) if upto is None else upto
+        last = self.token_ids[n - 1]
+        n_out = n - self.num_prompt_tokens
         if n_out >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = "stop", None
@@ -104,7 +109,7 @@ class Request:
         if p.max_tokens is not None and n_out >= p.max_tokens:
             self.finish_reason = "length"
             return True
-        if self.num_tokens >= max_model_len:
+        if n >= max_model_len:
             self.finish_reason = "length"
             return True
         return False

@@ -3,6 +3,10 @@ graph for a pure decode batch, piecewise graphs for a mixed batch up to a token 
 the logits of the rows that reached the end of their known tokens, and samples them.
 
 The forward itself never synchronizes with the host; sampling's copy of the tokens is the step's one sync.
+A step is `launch` (inputs, forward, sampling: all queued on the device; the sampled ids stay there and a
+non-blocking copy to pinned host memory is started) then `collect` (waits for that copy): with async scheduling the
+engine core schedules and launches the next step in between. The next step's rows that decode on a token not yet
+on the host carry placeholders, filled on the device from the last launched step's ids (`last_tokens`).
 
 Tensor parallelism: every rank has a runner over its model shard and KV pool (its KV heads, the same block ids).
 Rank 0's runner plans each step and hands the plan to `step_sink` (the executor sends it to the other ranks) before
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +31,7 @@ from pdserve.engine.cuda_graphs import (
     mixed_graph_sizes,
 )
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import SampleResult, sample
+from pdserve.engine.sampler import PendingSample, SampleResult, sample_async
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.step_inputs import (
     BlockRows,
@@ -81,6 +86,14 @@ def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> i
     return n * torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass
+class StepHandle:
+    """A launched step: the requests of its sampled rows (in row order) and their tokens on the way to the host."""
+
+    reqs: list[Request]
+    pending: PendingSample | None  # None: no row was sampled
+
+
 class ModelRunner:
     def __init__(self, model, cfg, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int,
                  attention_backend: str = "auto", kv_cache_dtype: torch.dtype | None = None, tp_size: int = 1,
@@ -117,6 +130,11 @@ class ModelRunner:
         self.step_counts = {"decode_graph": 0, "mixed_graph": 0, "eager": 0}  # steps run each way
         self.use_graphs = True  # False: run every step eagerly though graphs were captured (A/B benchmarks)
         self.use_full_decode_graphs = True  # False: decode batches replay piecewise graphs too (A/B benchmarks)
+        self.last_tokens: torch.Tensor | None = None  # the last launched step's sampled ids, on this device
+        # tensor parallelism: the group's broadcast from rank 0 (set by the Worker at size > 1), and whether rank 0
+        # shares each step's sampled ids with the other ranks (the engine core turns it on for async scheduling)
+        self.tp_broadcast = None
+        self.share_tokens = False
 
     # ---- graphs
     def full_decode_graphs_supported(self) -> bool:
@@ -137,8 +155,8 @@ class ModelRunner:
         self.decode_sizes = decode_graph_sizes(max_batch) if self.full_decode_graphs_supported() or emulate else []
         self.mixed_sizes = mixed_graph_sizes(min(max_tokens, MAX_GRAPH_TOKENS))
         w = self.graph_width
-        need = max([layout_bytes(s, s, s, w, s) for s in self.decode_sizes]
-                   + [layout_bytes(n, n, n, w, n, n) for n in self.mixed_sizes])  # tiles: at most one per token
+        need = max([layout_bytes(s, s, s, w, s, 0, s) for s in self.decode_sizes]  # placeholders: one per row
+                   + [layout_bytes(n, n, n, w, n, n, n) for n in self.mixed_sizes])  # tiles: at most one per token
         self.graph_staging = Staging(self.device, need, growable=False)
         self.attn_bufs = AttnBuffers.for_model(self.mixed_sizes[-1], cfg.num_attention_heads // self.tp_size,
                                                local_kv_heads(cfg.num_key_value_heads, self.tp_size), _head_dim(cfg),
@@ -161,11 +179,12 @@ class ModelRunner:
                  len(self.decode_sizes), self.decode_sizes[-1] if self.decode_sizes else 0, len(self.mixed_sizes),
                  self.mixed_sizes[-1], time.time() - t0)
 
-    def _graph_inputs(self, a: StepArrays, rows: list, size: int) -> StepInputs:
+    def _graph_inputs(self, a: StepArrays, rows: list, size: int, prev: torch.Tensor | None = None) -> StepInputs:
         """Decode graph inputs: every row padded to `size`; padded rows write their KV into the scratch block."""
         bs = self.block_size
         return fill_arrays(self.graph_staging, a, rows, bs, pad_ids=size, pad_rows=size, width=self.graph_width,
-                           pad_slot=self.scratch_block * bs, pad_block=self.scratch_block, slots_padded=True)
+                           pad_slot=self.scratch_block * bs, pad_block=self.scratch_block, slots_padded=True,
+                           prev_tokens=prev)
 
     def _meta(self, inp: StepInputs, graph_size: int = 0) -> AttentionMetadata:
         if graph_size:  # a decode graph serves every context length: loop bounds come from seq_lens_t
@@ -197,7 +216,7 @@ class ModelRunner:
         delta = RowDelta() if self.step_sink is not None else None
         rows = self.block_rows.rows(batch.requests, delta)
         if self.step_sink is not None:
-            self.step_sink(StepPlan.build(kind, size, arrays, delta))
+            self.step_sink(StepPlan.build(kind, size, arrays, delta, self.share_tokens))
         logits = self.run(kind, size, arrays, rows, after_layer)
         if logits is None:
             return None, []
@@ -207,6 +226,9 @@ class ModelRunner:
         """Another rank: run rank 0's step (its logits stay with rank 0)."""
         rows = self.row_mirror.apply(plan.keys, plan.keep, plan.counts, plan.new_ids)
         self.run(plan.kind, plan.size, plan.arrays, rows, None)
+        if plan.share_tokens:  # rank 0's sampled ids of this step, for the next step's placeholders
+            n = int(plan.arrays.sampled.sum())
+            self.last_tokens = self.tp_broadcast(torch.empty(n, dtype=torch.long, device=self.device)) if n else None
 
     @torch.inference_mode()
     def run(self, kind: str, size: int, a: StepArrays, rows: list, after_layer=None) -> torch.Tensor | None:
@@ -214,8 +236,9 @@ class ModelRunner:
         and on ranks other than 0 of a tensor-parallel group)."""
         self.step_counts[f"{kind}_graph" if kind != "eager" else "eager"] += 1
         b = len(a.starts)
+        prev = self.last_tokens
         if kind == "decode":
-            inp = self._graph_inputs(a, rows, size)
+            inp = self._graph_inputs(a, rows, size, prev)
             if size in self.decode_graphs:
                 hidden = self.decode_graphs[size].replay(inp.ids)
             else:  # emulation: the padded batch through the real backend, scratch writes included
@@ -226,7 +249,7 @@ class ModelRunner:
                     hidden = self.model(inp.ids, inp.positions)
             hidden = hidden[:b] if inp.num_sampled == b else hidden.index_select(0, inp.sample_idx)
         elif kind == "mixed":
-            inp = fill_arrays(self.graph_staging, a, rows, self.block_size, pad_ids=size)
+            inp = fill_arrays(self.graph_staging, a, rows, self.block_size, pad_ids=size, prev_tokens=prev)
             meta = self._meta(inp)
             graph = self.mixed_graphs[size]
             if graph is not None:
@@ -237,7 +260,7 @@ class ModelRunner:
                     hidden = self.model(inp.ids, inp.positions)
             hidden = hidden.index_select(0, inp.sample_idx)
         else:
-            inp = fill_arrays(self.staging, a, rows, self.block_size)
+            inp = fill_arrays(self.staging, a, rows, self.block_size, prev_tokens=prev)
             with forward_context(ForwardContext(self._meta(inp), self.kv_cache, self.backend, after_layer)):
                 hidden = self.model(inp.ids, inp.positions, inp.sample_idx)
         if not inp.num_sampled:
@@ -245,8 +268,24 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, after_layer=None) -> tuple[list[Request], SampleResult | None]:
+    def launch(self, batch: ScheduledBatch, after_layer=None) -> StepHandle:
+        """Queue the step's forward and sampling on the device and return without waiting for it (no host sync:
+        the sampled ids stay on the device as `last_tokens`; their copy to the host is under way)."""
         logits, reqs = self.forward_logits(batch, after_layer)
         if logits is None:
-            return [], None
-        return reqs, sample(logits, reqs)
+            self.last_tokens = None
+            return StepHandle([], None)
+        pending = sample_async(logits, reqs)
+        if self.share_tokens:
+            self.tp_broadcast(pending.tokens)
+        self.last_tokens = pending.tokens
+        return StepHandle(reqs, pending)
+
+    def collect(self, handle: StepHandle) -> SampleResult | None:
+        """Wait for a launched step's sampled ids (and logprobs) on the host."""
+        return handle.pending.result() if handle.pending is not None else None
+
+    def execute(self, batch: ScheduledBatch, after_layer=None) -> tuple[list[Request], SampleResult | None]:
+        """One step, waited for: launch then collect."""
+        handle = self.launch(batch, after_layer)
+        return handle.reqs, self.collect(handle)

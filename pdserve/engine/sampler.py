@@ -27,11 +27,20 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen logprob, top-n) per row
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the device: on CUDA through pinned memory and a
+    non-blocking copy (`torch.tensor(..., device="cuda")` would synchronize the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-            min_p: torch.Tensor | None) -> torch.Tensor:
+            min_p: torch.Tensor | None, k_max: int = 0) -> torch.Tensor:
     if top_k is not None:
         k = top_k.clamp(min=1, max=logits.shape[-1])
-        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
+        kth = torch.topk(logits, k_max, dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
@@ -51,7 +60,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     """[len(rows), longest] int64, padded with `pad` (one host->device copy)."""
     width = max(1, max(len(r) for r in rows))
     flat = [r + [pad] * (width - len(r)) for r in rows]
-    return torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+    return to_device(flat, torch.long, device)
 
 
 def _counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -72,18 +81,18 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
     for start in range(0, len(rows), step):
         part = rows[start : start + step]
         ps = [reqs[i].params for i in part]
-        idx = torch.tensor(part, dtype=torch.long, device=dev)
+        idx = to_device(part, torch.long, dev)
         sub = logits.index_select(0, idx)
         out_counts = _counts(_padded([reqs[i].output_token_ids for i in part], vocab, dev), vocab)
         rep = [p.repetition_penalty for p in ps]
         if any(r != 1.0 for r in rep):
             prompt_seen = _counts(_padded([reqs[i].prompt_token_ids for i in part], vocab, dev), vocab) > 0
             seen = prompt_seen | (out_counts > 0)
-            pen = torch.tensor(rep, dtype=sub.dtype, device=dev).unsqueeze(1)
+            pen = to_device(rep, sub.dtype, dev).unsqueeze(1)
             penalized = torch.where(sub > 0, sub / pen, sub * pen)
             sub = torch.where(seen, penalized, sub)
-        freq = torch.tensor([p.frequency_penalty for p in ps], dtype=sub.dtype, device=dev).unsqueeze(1)
-        pres = torch.tensor([p.presence_penalty for p in ps], dtype=sub.dtype, device=dev).unsqueeze(1)
+        freq = to_device([p.frequency_penalty for p in ps], sub.dtype, dev).unsqueeze(1)
+        pres = to_device([p.presence_penalty for p in ps], sub.dtype, dev).unsqueeze(1)
         sub = sub - freq * out_counts.to(sub.dtype) - pres * (out_counts > 0).to(sub.dtype)
         logits.index_copy_(0, idx, sub)
 
@@ -119,18 +128,18 @@ def apply_token_rules(logits: torch.Tensor, reqs: list[Request]) -> None:
                     bias_toks.append(t)
                     bias_vals.append(b)
     if allow_rows:
-        rows = torch.tensor(allow_rows, dtype=torch.long, device=dev)
+        rows = to_device(allow_rows, torch.long, dev)
         banned_mask = torch.ones((len(allow_rows), vocab), dtype=torch.bool, device=dev)
         if allow_toks:
-            banned_mask.index_put_((torch.tensor(allow_at, device=dev), torch.tensor(allow_toks, device=dev)),
-                                   torch.tensor(False, device=dev))
+            banned_mask.index_put_((to_device(allow_at, torch.long, dev), to_device(allow_toks, torch.long, dev)),
+                                   to_device([False], torch.bool, dev))
         logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill(banned_mask, float("-inf")))
     if ban_rows:
-        logits.index_put_((torch.tensor(ban_rows, device=dev), torch.tensor(ban_toks, device=dev)),
-                          torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+        logits.index_put_((to_device(ban_rows, torch.long, dev), to_device(ban_toks, torch.long, dev)),
+                          to_device([float("-inf")], logits.dtype, dev))
     if bias_rows:
-        logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_toks, device=dev)),
-                          torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
+        logits.index_put_((to_device(bias_rows, torch.long, dev), to_device(bias_toks, torch.long, dev)),
+                          to_device(bias_vals, logits.dtype, dev), accumulate=True)
 
 
 def _needs_processing(r: Request) -> bool:
@@ -151,49 +160,107 @@ def process_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-    n = len(reqs)
-    want_lp = [r.params.logprobs for r in reqs]
-    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(w is not None for w in want_lp) else None
-    logits = process_logits(logits, reqs)
-    vocab = logits.shape[-1]
+@dataclass
+class PendingSample:
+    """A step's sampled tokens (and logprobs) on their way to the host: the device tensors stay referenced, the
+    copies into pinned memory were started without waiting, and `event` marks their end (None on CPU)."""
 
-    greedy = [r.params.greedy for r in reqs]
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
-    if any(greedy):
-        gi = [i for i in range(n) if greedy[i]]
-        out[gi] = logits[gi].argmax(-1)
-    ri = [i for i in range(n) if not greedy[i]]
-    if ri:
-        sub = logits[ri]
-        ps = [reqs[i].params for i in ri]
-        temp = torch.tensor([p.temperature for p in ps], device=logits.device, dtype=torch.float32)
-        sub = sub / temp.unsqueeze(-1)
-        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], device=logits.device) \
-            if any(p.top_k > 0 for p in ps) else None
-        top_p = torch.tensor([p.top_p for p in ps], device=logits.device) if any(p.top_p < 1 for p in ps) else None
-        min_p = torch.tensor([p.min_p for p in ps], device=logits.device) if any(p.min_p > 0 for p in ps) else None
-        sub = _filter(sub, top_k, top_p, min_p)
-        probs = torch.softmax(sub, dim=-1)
-        q = torch.empty_like(probs)
-        for j, i in enumerate(ri):
-            g = reqs[i].generator
+    tokens: torch.Tensor  # [rows] int64 on the device: what the next step's placeholder rows read
+    host_tokens: torch.Tensor  # [rows] int64 on the host (pinned), valid once `event` completed
+    want_logprobs: list[int | None]  # per row: top-n wanted (0: the chosen one only), None: no logprobs
+    host_chosen: torch.Tensor | None  # [rows] float32: logprob of the sampled token
+    host_top_values: torch.Tensor | None  # [rows, max n] float32
+    host_top_ids: torch.Tensor | None  # [rows, max n] int64
+    event: torch.cuda.Event | None
+
+    def result(self) -> SampleResult:
+        """Wait for the copies (the one host sync of a step) and read them."""
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.host_tokens.tolist()
+        lps: list = [None] * len(tokens)
+        if self.host_chosen is not None:
+            chosen = self.host_chosen.tolist()
+            top_v = self.host_top_values.tolist() if self.host_top_values is not None else None
+            top_i = self.host_top_ids.tolist() if self.host_top_ids is not None else None
+            for i, w in enumerate(self.want_logprobs):
+                if w is None:
+                    continue
+                top = list(zip(top_i[i][:w], top_v[i][:w])) if w > 0 else []
+                lps[i] = (chosen[i], top)
+        return SampleResult(tokens, lps)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """Start a copy of `x` into pinned host memory (CUDA; returns the destination) or return `x` (CPU)."""
+    if x.device.type != "cuda":
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    out.copy_(x, non_blocking=True)
+    return out
+
+
+def _draw(logits: torch.Tensor, reqs: list[Request], rows: list[int], vocab: int) -> torch.Tensor:
+    """One token per row of `logits` (the requests `reqs[rows]`): temperature, top-k/p, min-p, then the
+    exponential race, each seeded row drawing from its own generator (one draw of the vocabulary per token)."""
+    dev = logits.device
+    ps = [reqs[i].params for i in rows]
+    temp = to_device([p.temperature for p in ps], torch.float32, dev)
+    sub = logits / temp.unsqueeze(-1)
+    top_k = k_max = None
+    if any(p.top_k > 0 for p in ps):
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]
+        top_k, k_max = to_device(ks, torch.long, dev), max(ks)
+    top_p = to_device([p.top_p for p in ps], torch.float32, dev) if any(p.top_p < 1 for p in ps) else None
+    min_p = to_device([p.min_p for p in ps], torch.float32, dev) if any(p.min_p > 0 for p in ps) else None
+    sub = _filter(sub, top_k, top_p, min_p, k_max or 0)
+    probs = torch.softmax(sub, dim=-1)
+    q = torch.empty_like(probs)
+    gens = [reqs[i].generator for i in rows]
+    if all(g is None for g in gens):
+        q.exponential_()
+    else:
+        for j, g in enumerate(gens):
             if g is not None:
                 q[j].exponential_(generator=g)
             else:
                 q[j].exponential_()
-        out[ri] = (probs / q).argmax(-1)  # exponential race: one draw from `probs`
-    tokens = out.tolist()
+    return (probs / q).argmax(-1)  # exponential race: one draw from `probs`
 
-    lps: list = [None] * n
+
+def sample_async(logits: torch.Tensor, reqs: list[Request]) -> PendingSample:
+    """Sample every row of `logits` on its device without waiting for it: no `.tolist()`, `.item()` or blocking
+    copy here (host lists reach the device through pinned memory). The tokens stay on the device for the next
+    step; their host copies are read by `PendingSample.result`."""
+    n = len(reqs)
+    dev = logits.device
+    want_lp = [r.params.logprobs for r in reqs]
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(w is not None for w in want_lp) else None
+    logits = process_logits(logits, reqs)
+    vocab = logits.shape[-1]
+    greedy = [r.params.greedy for r in reqs]
+    ri = [i for i in range(n) if not greedy[i]]
+    if not ri:
+        out = logits.argmax(-1)
+    elif len(ri) == n:
+        out = _draw(logits, reqs, ri, vocab)
+    else:
+        idx = to_device(ri, torch.long, dev)
+        out = logits.argmax(-1).index_copy_(0, idx, _draw(logits.index_select(0, idx), reqs, ri, vocab))
+    chosen = top_v = top_i = None
     if raw_logprobs is not None:
-        for i, w in enumerate(want_lp):
-            if w is None:
-                continue
-            chosen = float(raw_logprobs[i, tokens[i]])
-            top: list[tuple[int, float]] = []
-            if w > 0:
-                v, ix = torch.topk(raw_logprobs[i], w)
-                top = list(zip(ix.tolist(), v.tolist()))
-            lps[i] = (chosen, top)
-    return SampleResult(tokens, lps)
+        chosen = raw_logprobs.gather(1, out.unsqueeze(1)).squeeze(1)
+        w_max = max(w or 0 for w in want_lp)
+        if w_max > 0:
+            top_v, top_i = torch.topk(raw_logprobs, w_max, dim=-1)
+    host = [_to_host(t) if t is not None else None for t in (out, chosen, top_v, top_i)]
+    event = None
+    if dev.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+    return PendingSample(out, host[0], want_lp, host[1], host[2], host[3], event)
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+    """Sample and wait for the tokens (synchronous use)."""
+    return sample_async(logits, reqs).result()

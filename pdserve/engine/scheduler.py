@@ -10,6 +10,14 @@ later recomputed. Disaggregated requests have two more states, also changed only
   the waiting queue (recompute here) or ends it; blocks a peer may still write into go to quarantine.
 - prefill side, `EXPORTING`: when an export request's first token is sampled, `update` takes it out of the batch
   and keeps its blocks while the KV is pushed; `end_export` frees them.
+
+A step is accounted in two halves: `launched` when its forward and sampling were queued (its tokens count as
+computed; each sampled row appends a placeholder id for the token to come), `collected` when its sampled ids reached
+the host (placeholders filled, stop rules applied, finished requests ended); `update` is both at once. With async
+scheduling the next step is scheduled between the two: a request decoding on a placeholder is an ordinary decode
+row (position, slot and block of the next token accounted as usual; the runner fills its id on the device), and a
+request that turns out to have finished has one extra token computed, which `collected` drops. While a step is in
+flight (`defer_frees`), ended requests' blocks are retired rather than freed, and released once it is collected.
 """
 
 from __future__ import annotations
@@ -48,6 +56,12 @@ class ExportStart:
     t_prefill_done: float
 
 
+def failed_outputs(batch: ScheduledBatch) -> list[CoreOutput]:
+    """The final outputs of the prompts `schedule` failed (they can never fit the pool)."""
+    return [CoreOutput(r.request_id, [], True, "error", r.stop_reason, num_prompt_tokens=r.num_prompt_tokens)
+            for r in batch.failed]
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  lease_s: float = 30.0):
@@ -64,6 +78,7 @@ class Scheduler:
         self._admitted: deque[Request] = deque()  # remote requests whose KV landed, waiting for a batch slot
         self.exporting: dict[str, Request] = {}  # prefill side: blocks held while pushed
         self.num_preemptions = 0
+        self.defer_frees = False  # a launched step is not collected yet: ended requests' blocks are retired
 
     # ---- questions
     @property
@@ -166,7 +181,7 @@ class Scheduler:
     def _blocks_will_free(self) -> bool:
         """Whether some block held now is released later without new requests (running, remote, exporting and
         quarantined ones all end by themselves)."""
-        return bool(self.running or self._admitted or self.exporting or self.kv.quarantine) or any(
+        return bool(self.running or self._admitted or self.exporting or self.kv.quarantine or self.kv.retired) or any(
             r.block_ids for r in self.remote.values())
 
     def _too_big(self, req: Request) -> str:
@@ -182,28 +197,50 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled: list[Request], token_ids: list[int], logprobs: list,
                now: float) -> tuple[list[CoreOutput], list[ExportStart]]:
-        """After a step: count the computed tokens, append the sampled ones, apply the token-level stop rules, end
-        finished requests; export requests leave the batch with their first token (their push starts)."""
-        outputs = [CoreOutput(r.request_id, [], True, "error", r.stop_reason, num_prompt_tokens=r.num_prompt_tokens)
-                   for r in batch.failed]
-        exports: list[ExportStart] = []
+        """After a step that was waited for: `launched` and `collected` at once, with the batch's failed requests."""
+        self.launched(batch, sampled)
+        outputs, exports = self.collected(sampled, token_ids, logprobs, now)
+        return failed_outputs(batch) + outputs, exports
+
+    def launched(self, batch: ScheduledBatch, sampled: list[Request]) -> None:
+        """The step's forward and sampling are queued: its tokens count as computed (full blocks of known ids go to
+        the prefix cache; the device writes them before any later step reads them), and each sampled row's request
+        gets a placeholder -(row + 1) for its token to come."""
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-            self.kv.cache_computed(req)
+            self.kv.cache_computed(req, req.num_tokens - req.num_pending)
+        for j, req in enumerate(sampled):
+            req.token_ids.append(-1 - j)
+            req.num_pending += 1
+
+    def collected(self, sampled: list[Request], token_ids: list[int], logprobs: list,
+                  now: float) -> tuple[list[CoreOutput], list[ExportStart]]:
+        """A launched step's sampled ids are on the host: each fills its request's oldest placeholder, the
+        token-level stop rules apply, finished requests end (a placeholder launched after the token that finished
+        one is dropped, never emitted); export requests leave the batch with their first token (their push
+        starts). Rows of requests that ended meanwhile (a stop one step earlier, an abort) are dropped."""
+        outputs: list[CoreOutput] = []
+        exports: list[ExportStart] = []
         for req, tok, lp in zip(sampled, token_ids, logprobs):
-            req.append_token(tok)
+            if req.is_finished:
+                continue
+            idx = req.num_tokens - req.num_pending
+            req.token_ids[idx] = tok
+            req.num_pending -= 1
             if req.first_token_time is None:
                 req.first_token_time = now
             if req.kv_export is not None:
                 self._start_export(req, now)
                 exports.append(ExportStart(req, tok, lp, now))
                 continue
-            done = req.check_stop(self.max_model_len)
+            done = req.check_stop(self.max_model_len, idx + 1)
             outputs.append(CoreOutput(req.request_id, [tok], done, req.finish_reason if done else None,
                                       req.stop_reason if done else None,
                                       [lp] if req.params.logprobs is not None else None, req.num_prompt_tokens,
                                       max(req.num_cached_tokens, 0), req.first_scheduled_time))
             if done:
+                del req.token_ids[idx + 1 :]  # the token a later step computed for it is not emitted
+                req.num_pending = 0
                 self._end(req)
         return outputs, exports
 
@@ -242,7 +279,10 @@ class Scheduler:
             self._admitted.remove(req)
         elif st == RequestStatus.EXPORTING:
             self.exporting.pop(req.request_id, None)
-        self.kv.free(req)
+        if self.defer_frees:
+            self.kv.retire(req)
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         if reason is not None:

@@ -199,9 +199,11 @@ class RowMirror:
         return out
 
 
-def layout_bytes(n_ids: int, n_slots: int, n_rows: int, width: int, n_sample: int, n_tiles: int = 0) -> int:
-    """Upper bound of the bytes `fill` takes (8 regions, each aligned to 8 bytes)."""
-    return 8 * (2 * n_ids + n_slots + n_sample) + 4 * (n_rows + (n_rows + 1) + n_rows * width + 2 * n_tiles) + 8 * 8
+def layout_bytes(n_ids: int, n_slots: int, n_rows: int, width: int, n_sample: int, n_tiles: int = 0,
+                 n_patch: int = 0) -> int:
+    """Upper bound of the bytes `fill` takes (9 regions, each aligned to 8 bytes)."""
+    return (8 * (2 * n_ids + n_slots + n_sample + 2 * n_patch) + 4 * (n_rows + (n_rows + 1) + n_rows * width
+                                                                       + 2 * n_tiles) + 8 * 9)
 
 
 @dataclass
@@ -256,7 +258,10 @@ STEP_KINDS = ("eager", "decode", "mixed")  # how the forward runs: eagerly, a fu
 @dataclass
 class StepPlan:
     """What rank 0 sends every other tensor-parallel rank each step: how to run it (kind, padded size) and its
-    arrays, block tables as a RowDelta. Travels as one flat int64 buffer (`encode` / `decode`)."""
+    arrays, block tables as a RowDelta. Travels as one flat int64 buffer (`encode` / `decode`).
+
+    `share_tokens`: after the forward, rank 0 broadcasts the step's sampled ids and every rank keeps them, so
+    placeholder ids of the next step (async scheduling) are filled on each rank's own device."""
 
     kind: str
     size: int
@@ -265,21 +270,22 @@ class StepPlan:
     keep: np.ndarray  # [B] int64
     counts: np.ndarray  # [B] int64
     new_ids: np.ndarray  # [sum(counts)]
+    share_tokens: bool = False
 
-    HEADER = 5  # kind, size, B, T, sum(counts)
+    HEADER = 6  # kind, size, B, T, sum(counts), share_tokens
 
     @classmethod
-    def build(cls, kind: str, size: int, arrays: StepArrays, delta: RowDelta) -> StepPlan:
+    def build(cls, kind: str, size: int, arrays: StepArrays, delta: RowDelta, share_tokens: bool = False) -> StepPlan:
         new = np.concatenate(delta.new) if delta.new else np.empty(0, dtype=np.int32)
         return cls(kind, size, arrays, np.asarray(delta.keys, dtype=np.int64), np.asarray(delta.keep, dtype=np.int64),
-                   np.asarray(delta.counts, dtype=np.int64), new)
+                   np.asarray(delta.counts, dtype=np.int64), new, share_tokens)
 
     def encode(self, prefix: int) -> np.ndarray:
         """[prefix, header..., starts, num_new, sampled, keys, keep, counts, ids, new_ids] as int64."""
         a = self.arrays
         b, t, s = len(a.starts), len(a.ids), len(self.new_ids)
         buf = np.empty(1 + self.HEADER + 6 * b + t + s, dtype=np.int64)
-        buf[: 1 + self.HEADER] = (prefix, STEP_KINDS.index(self.kind), self.size, b, t, s)
+        buf[: 1 + self.HEADER] = (prefix, STEP_KINDS.index(self.kind), self.size, b, t, s, int(self.share_tokens))
         o = 1 + self.HEADER
         for arr in (a.starts, a.num_new, a.sampled, self.keys, self.keep, self.counts):
             buf[o : o + b] = arr
@@ -291,12 +297,12 @@ class StepPlan:
     @classmethod
     def decode(cls, buf: np.ndarray) -> StepPlan:
         """From `encode`'s buffer without its prefix (views into `buf`)."""
-        kind, size, b, t, s = (int(x) for x in buf[: cls.HEADER])
+        kind, size, b, t, s, share = (int(x) for x in buf[: cls.HEADER])
         o = cls.HEADER
         cols = [buf[o + i * b : o + (i + 1) * b] for i in range(6)]
         o += 6 * b
         arrays = StepArrays(buf[o : o + t], cols[0], cols[1], cols[2].astype(bool))
-        return cls(STEP_KINDS[kind], size, arrays, cols[3], cols[4], cols[5], buf[o + t : o + t + s])
+        return cls(STEP_KINDS[kind], size, arrays, cols[3], cols[4], cols[5], buf[o + t : o + t + s], bool(share))
 
 
 def fill(staging: Staging, reqs: list[Request], num_new: list[int], block_size: int, *,
@@ -311,8 +317,12 @@ def fill(staging: Staging, reqs: list[Request], num_new: list[int], block_size: 
 
 def fill_arrays(staging: Staging, a: StepArrays, rows: list, block_size: int, *, pad_ids: int = 0,
                 pad_rows: int = 0, width: int = 0, pad_slot: int = 0, pad_block: int = -1,
-                slots_padded: bool = False) -> StepInputs:
+                slots_padded: bool = False, prev_tokens: torch.Tensor | None = None) -> StepInputs:
     """Build a step's inputs into `staging` and send them (one copy). `rows`: each request's block ids.
+
+    Placeholders (async scheduling): a negative id -(j + 1) stands for the token sampled in row j of the previous
+    step, not yet on the host; it is taken from `prev_tokens` (that step's sampled ids, on the device) by one
+    gather on the device after the copy, so building the inputs never waits for the previous step.
 
     pad_ids: token rows to pad ids/positions to (CUDA graph sizes); pad_rows: sequence rows to pad lengths and
     tables to (decode graphs); width: block-table width (0: the batch's longest); pad_slot / pad_block: the
@@ -332,7 +342,10 @@ def fill_arrays(staging: Staging, a: StepArrays, rows: list, block_size: int, *,
     np.cumsum(n, out=qsl[1:])
     decode_only = bool((n == 1).all())
     tiles = None if decode_only else prefill_tile_table(qsl, end)
-    staging.begin(layout_bytes(n_ids, n_slots, n_rows, width, n_sample, 0 if tiles is None else len(tiles)))
+    ph = np.flatnonzero(a.ids < 0)
+    n_patch = len(ph)
+    staging.begin(layout_bytes(n_ids, n_slots, n_rows, width, n_sample, 0 if tiles is None else len(tiles),
+                               n_patch))
 
     ids_h, ids_d = staging.alloc((n_ids,), torch.int64)
     pos_h, pos_d = staging.alloc((n_ids,), torch.int64)
@@ -360,6 +373,15 @@ def fill_arrays(staging: Staging, a: StepArrays, rows: list, block_size: int, *,
     qsl_h[: b + 1] = qsl
     qsl_h[b + 1 :] = np.arange(t + 1, t + 1 + n_rows - b)  # padded rows: one token each
     samp_h[:] = qsl[1:][sampled] - 1
+    if n_patch:
+        if prev_tokens is None:
+            raise RuntimeError("step inputs hold placeholders but no previous step's tokens were given")
+        patch_h, patch_d = staging.alloc((2, n_patch), torch.int64)
+        patch_h[0] = ph
+        patch_h[1] = -a.ids[ph] - 1
+        ids_h[ph] = 0
     staging.commit()
+    if n_patch:
+        ids_d.index_copy_(0, patch_d[0], prev_tokens.index_select(0, patch_d[1]))
     return StepInputs(ids_d, pos_d, slot_d, lens_d, qsl_d, tab_d, samp_d, tiles_d, qsl.tolist(), end.tolist(), [],
                       t, decode_only, n_sample)

@@ -157,6 +157,8 @@ class Worker:
         self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, num_blocks, block_size,
                                   attention_backend, kv_dtype, self.tp.size,
                                   kv.pool_alloc if kv.disaggregated else "torch")
+        if self.tp.size > 1:
+            self.runner.tp_broadcast = self.tp.broadcast_from_first
         return self.kv_pool_info()
 
     def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int, emulate: bool = False) -> None:

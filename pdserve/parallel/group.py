@@ -1,6 +1,7 @@
 """The tensor-parallel group of one instance: its ranks' process group (NCCL on CUDA, gloo on CPU) and the two
 collectives the sharded layers need — a sum over the ranks (row-parallel outputs, the embedding) and a gather of
-vocabulary shards to rank 0 (logits).
+vocabulary shards to rank 0 (logits) — plus a broadcast from rank 0 (a step's sampled tokens, which the next
+step's placeholder rows read on every rank under async scheduling).
 
 A group of size 1 calls no collective at all. Layers take the group that is current while the model is built
 (`tp_context`), so a process may hold engines of different sizes one after another (tests: TP=1 and TP=2 side by
@@ -39,6 +40,13 @@ class TPGroup:
         """The sum of `x` over the ranks, in place (returns `x`; no collective at size 1)."""
         if self.size > 1:
             dist.all_reduce(x, group=self.pg)
+        return x
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (returns `x`; no collective at size 1). Every rank's `x` has the same
+        shape and dtype; on NCCL it is queued on the current stream like any kernel (the host does not wait)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.pg)
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:

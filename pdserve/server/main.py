@@ -103,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
                    help="no CUDA graphs for decode")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_default(E, "enable_prefix_caching"))
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=_default(E, "async_scheduling"),
+                   help="schedule the next engine step while the current one runs on the GPU (default: on for CUDA "
+                        "devices; never on prefill-role instances)")
     s = _Group(parser, "server", skip)
     s.add_argument("--host", default=_default(S, "host"))
     s.add_argument("--port", type=int, default=_default(S, "port"), help="0 picks a free port (printed when ready)")
