@@ -219,8 +219,9 @@ class RankKV:
             return
         base = {**notif, "src": self.rank, "src_tp": self.tp_size}
         first = {k: notif[k] for k in ("first_token", "logprob") if k in notif}
-        notifs = [{**{k: v for k, v in base.items() if k not in first}, **(first if run.dst == 0 else {})}
-                  for run in runs]
+        # the first token travels once: from prefill rank 0 to decode rank 0
+        notifs = [{**{k: v for k, v in base.items() if k not in first},
+                   **(first if (self.rank, run.dst) == (0, 0) else {})} for run in runs]
         expected = self.pool.num_layers * len(runs)  # one write per layer and run
         if layer_futs is not None and len(layer_futs) == expected:
             coro = self._finish_layerwise(dest, runs, layer_futs, notifs)
