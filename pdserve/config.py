@@ -42,7 +42,7 @@ class KVTransferConfig:
     role: str = "both"  # prefill | decode | both (colocated: no KV transfer)
     transport: str = "auto"  # auto | tcp | cuda_ipc | nixl | mooncake | nccl
     host: str = "127.0.0.1"  # where the KV agent listens (0.0.0.0 across hosts)
-    port: int = 0  # 0: any free port
+    port: int = 0  # 0: any free port; with tensor parallelism rank r listens on port + r
     lease_s: float = 30.0  # longest a block may be held or reserved for a peer
     fallback: str = "recompute"  # decode side, when the handover fails: recompute the prefill locally, or fail
     layerwise: str = "auto"  # prefill side: push each layer's KV as soon as it is computed (auto: over tcp)
@@ -119,10 +119,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.kv_transfer.disaggregated:
-            # the KV connector moves rank 0's pool only (its KV heads): refuse rather than hand over part of the KV
-            raise ValueError("a prefill or decode role with tensor_parallel_size > 1 needs per-rank KV agents, which "
-                             "are not wired yet: run TP instances with role both")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:

@@ -47,8 +47,9 @@ def prefill_order(rid: str, prompt_token_ids: list[int], params: SamplingParams,
     """The body of POST /internal/pd/prefill."""
     d = ev.dest
     return {"request_id": rid, "prompt_token_ids": prompt_token_ids, "sampling": order_sampling(params),
-            "dest": {"agent": d.agent, "region": d.region, "block_ids": list(d.block_ids),
-                     "start_block": d.start_block, "request_id": d.request_id,
+            "dest": {"request_id": d.request_id, "block_ids": list(d.block_ids), "start_block": d.start_block,
+                     "ranks": [{"agent": r.agent, "region": r.region, "heads": [r.head_start, r.head_stop]}
+                               for r in d.ranks],
                      "layout": asdict(d.layout) if d.layout is not None else None}}
 
 

@@ -18,8 +18,9 @@ from aiohttp import web
 
 from pdserve.config import KVTransferConfig
 from pdserve.disagg.driver import ABORT_ROUTE, PREFILL_ROUTE, DecodeDriver
+from pdserve.disagg.heads import MAX_TP
 from pdserve.engine.async_llm import AsyncLLM
-from pdserve.engine.messages import POOL_REGION, KVDestination, KVLayout
+from pdserve.engine.messages import POOL_REGION, KVDestination, KVLayout, KVRankDest
 from pdserve.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.protocol import error_body
 from pdserve.sampling_params import InvalidParameter, SamplingParams
@@ -63,11 +64,27 @@ def parse_order(body: object) -> tuple[str, list[int], SamplingParams, KVDestina
     lay = d.get("layout")
     layout = KVLayout(str(lay["dtype"]), int(lay["block_size"]), int(lay["num_layers"]), int(lay["num_kv_heads"]),
                       int(lay["head_dim"])) if isinstance(lay, dict) else None
-    dest = KVDestination(str(d["agent"]), str(d["request_id"]), tuple(blocks), int(d.get("start_block", 0)),
-                         str(d.get("region", POOL_REGION)), layout)
+    dest = KVDestination(str(d["request_id"]), tuple(blocks), _parse_ranks(d["ranks"]), int(d.get("start_block", 0)),
+                         layout)
     if dest.start_block < 0:
         raise ValueError("dest.start_block must be >= 0")
     return str(body["request_id"]), ids, params, dest
+
+
+def _parse_ranks(ranks: object) -> tuple[KVRankDest, ...]:
+    """dest.ranks: each decode rank's agent, region and KV heads [start, stop), in rank order."""
+    if not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_TP:
+        raise TypeError(f"dest.ranks must be a list of 1 to {MAX_TP} ranks")
+    out = []
+    for r in ranks:
+        if not isinstance(r, dict):
+            raise TypeError("each of dest.ranks must be an object")
+        heads = r["heads"]
+        if not (isinstance(heads, list) and len(heads) == 2 and all(
+                isinstance(h, int) and not isinstance(h, bool) for h in heads) and 0 <= heads[0] < heads[1]):
+            raise ValueError("a rank's heads must be [start, stop) with 0 <= start < stop")
+        out.append(KVRankDest(str(r["agent"]), heads[0], heads[1], str(r.get("region", POOL_REGION))))
+    return tuple(out)
 
 
 def _json_error(message: str, status: int) -> web.Response:

@@ -38,6 +38,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.runner import block_bytes, kv_cache_torch_dtype
 from pdserve.engine.scheduler import Scheduler, failed_outputs
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
+from pdserve.model.parallel import kv_head_range
 from pdserve.sampling_params import SamplingParams
 from pdserve.stats import median
 from pdserve.validation import check_prompt_len, check_request_token_ids
@@ -129,8 +130,12 @@ class EngineCore:
         self.num_steps = 0
         self._events: list[PDEvent] = []
         self.handover = HandoverStats()
-        pool = KVPool(self.runner.kv_cache, config.block_size, bb, num_blocks, self.hf_config.vocab_size, self.device)
-        self.connector: KVConnector | None = make_connector(kvt, pool, wake or (lambda: None), kv_agent)
+        pool = KVPool(self.runner.kv_cache, config.block_size, bb, num_blocks, self.hf_config.vocab_size, self.device,
+                      self.hf_config.num_key_value_heads, kv_head_range(self.hf_config.num_key_value_heads,
+                                                                        self.executor.tp))
+        with self.executor.closing_on_error():  # a KV agent on every rank (prefill and decode roles)
+            self.connector: KVConnector | None = make_connector(kvt, pool, wake or (lambda: None), self.executor,
+                                                                kv_agent)
         self._inflight: InFlight | None = None
         # async scheduling: steps launched while the one before was in flight, and steps that had to wait for it
         self.async_counts = {"overlapped": 0, "waited": 0}
@@ -286,7 +291,7 @@ class EngineCore:
         for a in c.take_arrivals():
             self.kv.release_quarantine(a.request_id)  # a push we gave up on did finish: its blocks are free now
             if a.error is not None:  # never decode on KV whose push failed
-                outputs += self._remote_failed(a.request_id, f"the KV push failed: {a.error}", peer_done=True)
+                outputs += self._remote_failed(a.request_id, f"the KV push failed: {a.error}", a.peer_done)
                 continue
             req = s.admit_remote(a.request_id, a.first_token, now)
             if req is None:
@@ -336,7 +341,11 @@ class EngineCore:
         return [CoreOutput(request_id, [], True, "error", reason, num_prompt_tokens=req.num_prompt_tokens)]
 
     def remote_prefill_failed(self, request_id: str, reason: str, peer_done: bool) -> list[CoreOutput]:
-        """The server's order to prefill instances failed (message RemotePrefillFailed)."""
+        """The server's order to prefill instances failed (message RemotePrefillFailed). With `peer_done`, blocks
+        an earlier failure of this handover quarantined are free too (e.g. one rank's push failed while others
+        still wrote; the prefill instance has answered since)."""
+        if peer_done:
+            self.kv.release_quarantine(request_id)
         return self._remote_failed(request_id, reason, peer_done)
 
     def remote_prefill_done(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import subprocess
 import threading
 import time
@@ -82,6 +83,7 @@ class Executor:
         self._stop_r, self._stop_w = os.pipe() if self.size > 1 else (-1, -1)  # wakes the watcher at close
         self._closed = False
         self._restore_cpu: tuple | None = None
+        self._reports: queue.SimpleQueue = queue.SimpleQueue()  # every rank's Worker.report, in arrival order
         self.runner: ModelRunner | None = None
         tp = SINGLE
         if self.size > 1:
@@ -92,7 +94,7 @@ class Executor:
                 os.close(self._stop_w)
                 raise
         self._finalizer = weakref.finalize(self, _cleanup, self._procs, tp)
-        self.driver = Worker(config, hf_config, source, dtype, device, tp)
+        self.driver = Worker(config, hf_config, source, dtype, device, tp, self._report)
         self.tp = tp
         self._watcher: threading.Thread | None = None
         if self.size > 1:
@@ -218,6 +220,23 @@ class Executor:
         for p in self._procs:
             self._send(p, frame)
 
+    # ---- reports: what ranks send on their own (Worker.report), e.g. a per-rank KV agent's notifications
+    def _report(self, obj: object) -> None:  # any thread of this process, or the watcher for other ranks
+        self._reports.put(obj)
+        self.wake()
+
+    def has_reports(self) -> bool:
+        return not self._reports.empty()
+
+    def take_reports(self) -> list:
+        """Every report received since the last call, in arrival order."""
+        out = []
+        while True:
+            try:
+                out.append(self._reports.get_nowait())
+            except queue.Empty:
+                return out
+
     # ---- what the engine core calls
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) GPU bytes of the tightest rank."""
@@ -295,12 +314,22 @@ class Executor:
             time.sleep(0.05)
 
     def _watch(self) -> None:
-        """Wait for any worker's exit; then fail the instance and make sure the engine thread is not left blocked."""
+        """Queue the workers' reports; wait for any worker's exit, then fail the instance and make sure the engine
+        thread is not left blocked."""
         sentinels = {p.sentinel: p for p in self._procs if p.sentinel is not None}
+        reports = [p.reports for p in self._procs if p.reports is not None]
         while True:
-            ready = wait(list(sentinels) + [self._stop_r], timeout=None if len(sentinels) == len(self._procs) else 0.5)
+            ready = wait(list(sentinels) + reports + [self._stop_r],
+                         timeout=None if len(sentinels) == len(self._procs) else 0.5)
             if self._stop_r in ready or self._closed:
                 return
+            for c in [c for c in reports if c in ready]:
+                try:
+                    self._report(c.recv())
+                except (EOFError, OSError):  # the worker ended: its sentinel tells
+                    reports.remove(c)
+                except Exception:  # an object this process cannot unpickle: that report only is lost
+                    log.exception("dropped a report from a tensor-parallel rank")
             dead = [p for p in self._procs if p.exit_code() is not None]
             if dead:
                 break

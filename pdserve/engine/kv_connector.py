@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import KVTransferConfig
+from pdserve.engine.executor import Executor
 from pdserve.engine.messages import KVLayout, KVReserved
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ExportStart, ScheduledBatch
@@ -24,14 +25,16 @@ from pdserve.engine.scheduler import ExportStart, ScheduledBatch
 
 @dataclass(frozen=True)
 class KVPool:
-    """What a connector needs to know of the engine's paged KV pool."""
+    """What a connector needs to know of one rank's paged KV pool (rank 0's for the engine's connector)."""
 
-    tensor: torch.Tensor  # [num_blocks(+1 scratch), kv_heads, num_layers, 2, block_size, head_dim]
+    tensor: torch.Tensor  # [num_blocks(+1 scratch), kv_heads of this rank, num_layers, 2, block_size, head_dim]
     block_size: int
-    block_bytes: int
+    block_bytes: int  # of this rank's pool
     num_blocks: int  # usable blocks (the scratch block is never handed out)
     vocab_size: int  # to validate a peer's first token
     device: torch.device
+    total_kv_heads: int  # the model's
+    head_range: tuple[int, int]  # the model's KV heads [start, stop) this rank's pool holds
 
     @property
     def num_layers(self) -> int:
@@ -39,6 +42,7 @@ class KVPool:
 
     @property
     def num_kv_heads(self) -> int:
+        """This rank's."""
         return int(self.tensor.shape[1])
 
     @property
@@ -48,9 +52,10 @@ class KVPool:
 
     @property
     def layout(self) -> KVLayout:
-        _, heads, layers, _, block_size, head_dim = self.tensor.shape
-        return KVLayout(str(self.tensor.dtype).removeprefix("torch."), int(block_size), int(layers), int(heads),
-                        int(head_dim))
+        """The global layout (every KV head of the model): what two instances of any TP sizes must agree on."""
+        _, _, layers, _, block_size, head_dim = self.tensor.shape
+        return KVLayout(str(self.tensor.dtype).removeprefix("torch."), int(block_size), int(layers),
+                        self.total_kv_heads, int(head_dim))
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class KVArrival:
     logprob: tuple | None  # (chosen logprob, [(id, logprob), ...]) when the request asked for logprobs
     t_prefill_done: float | None
     error: str | None = None
+    peer_done: bool = True  # with an error: no peer can still write into the request's blocks
 
 
 @dataclass(frozen=True)
@@ -130,11 +136,12 @@ CONNECTORS: dict[str, str] = {
 }
 
 
-def make_connector(config: KVTransferConfig, pool: KVPool, wake: Callable[[], None],
+def make_connector(config: KVTransferConfig, pool: KVPool, wake: Callable[[], None], ranks: Executor,
                    agent: object | None = None) -> KVConnector | None:
-    """The connector for the instance's role (None for a colocated instance). `agent`: a KV agent to use instead of
-    starting one (tests pass an in-process fake)."""
+    """The connector for the instance's role (None for a colocated instance). It starts a KV agent on every
+    tensor-parallel rank through `ranks` (the executor: collective_rpc, reports). `agent`: a KV agent for rank 0 to
+    use instead of starting one (tests pass an in-process fake; tensor-parallel size 1 only)."""
     if not config.disaggregated:
         return None
     module, _, cls = CONNECTORS[config.role].partition(":")
-    return getattr(importlib.import_module(module), cls)(config, pool, wake, agent)
+    return getattr(importlib.import_module(module), cls)(config, pool, wake, ranks, agent)

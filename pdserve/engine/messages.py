@@ -24,12 +24,13 @@ POOL_REGION = "kv"  # the name under which an instance's KV agent registers its 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What two instances must agree on before KV blocks move between them."""
+    """What two instances must agree on before KV blocks move between them: the global layout (every KV head of
+    the model), whatever each instance's tensor-parallel size; each rank's pool holds a range of these heads."""
 
     dtype: str  # of the pool, e.g. "bfloat16", "float8_e4m3fn"
     block_size: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # the model's, not one rank's
     head_dim: int
 
     def mismatch(self, other: KVLayout) -> str | None:
@@ -40,15 +41,30 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
-class KVDestination:
-    """Where a prefill instance pushes a prompt's KV: the decode instance's KV agent and the blocks it reserved."""
+class KVRankDest:
+    """One tensor-parallel rank of a decode instance: its KV agent, the region of its pool, and the KV heads
+    [head_start, head_stop) of the model that pool holds (every rank holds the same block ids)."""
 
-    agent: str  # the decode instance's KV agent address ("host:port")
-    request_id: str  # the decode instance's id for the request (its notification names it)
-    block_ids: tuple[int, ...]  # destination blocks, one per block of the prompt from `start_block` on
-    start_block: int = 0  # leading prompt blocks the decode instance already holds (its prefix-cache hits)
+    agent: str  # "host:port"
+    head_start: int
+    head_stop: int
     region: str = POOL_REGION
-    layout: KVLayout | None = None  # the decode pool's; the prefill side refuses to push into a different one
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_stop - self.head_start
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prefill instance pushes a prompt's KV: the blocks a decode instance reserved, on every one of its
+    ranks (`ranks`, in rank order: rank 0 takes the notification with the first token)."""
+
+    request_id: str  # the decode instance's id for the request (its notifications name it)
+    block_ids: tuple[int, ...]  # destination blocks, one per block of the prompt from `start_block` on
+    ranks: tuple[KVRankDest, ...]
+    start_block: int = 0  # leading prompt blocks the decode instance already holds (its prefix-cache hits)
+    layout: KVLayout | None = None  # the decode pool's (global); the prefill side refuses to push into another
 
 
 @dataclass(frozen=True)

@@ -222,10 +222,11 @@ class ModelRunner:
             return None, []
         return logits, [r for r, s in zip(batch.requests, arrays.sampled.tolist()) if s]
 
-    def run_plan(self, plan: StepPlan) -> None:
-        """Another rank: run rank 0's step (its logits stay with rank 0)."""
+    def run_plan(self, plan: StepPlan, after_layer=None) -> None:
+        """Another rank: run rank 0's step (its logits stay with rank 0); `after_layer` as rank 0's (this rank's
+        layer-by-layer KV push)."""
         rows = self.row_mirror.apply(plan.keys, plan.keep, plan.counts, plan.new_ids)
-        self.run(plan.kind, plan.size, plan.arrays, rows, None)
+        self.run(plan.kind, plan.size, plan.arrays, rows, after_layer)
         if plan.share_tokens:  # rank 0's sampled ids of this step, for the next step's placeholders
             n = int(plan.arrays.sampled.sum())
             self.last_tokens = self.tp_broadcast(torch.empty(n, dtype=torch.long, device=self.device)) if n else None

@@ -1,5 +1,5 @@
 """One tensor-parallel rank: its model shard, KV pool and ModelRunner (`Worker`), and the process that runs ranks
-1..N-1 (`python -m pdserve.engine.worker FD`). Rank 0's Worker lives in the engine core's process and is driven
+1..N-1 (`python -m pdserve.engine.worker FD REPORT_FD`). Rank 0's Worker lives in the engine core's process and is driven
 directly; see pdserve.engine.executor for rank 0's side of the protocol.
 
 Protocol, over one socket pair per worker (rank 0 -> worker: `send_bytes` frames that start with an int64 tag):
@@ -8,7 +8,9 @@ Protocol, over one socket pair per worker (rank 0 -> worker: `send_bytes` frames
 - TAG_CONTROL: an int64 call id (0 unless a Call), then a pickled message: `WorkerInit` (first), `Call` (answered
   by one `CallResult`, an error one if it cannot even be unpickled there), `Stop`.
 Worker -> rank 0: pickled `WorkerHello` (started, device set), `WorkerReady` (joined the process group) or
-`WorkerFailed`, then one `CallResult` per `Call`.
+`WorkerFailed`, then one `CallResult` per `Call`. A second, one-way pipe carries the rank's reports (`Worker.report`:
+pickled objects sent from any thread of the worker, e.g. a KV agent's, at any time); rank 0's executor queues them
+for `take_reports` and wakes the engine loop.
 
 A worker exits when rank 0 sends Stop, closes the pipe, or its process ends (a watcher thread on the parent's pidfd
 ends the worker even while it is blocked inside a collective).
@@ -36,7 +38,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_inputs import StepPlan
 from pdserve.model.loader import ModelSource, build_model
 from pdserve.model.parallel import kv_head_range
-from pdserve.parallel.group import SINGLE, TPGroup, init_group, tp_context
+from pdserve.parallel.group import TPGroup, init_group, tp_context
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +122,12 @@ def step_frame(plan: StepPlan) -> np.ndarray:
 
 class Worker:
     """One rank's model shard, KV pool and runner. `extras` holds the state of functions that other layers run on
-    every rank through the executor's collective_rpc (e.g. the PD code's per-rank KV agent)."""
+    every rank through the executor's collective_rpc (e.g. the PD code's per-rank KV agent); `report` sends an
+    object to rank 0's executor from any thread (`Executor.take_reports`); `after_layer`, when set by such a
+    function, is the per-layer callback of this rank's next step only (a layer-by-layer KV push)."""
 
     def __init__(self, config: EngineConfig, hf_config, source: ModelSource, dtype: torch.dtype,
-                 device: torch.device, tp: TPGroup = SINGLE):
+                 device: torch.device, tp: TPGroup, report: Callable[[object], None]):
         self.config = config
         self.hf_config = hf_config
         self.source = source
@@ -134,6 +138,8 @@ class Worker:
         self.model = None
         self.runner: ModelRunner | None = None
         self.extras: dict = {}
+        self.report = report
+        self.after_layer: Callable[[int], None] | None = None
 
     def call(self, method: str | Callable, args: tuple, kwargs: dict):
         fn = getattr(self, method) if isinstance(method, str) else functools.partial(method, self)
@@ -165,7 +171,13 @@ class Worker:
         self.runner.capture_graphs(max_batch, max_model_len, max_tokens, emulate=emulate)
 
     def execute_plan(self, plan: StepPlan) -> None:
-        self.runner.run_plan(plan)
+        hook, self.after_layer = self.after_layer, None
+        self.runner.run_plan(plan, hook)
+
+    def take_after_layer(self) -> Callable[[int], None] | None:
+        """The callback set for this rank's next step (rank 0: the engine passes it to the step itself)."""
+        hook, self.after_layer = self.after_layer, None
+        return hook
 
     def kv_pool_info(self) -> dict:
         """This rank's KV pool: what a per-rank KV agent registers (the tensor itself is `self.runner.kv_cache`)."""
@@ -275,8 +287,24 @@ def _send_quietly(conn: Connection, msg: object) -> None:
         pass
 
 
-def main(fd: int) -> int:
+class ReportPipe:
+    """A worker's side of the report pipe: `send` is safe from any thread; a closed pipe (rank 0 gone) drops it."""
+
+    def __init__(self, fd: int):
+        self.conn = Connection(fd, readable=False)
+        self.lock = threading.Lock()
+
+    def send(self, obj: object) -> None:
+        with self.lock:
+            try:
+                self.conn.send(obj)
+            except OSError:  # rank 0 went away: this process ends with it
+                log.debug("report dropped: rank 0 is gone")
+
+
+def main(fd: int, report_fd: int) -> int:
     conn = Connection(fd)
+    reports = ReportPipe(report_fd)
     if not conn.poll(INIT_TIMEOUT_S):
         print("pdserve worker: no WorkerInit from rank 0", file=sys.stderr)
         return 2
@@ -292,7 +320,7 @@ def main(fd: int) -> int:
             pin_cpus(init.cpus)
         conn.send(WorkerHello(init.rank, os.getpid()))
         tp = init_group(init.rank, init.size, device, init.store_port, init.timeout_s)
-        worker = Worker(init.config, init.hf_config, init.source, init.dtype, device, tp)
+        worker = Worker(init.config, init.hf_config, init.source, init.dtype, device, tp, reports.send)
         conn.send(WorkerReady(init.rank))
     except BaseException as e:
         log.exception("rank %d failed to start", init.rank)
@@ -304,7 +332,7 @@ def main(fd: int) -> int:
 if __name__ == "__main__":
     from pdserve.engine import worker as _module  # messages must pickle as pdserve.engine.worker's, not __main__'s
 
-    code = _module.main(int(sys.argv[1]))
+    code = _module.main(int(sys.argv[1]), int(sys.argv[2]))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,6 +1,6 @@
 """The worker processes of a tensor-parallel instance as rank 0 sees them: which device each rank gets, the
-environment they start with, starting one (`python -m pdserve.engine.worker FD`, one socket pair each, a pidfd
-to see it end) and stopping them all."""
+environment they start with, starting one (`python -m pdserve.engine.worker FD REPORT_FD`: a socket pair and a
+report pipe each, a pidfd to see it end) and stopping them all."""
 
 from __future__ import annotations
 
@@ -38,15 +38,19 @@ def _pidfd(pid: int) -> int | None:
 
 
 class WorkerProcess:
-    """One worker process: its Popen, pipe and exit sentinel."""
+    """One worker process: its Popen, pipe, report pipe (worker -> rank 0 only) and exit sentinel."""
 
     def __init__(self, rank: int, env: dict):
         parent, child = Pipe(duplex=True)
+        reports, report_w = Pipe(duplex=False)
         self.rank = rank
-        self.popen = subprocess.Popen([sys.executable, "-m", "pdserve.engine.worker", str(child.fileno())],
-                                      pass_fds=(child.fileno(),), env=env)
+        self.popen = subprocess.Popen([sys.executable, "-m", "pdserve.engine.worker", str(child.fileno()),
+                                       str(report_w.fileno())],
+                                      pass_fds=(child.fileno(), report_w.fileno()), env=env)
         child.close()
+        report_w.close()
         self.conn: Connection = parent
+        self.reports: Connection | None = reports
         self.sentinel = _pidfd(self.popen.pid)
 
     def exit_code(self) -> int | None:
@@ -61,6 +65,9 @@ class WorkerProcess:
 
     def close(self) -> None:
         self.conn.close()
+        if self.reports is not None:
+            self.reports.close()
+            self.reports = None
         if self.sentinel is not None:
             os.close(self.sentinel)
             self.sentinel = None

@@ -1,7 +1,8 @@
 """`pdserve serve --prefill X --decode Y`: a local XpYd deployment in one command.
 
-Starts X prefill and Y decode (and optionally colocated) instances as child processes, one GPU each on a CUDA host
-(`--device cuda:N`, all GPUs left visible so cuda_ipc can map peers' pools), waits until every one answers /health,
+Starts X prefill and Y decode (and optionally colocated) instances as child processes, on a CUDA host `tp`
+consecutive GPUs each (`--device cuda:N`, rank r on N+r; `--prefill-tp` / `--decode-tp` set a role's
+tensor-parallel size, by default the instances' `-tp`; all GPUs left visible so cuda_ipc can map peers' pools), waits until every one answers /health,
 runs the router in this process, prints where to send requests, and on SIGINT/SIGTERM stops the router and every child (their whole process groups; children also
 get SIGTERM from the kernel if this process dies without cleaning up), so nothing is left running.
 
@@ -79,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, parser, "--prefill", type=int, default=0, metavar="X", help="prefill instances to start")
     _add(g, parser, "--decode", type=int, default=0, metavar="Y", help="decode instances to start")
     _add(g, parser, "--both", type=int, default=0, metavar="N", help="colocated instances to start")
+    _add(g, parser, "--prefill-tp", type=int, default=None, metavar="TP",
+         help="tensor-parallel size of each prefill instance (default: the instances' -tp)")
+    _add(g, parser, "--decode-tp", type=int, default=None, metavar="TP",
+         help="tensor-parallel size of each decode instance (default: the instances' -tp)")
     _add(g, parser, "--host", default=RouterConfig.host, help="router listen address (default: %(default)s)")
     _add(g, parser, "--port", type=int, default=RouterConfig.port,
          help="router port; 0 picks one (default: %(default)s)")
@@ -157,44 +162,71 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def plan_children(args: argparse.Namespace) -> list[tuple[str, str]]:
+def plan_children(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(role, name, tensor-parallel size) of every instance to start."""
     for name in ("prefill", "decode", "both"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0")
     if args.decode + args.both == 0:
         raise ValueError("nothing would serve requests: give --decode Y (with --prefill X) or --both N")
-    return ([("prefill", f"prefill{i}") for i in range(args.prefill)]
-            + [("decode", f"decode{i}") for i in range(args.decode)]
-            + [("both", f"both{i}") for i in range(args.both)])
+    base = getattr(args, "tensor_parallel_size", None) or 1
+    tp = {"prefill": args.prefill_tp or base, "decode": args.decode_tp or base, "both": base}
+    for role in ("prefill", "decode"):
+        given = getattr(args, f"{role}_tp")
+        if given is not None and given < 1:
+            raise ValueError(f"--{role}-tp must be at least 1")
+    return ([("prefill", f"prefill{i}", tp["prefill"]) for i in range(args.prefill)]
+            + [("decode", f"decode{i}", tp["decode"]) for i in range(args.decode)]
+            + [("both", f"both{i}", tp["both"]) for i in range(args.both)])
+
+
+def assign_gpus(plan: list[tuple[str, str, int]], num_gpus: int, sharing: bool) -> list[int | None]:
+    """The first of each instance's `tp` consecutive GPU slots (None on a CPU host). Without `sharing` every
+    instance gets GPUs of its own: they must add up to at most `num_gpus`; with it, slots wrap around."""
+    if not num_gpus:
+        return [None] * len(plan)
+    need = sum(tp for _, _, tp in plan)
+    if need > num_gpus and not sharing:
+        raise ValueError(f"{len(plan)} instances need {need} GPUs (tensor-parallel sizes "
+                         f"{', '.join(str(tp) for _, _, tp in plan)}) but {num_gpus} are visible "
+                         "(use fewer instances or --allow-gpu-sharing)")
+    slots, nxt = [], 0
+    for _, name, tp in plan:
+        if tp > num_gpus:
+            raise ValueError(f"{name} needs {tp} GPUs; {num_gpus} are visible")
+        if nxt + tp > num_gpus:
+            nxt = 0
+        slots.append(nxt)
+        nxt = (nxt + tp) % num_gpus
+    return slots
 
 
 def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
     plan = plan_children(args)
     gpus = visible_gpus(getattr(args, "device", None))
-    if gpus and len(plan) > len(gpus) and not args.allow_gpu_sharing:
-        raise ValueError(f"{len(plan)} instances need {len(plan)} GPUs but {len(gpus)} are visible "
-                         "(use fewer instances or --allow-gpu-sharing)")
+    slots = assign_gpus(plan, len(gpus), args.allow_gpu_sharing)
     base = shlex.split(args.instance_command)
     base_port = args.instance_base_port
     if base_port is None:
         base_port = args.port + 1 if args.port else 0
     extra = instance_argv(args)
-    threads = max(1, (os.cpu_count() or 1) // len(plan))
+    threads = max(1, (os.cpu_count() or 1) // sum(tp for _, _, tp in plan))
     children: list[Child] = []
     try:
-        for k, (role, name) in enumerate(plan):
+        for k, ((role, name, tp), slot) in enumerate(zip(plan, slots)):
             port = base_port + k if base_port else free_port()
             env = dict(os.environ)  # with PDSERVE_DEPLOYMENT_SECRET_FILE (write_secret): never on a command line
-            slot = k % len(gpus) if gpus else None
-            gpu = gpus[slot] if slot is not None else None
+            gpu = ",".join(gpus[slot:slot + tp]) if slot is not None else None
             device: list[str] = []
             if slot is not None:
-                # every GPU stays visible and the instance is told which one is its own: peers on other GPUs of the
-                # host can then map its KV pool (cuda_ipc), which a CUDA_VISIBLE_DEVICES of one GPU would forbid
+                # every GPU stays visible and the instance is told which one is its own (rank r on slot + r): peers
+                # on other GPUs of the host can then map its KV pool (cuda_ipc), which a CUDA_VISIBLE_DEVICES of
+                # its own GPUs only would forbid
                 device = ["--device", f"cuda:{slot}"]
             else:  # CPU processes: split the cores instead of every process spinning on all of them
                 env.setdefault("OMP_NUM_THREADS", str(threads))
-            cmd = [*base, "--role", role, "--host", "127.0.0.1", "--port", str(port), *extra, *device]
+            size = ["--tensor-parallel-size", str(tp)]  # after `extra`: the role's size wins over the instances' -tp
+            cmd = [*base, "--role", role, "--host", "127.0.0.1", "--port", str(port), *extra, *size, *device]
             log_path = log_dir / f"{name}.log"
             log_path.write_bytes(b"")
             child = Child(name, role, port, None, log_path, gpu, cmd, env)  # type: ignore[arg-type]
@@ -311,7 +343,7 @@ async def serve(args: argparse.Namespace) -> int:
     write_secret(args, log_dir)  # one deployment secret for the router and every instance (signed orders, KV)
     children = spawn_children(args, log_dir)
     for c in children:
-        where = f"GPU {c.gpu}" if c.gpu is not None else "CPU"
+        where = f"GPU {c.gpu}" if c.gpu is not None else "CPU"  # "GPU 2,3": a TP=2 instance
         print(f"pdserve serve: started {c.name} (pid {c.proc.pid}, {where}) on {c.url}, log {c.log_path}: "
               f"{shlex.join(c.cmd)}", flush=True)
     runner = None

@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
     k.add_argument("--kv-transport", default=_default(K, "transport"), choices=KV_TRANSPORTS,
                    help="how KV blocks move between instances (auto: cuda_ipc within a host, else tcp)")
     k.add_argument("--kv-host", default=_default(K, "host"), help="address the KV agent listens on")
-    k.add_argument("--kv-port", type=int, default=_default(K, "port"), help="KV agent port (0: any free port)")
+    k.add_argument("--kv-port", type=int, default=_default(K, "port"), help="KV agent port (0: any free port; rank r of a tensor-parallel instance: port + r)")
     k.add_argument("--kv-lease", type=float, default=_default(K, "lease_s"),
                    help="seconds a block may stay held or reserved for a peer before it is reclaimed")
     k.add_argument("--kv-fallback", default=_default(K, "fallback"), choices=KV_FALLBACKS,

@@ -13,6 +13,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from pdserve.kv.errors import AccessDeniedError, PeerUnreachableError
 from pdserve.kv.notify import Notification, encode_notif
 
@@ -56,7 +58,7 @@ class FakeAgent:
         self.names: dict[str, int] = {}
         self.notif_callbacks: list = []
         self.lost_callbacks: list = []
-        self.grants: dict[str, set[int]] = {}  # key -> block ids the key may write
+        self.grants: dict[str, tuple[set[int], int]] = {}  # key -> (block ids the key may write, block bytes)
         self.refused = 0
         self.closed = False
         self._xfer = 0
@@ -81,7 +83,7 @@ class FakeAgent:
     def grant_blocks(self, key: str, region, block_ids, block_bytes: int, mode: str, deadline: float,
                      peer: str | None = None) -> None:
         assert mode == "w" and deadline > time.time()
-        self.grants[key] = set(block_ids)
+        self.grants[key] = (set(block_ids), block_bytes)
 
     def revoke(self, key: str) -> int:
         self.grants.pop(key, None)
@@ -89,9 +91,6 @@ class FakeAgent:
 
     def peer_region_id(self, peer: str, name: str) -> int:
         return self.fabric.agents[peer].names[name]
-
-    def write(self, peer: str, xfers, notif=None, **kw) -> concurrent.futures.Future:
-        raise NotImplementedError("layer-by-layer pushes are not faked: configure layerwise off")
 
     def close(self) -> None:
         self.closed = True
@@ -106,29 +105,35 @@ class FakeAgent:
         self._check(peer, key, [])
         self._deliver(peer, encode_notif(payload), "notify", None, key)
 
-    async def write_blocks(self, peer: str, src: list[int], dst: list[int], block_bytes: int, local_region: int,
-                           remote_region: int | str, notif: dict | None = None, key: str | None = None, **kw):
+    async def write(self, peer: str, xfers, notif: dict | None = None, *, key: str | None = None, **kw):
+        """Copy each descriptor's bytes between the registered tensors (as raw bytes), then notify."""
         t0 = time.perf_counter()
         await asyncio.to_thread(self.fabric.gate.wait, 30)
         target = self.fabric.agents.get(peer)
         if target is None:
             raise PeerUnreachableError(f"no fake agent at {peer}")
-        self._check(peer, key, dst)
-        rr = target.names[remote_region] if isinstance(remote_region, str) else remote_region
-        src_t, dst_t = self.regions[local_region], target.regions[rr]
-        for s, d in zip(src, dst):
-            dst_t[d].copy_(src_t[s])
+        spans = list(zip(xfers.remote_offset.tolist(), xfers.length.tolist()))
+        self._check(peer, key, spans)
+        for lr, lo, rr, ro, n in zip(*(c.tolist() for c in (xfers.local_region, xfers.local_offset,
+                                                              xfers.remote_region, xfers.remote_offset,
+                                                              xfers.length))):
+            src = self.regions[lr].view(-1).view(torch.uint8)
+            dst = target.regions[rr].view(-1).view(torch.uint8)
+            dst[ro:ro + n].copy_(src[lo:lo + n])
         self.fabric.pushes += 1
         if notif is not None:
             self._deliver(peer, encode_notif(notif), "write", None, key)
-        return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=len(src) * block_bytes, transport="fake")
+        return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=int(xfers.length.sum()), transport="fake")
 
-    def _check(self, peer: str, key: str | None, dst: list[int]) -> None:
+    def _check(self, peer: str, key: str | None, spans: list[tuple[int, int]]) -> None:
+        """Every (offset, length) span must lie inside one block the receiver granted to `key`."""
         target = self.fabric.agents[peer]
-        allowed = target.grants.get(key) if key is not None else None
-        if allowed is None or not set(dst) <= allowed:
+        grant = target.grants.get(key) if key is not None else None
+        ok = grant is not None and all(
+            off // grant[1] == (off + n - 1) // grant[1] and off // grant[1] in grant[0] for off, n in spans)
+        if not ok:
             target.refused += 1
-            raise AccessDeniedError(f"{peer} granted no write of blocks {sorted(set(dst))[:4]} under key {key!r}")
+            raise AccessDeniedError(f"{peer} granted no write of {len(spans)} spans under key {key!r}")
 
     def _deliver(self, peer: str, payload: bytes, op: str, error: str | None, key: str | None) -> None:
         self._xfer += 1

@@ -19,6 +19,7 @@ from pdserve.engine.messages import (
     KVAdmitted,
     KVDestination,
     KVFallback,
+    KVRankDest,
     KVReserved,
 )
 from pdserve.sampling_params import SamplingParams
@@ -198,12 +199,16 @@ def test_malformed_notifications_are_dropped_and_fail_nothing(cluster):
     fabric.hold()
     handover(p, d, "r", PROMPT, params)
     dec_agent = fabric.agents["fake-decode:1"]
+    ok = {"request_id": "r", "src": 0, "src_tp": 1, "t_prefill_done": 1.0}
     junk = [b"\xc1not msgpack", msgpack.packb([1, 2, 3]), msgpack.packb({"request_id": 5}),
-            msgpack.packb({"request_id": "r", "first_token": 10**9, "t_prefill_done": 1.0}),
-            msgpack.packb({"request_id": "r", "first_token": 3, "t_prefill_done": float("nan")}),
-            msgpack.packb({"request_id": "r", "first_token": True, "t_prefill_done": 1.0}),
-            msgpack.packb({"request_id": "r", "first_token": 3, "t_prefill_done": 1.0, "logprob": [0.0, [[-1, 0]]]}),
-            msgpack.packb({"first_token": "3", "t_prefill_done": 1.0})]
+            msgpack.packb({**ok, "first_token": 10**9}),
+            msgpack.packb({**ok, "first_token": 3, "t_prefill_done": float("nan")}),
+            msgpack.packb({**ok, "first_token": True}),
+            msgpack.packb({**ok, "first_token": 3, "logprob": [0.0, [[-1, 0]]]}),
+            msgpack.packb({**ok, "first_token": 3, "src": 1}),  # rank 1 of a 1-rank instance
+            msgpack.packb({**ok, "first_token": 3, "src_tp": 0}),
+            msgpack.packb(ok),  # the pair (0 -> 0) without the first token
+            msgpack.packb({**ok, "first_token": "3"})]
     for payload in junk:
         dec_agent.inject(payload, key="r")
     dec_agent.inject(msgpack.packb({"first_token": 3, "t_prefill_done": 1.0}))  # no key: names no request
@@ -223,8 +228,8 @@ def test_a_failed_push_is_never_decoded_on(cluster):
     want = colocated(colo, "c", PROMPT, params)
     d.core.add_request("r", PROMPT, params, IMPORT)
     until(lambda: d.event(KVReserved, "r") is not None, d)
-    fabric.agents["fake-decode:1"].inject(msgpack.packb({"request_id": "r"}), error="link down",
-                                          sender="fake-prefill:1", key="r")
+    fabric.agents["fake-decode:1"].inject(msgpack.packb({"request_id": "r", "src": 0, "src_tp": 1}),
+                                          error="link down", sender="fake-prefill:1", key="r")
     until(lambda: "r" in d.finished, d)
     assert "link down" in d.event(KVFallback, "r").reason and d.tokens["r"] == want
     whole(d)
@@ -232,7 +237,7 @@ def test_a_failed_push_is_never_decoded_on(cluster):
 
 def test_requests_a_role_cannot_take_are_refused(cluster):
     p, d, colo, fabric = cluster()
-    export = ExportParams(KVDestination("fake-decode:1", "r", (1, 2)))
+    export = ExportParams(KVDestination("r", (1, 2), (KVRankDest("fake-decode:1", 0, 2),)))
     with pytest.raises(ValueError, match="role decode"):
         d.core.add_request("x", PROMPT, SamplingParams(), export)
     with pytest.raises(ValueError, match="role prefill"):

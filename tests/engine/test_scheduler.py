@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.messages import ExportParams, ImportParams, KVDestination
+from pdserve.engine.messages import ExportParams, ImportParams, KVDestination, KVRankDest
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.sampling_params import SamplingParams
@@ -171,7 +171,7 @@ def test_abort_of_each_remote_state():
 
 def test_export_holds_blocks_until_the_push_ends_and_an_abort_waits_for_it():
     s = make()
-    dest = KVDestination("host:1", "d-1", (0, 1, 2))
+    dest = KVDestination("d-1", (0, 1, 2), (KVRankDest("host:1", 0, 2),))
     r = req("x", n=10, max_tokens=1, kv=ExportParams(dest))
     s.add(r)
     started = run_step(s)

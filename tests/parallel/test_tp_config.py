@@ -1,5 +1,5 @@
-"""--tensor-parallel-size / -tp: vLLM's names, the config's default, validated; PD roles refuse TP until per-rank
-KV agents are wired (the connector would move rank 0's KV heads only)."""
+"""--tensor-parallel-size / -tp: vLLM's names, the config's default, validated; PD roles take it too (one KV agent
+per rank)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,5 @@ def test_flag_and_default():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="at least 1"):
         _parse("-tp", "0")
-    with pytest.raises(ValueError, match="per-rank KV agents"):
-        EngineConfig(tensor_parallel_size=2, kv_transfer=KVTransferConfig(role="prefill"))
+    for role in ("prefill", "decode"):
+        assert EngineConfig(tensor_parallel_size=2, kv_transfer=KVTransferConfig(role=role)).role == role

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.router.router_harness import wait_line
 
 FAKE = Path(__file__).with_name("fake_instance.py")
@@ -148,5 +150,56 @@ def test_launcher_restarts_an_instance_that_died(tmp_path):
         assert not _alive(new_pid)
     finally:
         if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _plan(*argv: str):
+    import argparse
+
+    from pdserve.router.launcher import add_arguments, normalize_args, plan_children
+
+    return plan_children(normalize_args(add_arguments(argparse.ArgumentParser()).parse_args(list(argv))))
+
+
+def test_tensor_parallel_sizes_per_role_and_consecutive_gpus():
+    from pdserve.router.launcher import assign_gpus
+
+    plan = _plan("--prefill", "1", "--decode", "2", "--decode-tp", "2")
+    assert plan == [("prefill", "prefill0", 1), ("decode", "decode0", 2), ("decode", "decode1", 2)]
+    assert assign_gpus(plan, 5, False) == [0, 1, 3]  # cuda:1 holds decode0's rank 0, cuda:2 its rank 1
+    assert assign_gpus(plan, 0, False) == [None] * 3  # CPU
+    with pytest.raises(ValueError, match="need 5 GPUs"):
+        assign_gpus(plan, 4, False)
+    assert assign_gpus(plan, 4, True) == [0, 1, 0]  # shared: a TP group never wraps past the last GPU
+    with pytest.raises(ValueError, match="needs 2 GPUs; 1 are visible"):
+        assign_gpus(plan, 1, True)
+    # -tp is every instance's default; a role's flag wins
+    assert [tp for _, _, tp in _plan("-tp", "2", "--prefill", "1", "--prefill-tp", "1", "--decode", "1",
+                                     "--both", "1")] == [1, 2, 2]
+    with pytest.raises(ValueError, match="--decode-tp must be at least 1"):
+        _plan("--decode", "1", "--decode-tp", "0")
+
+
+def test_launcher_gives_each_role_its_tensor_parallel_size(tmp_path):
+    proc = _launch(tmp_path, "-tp", "2", "--prefill", "1", "--prefill-tp", "1", "--decode", "1",
+                   "--local-prefill-max-tokens", "0")
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        wait_line(lines, r"ready: send OpenAI requests to (http://\S+)/v1", 60, seen)
+        started = {m.group(1): m.group(2).split() for m in
+                   re.finditer(r"started (\S+) \(pid \d+, [^)]*\) on \S+, log \S+: (.*)", "".join(seen))}
+
+        def size(argv: list[str]) -> str:  # the last one wins (the instances' -tp comes first)
+            return argv[len(argv) - 1 - argv[::-1].index("--tensor-parallel-size") + 1]
+
+        assert size(started["prefill0"]) == "1" and size(started["decode0"]) == "2", started
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
