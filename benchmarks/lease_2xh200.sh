@@ -5,6 +5,8 @@
 # libraries it loads: libibverbs1, ibverbs-providers, libnuma1, libnl-3-200, libnl-route-3-200).
 #   OUT=$OUT bash benchmarks/lease_2xh200.sh STAGE
 # Stages:
+#   engine     async scheduling on vs off (greedy tokens compared, steady decode ms/step at batch 1 and 256); the
+#              async-scheduling and fp8 attention GPU tests
 #   sbs        vLLM and pdserve side by side, one GPU each at once, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16)
 #   moe        the same with dummy Qwen3-30B-A3B and --kv-cache-dtype fp8 on both
 #   pd         pdserve 1P1D (`serve --prefill 1 --decode 1`) and vLLM 1P1D NIXL, 1024/1024 c256 and 8192/16
@@ -18,6 +20,11 @@ nvidia-smi -L > "$W/gpus.txt" 2>&1
 t0=$(date +%s)
 SBS="benchmarks/vs_vllm/side_by_side.sh"
 case $STAGE in
+  engine)
+    timeout 300 python3 benchmarks/engine/async_check.py --model qwen3-8b --out "$W/async_check.json" 2>&1 \
+      | grep -v " INFO " | tail -8
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_async_scheduling.py \
+      tests/ops/test_attention_decode.py tests/ops/test_fp8_kv.py 2>&1 | tee "$W/gpu_tests.txt" | tail -4 ;;
   sbs)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS single 2>&1 | tail -25 ;;
   moe)
