@@ -7,8 +7,13 @@ token ids compared, and the wall time of a steady decode batch each way (output 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -51,8 +56,6 @@ def run(args, enabled: bool) -> dict:
                                  "ms_per_step": 1e3 * dt / max(1, steps)}
     res["async_counts"] = dict(getattr(llm.engine, "async_counts", {}))
     llm.engine.close()
-    del llm
-    torch.cuda.empty_cache()
     return res
 
 
@@ -65,8 +68,21 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--one", choices=["on", "off"], default=None, help="(internal) one mode, JSON to --out")
     args = ap.parse_args(argv)
-    on, off = run(args, True), run(args, False)
+    if args.one is not None:  # each mode in its own process: a second engine in one process would find the GPU full
+        Path(args.out).write_text(json.dumps(run(args, args.one == "on")))
+        return 0
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("on", "off"):
+            f = Path(tmp) / f"{mode}.json"
+            cmd = [sys.executable, __file__, "--one", mode, "--out", str(f), "--model", args.model,
+                   "--max-model-len", str(args.max_model_len), "--check", str(args.check), "--input-len",
+                   str(args.input_len), "--output-len", str(args.output_len), "--batches", *map(str, args.batches)]
+            subprocess.run(cmd, check=True)
+            res[mode] = json.loads(f.read_text())
+    on, off = res["on"], res["off"]
     same = sum(a == b for a, b in zip(on["tokens"], off["tokens"]))
     rec = new_record("async_check", vars(args))
     rec["identical_requests"] = same
