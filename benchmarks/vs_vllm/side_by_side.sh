@@ -93,8 +93,10 @@ single() {
     T0=$(date +%s.%N)
     CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 &
     CUDA_VISIBLE_DEVICES=1 $PD serve $PCOMMON --port 8200 > $OUT/pdserve.log 2>&1 &
-    ready vllm_single 8100 $OUT/vllm.log $T0 & ready pdserve_single 8200 $OUT/pdserve.log $T0 & wait %3 %4
-    bench vllm_single 8100 > $OUT/a.txt & bench pdserve_single 8200 > $OUT/b.txt & wait %5 %6 2>/dev/null
+    ready vllm_single 8100 $OUT/vllm.log $T0 & r1=$!; ready pdserve_single 8200 $OUT/pdserve.log $T0 & r2=$!
+    wait $r1 $r2
+    bench vllm_single 8100 > $OUT/a.txt & b1=$!; bench pdserve_single 8200 > $OUT/b.txt & b2=$!
+    wait $b1 $b2
     cat $OUT/a.txt $OUT/b.txt; stop_all
   fi
 }
