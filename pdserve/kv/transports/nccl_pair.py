@@ -205,19 +205,18 @@ class Pair:
     def _issue_nccl(self, ops: list[Op], peer: int, dev: Any) -> list[Any]:
         pg = self.pg
         if len(ops) > 1 and pg.supports_coalescing:
-            # one NCCL group: every run of the transfer in one launch. A ProcessGroup takes the device; a backend
-            # object (ProcessGroupNCCL in torch 2.11) takes none.
+            # one NCCL group: every run of the transfer in one launch. Only where the group takes the device (a
+            # ProcessGroup); on a bare backend object (torch 2.11's ProcessGroupNCCL) _start_coalescing() opens no
+            # NCCL group (ncclGroupEnd then fails), so the runs go one by one there, in order.
             try:
                 pg._start_coalescing(dev)
-                with_device = True
             except TypeError:
-                pg._start_coalescing()
-                with_device = False
+                return [(pg.send if o.kind == "send" else pg.recv)([o.tensor], peer, 0) for o in ops]
             try:
                 for o in ops:
                     (pg.send if o.kind == "send" else pg.recv)([o.tensor], peer, 0)
             finally:
-                work = pg._end_coalescing(dev) if with_device else pg._end_coalescing()
+                work = pg._end_coalescing(dev)
             return [work]
         return [(pg.send if o.kind == "send" else pg.recv)([o.tensor], peer, 0) for o in ops]
 
