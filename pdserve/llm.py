@@ -84,6 +84,8 @@ class LLM:
                     res.outputs = [CompletionOutput(0, st.text, st.output_token_ids, out.finish_reason,
                                                     out.stop_reason, getattr(res, "_lps", None))]
                     del states[co.request_id]
+        while self.engine.has_work():  # async scheduling: a step of requests that ended may still be in flight
+            self.engine.step()
         return [results[r] for r in order]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None):

@@ -13,10 +13,19 @@ and a mixed step (256 decodes at ~1k + a 512-token prefill chunk). With --compar
 runs with the captured graphs switched off, and decode steps that replay a full graph also run through the
 piecewise graphs. --profile CASE prints the top kernels of that step and its kernel count.
 
+Async scheduling (--loop, default batch 1 and 256 at ~1k context): steady decoding through the whole engine
+(`EngineCore.step`: scheduler, inputs, forward, sampling, request updates), with async scheduling off (each step
+waits for its sampled ids before the next is scheduled) and on (step n+1 is scheduled and launched while step n
+runs); the time per step is the wall time of many steps divided by their number, and the host time per step is
+the wall time outside the device's wait (`EngineCore.step` minus the time spent in collect).
+
   python benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --out $OUT/steps.json
   python benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --profile decode:256x1024 \
       --out $OUT/profile.json
-  CPU smoke run (numbers meaningless): --model qwen3-0.6b --device cpu --decode 2x64 --prefill 64 --mixed 2x64+32
+  python benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --decode "" --prefill "" \
+      --mixed "" --loop 1x1024,256x1024 --out $OUT/async.json
+  CPU smoke run (numbers meaningless): --model qwen3-0.6b --device cpu --decode 2x64 --prefill 64 --mixed 2x64+32 \
+      --loop 2x64 --loop-steps 5
 """
 
 from __future__ import annotations
@@ -179,6 +188,49 @@ def print_profile(label: str, p: dict) -> None:
         print(f"| {r['name'][:90]} | {r['count_per_step']:.0f} | {r['us_per_step']:.0f} | {r['share']:.1%} |")
 
 
+def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup: int, async_on: bool,
+                     rng: random.Random) -> dict:
+    """Steady decoding of `batch` requests with ~`ctx` tokens of context through `EngineCore.step`."""
+    core.set_async_scheduling(async_on)
+    vocab = core.hf_config.vocab_size
+    tag = f"loop-{'async' if async_on else 'sync'}-{batch}x{ctx}"
+    rids = [f"{tag}-{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=steps + warmup + 8, temperature=0.0, ignore_eos=True)
+    for rid in rids:
+        core.add_request(rid, [rng.randrange(vocab) for _ in range(ctx)], params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill until every request has its first token: decoding only from here
+        started.update(o.request_id for o in core.step())
+    for _ in range(warmup):
+        core.step()
+    collect = core.executor.collect
+    waited = [0.0]
+
+    def timed_collect(handle):
+        t = time.perf_counter()
+        try:
+            return collect(handle)
+        finally:
+            waited[0] += time.perf_counter() - t
+
+    core.executor.collect = timed_collect
+    before = core.async_counts["overlapped"]
+    sync(core.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync(core.device)
+    wall = time.perf_counter() - t
+    del core.executor.collect
+    overlapped = core.async_counts["overlapped"] - before
+    for rid in rids:
+        core.abort_request(rid)
+    while core.has_work():
+        core.step()
+    return {"async": async_on, "step_ms": wall / steps * 1e3, "host_ms": (wall - waited[0]) / steps * 1e3,
+            "collect_wait_ms": waited[0] / steps * 1e3, "overlapped_steps": overlapped, "steps": steps}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b")
@@ -198,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="capture no graphs at all")
     ap.add_argument("--compare-eager", action=argparse.BooleanOptionalAction, default=True,
                     help="also time each case with the captured graphs switched off")
+    ap.add_argument("--loop", default="1x1024,256x1024",
+                    help="batch x context of steady decode loops through the engine, with and without async "
+                         "scheduling, comma-separated (empty: none)")
+    ap.add_argument("--loop-steps", type=int, default=100)
     ap.add_argument("--profile", default=None, help="a case name (e.g. decode:256x1024): profile it instead")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
@@ -267,6 +323,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {r['step_ms_median']:.2f} ms ({r['path']}; floor {r['floor_ms']:.2f} ms {r['bound']}, "
               f"{r['fraction_of_floor']:.0%}){eager}", flush=True)
     rec["results"] = results
+    rec["loops"] = loops = []
+    for spec in filter(None, args.loop.split(",")):
+        b, ctx = (int(x) for x in spec.split("x"))
+        for async_on in (False, True):
+            r = {"case": f"loop:{spec}", **time_decode_loop(core, b, ctx, args.loop_steps, args.warmup, async_on,
+                                                             rng)}
+            loops.append(r)
+            print(f"{r['case']} async {'on ' if async_on else 'off'}: {r['step_ms']:.2f} ms/step (host "
+                  f"{r['host_ms']:.2f} ms, waiting for tokens {r['collect_wait_ms']:.2f} ms; "
+                  f"{r['overlapped_steps']} of {r['steps']} steps overlapped)", flush=True)
     save_json(rec, args.out)
     print("\n| step | tokens | ms (median) | p90 | path | floor ms | bound | floor/measured | eager ms | "
           "piecewise ms |")
@@ -279,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         pw = f"{r['piecewise']['step_ms_median']:.2f}" if "piecewise" in r else "-"
         print(f"| {r['case']} | {r['tokens']} | {r['step_ms_median']:.2f} | {r['step_ms_p90']:.2f} | {r['path']} | "
               f"{r['floor_ms']:.2f} | {r['bound']} | {r['fraction_of_floor']:.1%} | {eager} | {pw} |")
+    if loops:
+        print("\n| decode loop | async | ms/step | host ms/step | waiting for tokens ms/step | steps overlapped |")
+        print("|---|---|---|---|---|---|")
+        for r in loops:
+            print(f"| {r['case']} | {'on' if r['async'] else 'off'} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | "
+                  f"{r['collect_wait_ms']:.2f} | {r['overlapped_steps']}/{r['steps']} |")
     return 0
 
 

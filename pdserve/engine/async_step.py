@@ -27,14 +27,12 @@ from dataclasses import dataclass
 
 from pdserve.engine.request import Request
 from pdserve.engine.runner import StepHandle
-from pdserve.engine.scheduler import ScheduledBatch
 
 
 @dataclass
 class InFlight:
     """A launched, uncollected step."""
 
-    batch: ScheduledBatch
     handle: StepHandle
     needs_history: bool  # a sampled row's request samples from its output history: collect before scheduling
 

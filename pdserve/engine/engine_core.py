@@ -263,7 +263,7 @@ class EngineCore:
         handle = self.executor.launch(batch, hook)
         self.num_steps += 1
         self.scheduler.launched(batch, handle.reqs)
-        step = InFlight(batch, handle, needs_history(handle.reqs))
+        step = InFlight(handle, needs_history(handle.reqs))
         self._set_in_flight(step)
         return step
 
@@ -284,6 +284,7 @@ class EngineCore:
         """After a failed step: forget what was in flight (the engine loop ends the requests)."""
         self._set_in_flight(None)
         self.kv.release_retired()
+
     # ---- disaggregation: what the connector reports, applied through the scheduler
     def _take_kv_reports(self) -> list[CoreOutput]:
         c, s, now = self.connector, self.scheduler, time.time()
