@@ -28,7 +28,7 @@ case $STAGE in
   sbs)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS single 2>&1 | tail -25 ;;
   moe)
-    WORKLOADS="1024:1024:512:256 8192:16:16:1" MODEL=.vllm-stage/model-moe VLLM_ARGS="--kv-cache-dtype fp8" \
+    WORKLOADS="1024:1024:512:256 8192:16:16:1" MODEL=.vllm-stage/model-moe VLLM_ARGS="--kv-cache-dtype fp8 --attention-backend FLASH_ATTN" \
       PDSERVE_ARGS="--kv-cache-dtype fp8" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS single 2>&1 | tail -25 ;;
   pd)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS pd-pdserve pd-vllm \

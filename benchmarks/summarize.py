@@ -105,6 +105,61 @@ def search() -> None:
               f"goodput at that rate {se['goodput']:.2f} req/s")
 
 
+def vs_vllm() -> None:
+    c = load("vs_vllm/results_2xh200/comparison.json")
+    print(f"vLLM 0.22 on GPU 0 and pdserve on GPU 1 of one 2xH200 lease, at the same time, both measured by vLLM's "
+          f"`bench serve` (`benchmarks/vs_vllm/side_by_side.sh single`), dummy Qwen3-8B bf16, {c['date'][:10]}; "
+          "the tree was commit a1b214a (the file's `commit` field, read from the device copy's stale git metadata, "
+          "is wrong). pdserve ran with async scheduling (its CUDA default).\n")
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
+          "mean TPOT vLLM / pdserve ms |")
+    print("|---|---|---|---|---|---|")
+    for w in c["workloads"]:
+        v, p = w["vllm"], w["pdserve"]
+        print(f"| {w['workload']} | {_fmt(v['output_throughput'])} | {_fmt(p['output_throughput'])} | "
+              f"{w['ratio']['output_throughput']:.2f} | {_fmt(v['mean_ttft_ms'])} / {_fmt(p['mean_ttft_ms'])} | "
+              f"{v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} |")
+    for srv in c["servers"]:
+        v, p = srv["vllm"], srv["pdserve"]
+        print(f"\nStart-up (launch to first completion answered): vLLM {v['startup_s']:.1f} s, pdserve "
+              f"{p['startup_s']:.1f} s. KV capacity at --gpu-memory-utilization 0.9: vLLM {v['kv_tokens']:,} tokens, "
+              f"pdserve {p['kv_tokens']:,} tokens ({p['kv_tokens'] / v['kv_tokens']:.3f}x).")
+    a = load("engine/results_2xh200/async_check.json")
+    print(f"\nAsync scheduling on vs off, same engine and requests (`benchmarks/engine/async_check.py`, H200, tree "
+          "of commit 88625d9, 512-token prompts, 64 output tokens): greedy tokens identical for "
+          f"{a['identical_requests']}/{a['requests']} requests (random weights: near-tied logits flip under different "
+          "batch compositions); steady decode:")
+    for key in a["on"]:
+        if key.startswith("batch_"):
+            on, off = a["on"][key], a["off"][key]
+            print(f"- {key.replace('_', ' ')}: {on['ms_per_step']:.2f} ms/step async vs {off['ms_per_step']:.2f} sync "
+                  f"({off['ms_per_step'] / on['ms_per_step']:.3f}x)")
+
+
+def kernels_s3() -> None:
+    sw = load("attention/results_h200/decode_sweep_fp16dot.json")
+    rows = [r for r in sw["rows"] if "us" in r]
+    shapes = sorted({(r["batch"], r["context"]) for r in rows})
+    print("Paged decode attention, dummy Qwen3-8B heads (32 q, 8 KV, dim 128), head-major pool, H200, fraction of the "
+          "HBM floor measured in the same run (`benchmarks/attention/sweep_decode.py`), with the tile the engine picks "
+          "now (128-key tiles, 3 stages, from 8 rows; 64-key below):\n")
+    print("| pool | " + " | ".join(f"{b} x {c}" for b, c in shapes) + " |")
+    print("|---|" + "---|" * len(shapes))
+    for kv in ("bf16", "fp8"):
+        cells = []
+        for b, c in shapes:
+            want = [128, 4, 3] if b >= 8 else ([64, 4, 2] if kv == "bf16" else [64, 4, 3])
+            hit = [r for r in rows if r["kv"] == kv and (r["batch"], r["context"]) == (b, c) and list(r["tile"]) == want]
+            cells.append(f"{100 * hit[0]['of_floor']:.0f} %" if hit else "-")
+        print(f"| {kv} | " + " | ".join(cells) + " |")
+    t = load("transfer/results_2xh200_s3/transfer_cuda_ipc.json")
+    w, r = t["results"]["write"], t["results"]["read"]
+    print(f"\nKV transfer, cuda_ipc between the two GPUs, 8192 tokens of Qwen3-8B KV in 512 random 16-token blocks "
+          f"({w['bytes'] / 1e9:.2f} GB): write {w['median_ms']:.2f} ms ({100 * w['fraction_of_ceiling']:.0f} % of the "
+          f"peer-copy ceiling of the same run), read {r['median_ms']:.2f} ms "
+          f"({100 * r['fraction_of_ceiling']:.0f} %); `benchmarks/transfer/results_2xh200_s3/`.")
+
+
 def _fmt(x) -> str:
     if x is None:
         return "-"
@@ -113,6 +168,10 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    vs_vllm()
+    print()
+    kernels_s3()
+    print()
     engine()
     transfer()
     handover()
