@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from pdserve.protocol import error_body
+
 TIMESTAMP_HEADER = "X-PD-Timestamp"
 NONCE_HEADER = "X-PD-Nonce"
 SIGNATURE_HEADER = "X-PD-Signature"
@@ -27,8 +29,7 @@ NONCE_CACHE_ENTRIES = 1 << 18  # nonces remembered for replay checks; each expir
 
 
 def http_error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> web.HTTPException:
-    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": None, "code": code}}
+    body = error_body(message, "invalid_request_error" if status < 500 else "server_error", None, code)
     cls = {401: web.HTTPUnauthorized, 503: web.HTTPServiceUnavailable}[status]
     return cls(text=json.dumps(body), content_type="application/json", headers=headers)
 

@@ -47,6 +47,7 @@ from pdserve.engine.step_inputs import (
 )
 from pdserve.model.forward_context import ForwardContext, forward_context
 from pdserve.model.parallel import local_kv_heads
+from pdserve.model.shapes import head_dim
 from pdserve.ops.attention import AttentionMetadata, get_backend
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     return _KV_DTYPES[kv_cache_dtype]
 
 
-def _head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
 def kv_cache_shape(cfg, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
     """The KV pool of one rank: `[num_blocks, kv_heads, layers, 2, block_size, head_dim]` over its own KV heads (all of
     them at tp_size 1). Block-major, so a block is one contiguous run for the transfer engine, and head-major inside
@@ -75,7 +72,7 @@ def kv_cache_shape(cfg, num_blocks: int, block_size: int, tp_size: int = 1) -> t
     tensor-parallel sizes without small copies. The one place the layout is decided; attention sees one layer
     through `model.forward_context.layer_view` and kernels take strides from the tensor."""
     heads = local_kv_heads(cfg.num_key_value_heads, tp_size)
-    return (num_blocks, heads, cfg.num_hidden_layers, 2, block_size, _head_dim(cfg))
+    return (num_blocks, heads, cfg.num_hidden_layers, 2, block_size, head_dim(cfg))
 
 
 def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -159,7 +156,7 @@ class ModelRunner:
                    + [layout_bytes(n, n, n, w, n, n, n) for n in self.mixed_sizes])  # tiles: at most one per token
         self.graph_staging = Staging(self.device, need, growable=False)
         self.attn_bufs = AttnBuffers.for_model(self.mixed_sizes[-1], cfg.num_attention_heads // self.tp_size,
-                                               local_kv_heads(cfg.num_key_value_heads, self.tp_size), _head_dim(cfg),
+                                               local_kv_heads(cfg.num_key_value_heads, self.tp_size), head_dim(cfg),
                                                self.dtype, self.device)
         if emulate:
             self.mixed_graphs = {n: None for n in self.mixed_sizes}

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdserve.protocol import APIError
+from pdserve.protocol import APIError, error_body
 from pdserve.router.admission import Admission, Rejected
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -58,7 +58,7 @@ def is_hard(exc: BaseException) -> bool:
 
 
 def error_response(status: int, message: str, type_: str, headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    body = error_body(message, type_, None, status)
     return web.json_response(body, status=status, headers=headers)
 
 

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.protocol import error_body
+
 DONE = b"[DONE]"
 
 
@@ -27,7 +29,7 @@ def pop_timings(obj: dict[str, Any]) -> Any:
 
 def error_event(message: str, code: int = 502, type_: str = "upstream_error") -> bytes:
     """An OpenAI-shaped error as one SSE event, followed by [DONE] so clients stop reading."""
-    payload = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    payload = json.dumps(error_body(message, type_, None, code))
     return b"data: " + payload.encode() + b"\n\ndata: [DONE]\n\n"
 
 
