@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.ops.attention.decode import _decode_kernel, decode_block_n
+from pdserve.ops.attention.decode import _decode_kernel, decode_tile
 from pdserve.ops.attention.kv_write import _write_kv_kernel
 from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, _prefill_kernel, default_g_pack
 
@@ -75,12 +75,15 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
                  PartO="*fp32", PartM="*fp32", PartL="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
                  s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_btb="i32", s_pb="i32", s_ph="i32",
                  s_ps="i32", sm_scale="fp32", softcap="fp32", window="i32")
+    qdt = getattr(torch, TORCH_DT[dt])
+    block_n, warps, stages = decode_tile(d, qdt, kv in FP8)  # the many-row tile (the larger of the two)
     ce = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs,
-              BLOCK_N=decode_block_n(bs, d, getattr(torch, TORCH_DT[dt])), MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
-              HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32")
+              BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
+              HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
+              DOT_F16=kv in FP8 and dt != "fp32")
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
                "s_kvh", "s_pb", "s_ph", "s_ps"]
-    return _compile(_decode_kernel, types, ce, 4, 2, aligned)
+    return _compile(_decode_kernel, types, ce, warps, stages, aligned)
 
 
 def kv_write(dt: str, kv: str, hk: int, d: int) -> dict:
