@@ -3,7 +3,8 @@
 # ends). Run from the repository root there:
 #   PDSERVE_GIT_COMMIT=<sha> OUT=$OUT bash benchmarks/gpu_session.sh STAGE
 # Stages:
-#   gpu_tests     every gpu-marked test of the engine, kernels, models and KV copies (pytest-xdist, 8 workers)
+#   gpu_tests     every gpu-marked test of the engine, kernels, models and KV copies (pytest-xdist, 8 workers;
+#                 TESTS=<paths> for a part of them)
 #   engine_bench  engine step times vs floors (dummy Qwen3-8B), a decode-step profile, the attention kernels vs
 #                 their floors and SDPA, the fused MoE at Qwen3-30B-A3B shapes (one GPU)
 #   pd            1P1D handover latency and TTFT (2 GPUs), the PD GPU tests
@@ -21,7 +22,7 @@ left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }
 case $STAGE in
   gpu_tests)
     timeout "$(left)" python -m pytest -q -m gpu -n 8 --dist loadfile -p no:cacheprovider --durations 15 \
-      tests/ops tests/engine tests/model tests/kv/test_kv_cuda.py ${EXTRA_TESTS:-} 2>&1 | tee "$W/gpu_tests.txt" \
+      ${TESTS:-tests/ops tests/engine tests/model tests/kv/test_kv_cuda.py} ${EXTRA_TESTS:-} 2>&1 | tee "$W/gpu_tests.txt" \
       | grep -v "^\.*$" | tail -60
     ;;
   engine_bench)

@@ -61,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--instance-args", default="", help="extra flags for both instances (one string)")
+    p.add_argument("--launcher-args", default="", help="extra flags for `pdserve serve` itself, e.g. --isolate-gpus")
     p.add_argument("--out", default=None, help="JSON results (default: benchmarks/router/results/<time>.json)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -82,7 +83,7 @@ class Deployment:
         cmd = [sys.executable, "-m", "pdserve.router.launcher", "--prefill", "1", "--decode", "1", "--port", "0",
                "--model", args.model, "--load-format", args.load_format, "--max-model-len", str(args.max_model_len),
                "--local-prefill-max-tokens", "0", "--startup-timeout", str(args.startup_timeout),
-               *args.instance_args.split()]
+               *args.launcher_args.split(), *args.instance_args.split()]
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_DEPLOYMENT_SECRET": SECRET},
@@ -195,6 +196,11 @@ async def measure(args: argparse.Namespace, dep: Deployment) -> dict[str, Any]:
             for phase in ("queue_s", "prefill_s", "handover_s", "first_token_s"):
                 summary[phase] = percentiles([t[phase] for t in timings if isinstance(t.get(phase), (int, float))])
             summary["fallbacks"] = sum(1 for t in timings if t.get("fallback"))
+            transports: dict[str, int] = {}
+            for t in timings:
+                name = str(t.get("transport"))
+                transports[name] = transports.get(name, 0) + 1
+            summary["transports"] = transports  # as the prefill instance reported each push
             summary["pd_timings_missing"] = len(samples["pd_direct"]) - len(timings)
             if summary["pd_timings_missing"]:
                 print(f"WARNING: {summary['pd_timings_missing']} pd_direct answers carried no pd_timings: the decode "

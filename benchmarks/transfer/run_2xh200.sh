@@ -26,8 +26,12 @@ fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MP="--kv-protocol ${MOONCAKE_PROTOCOL:-tcp}"
 W="--model-config qwen3-8b --tokens 8192 --block-size 16 --devices cuda:0,cuda:1"
+# RUNS="cuda_ipc nixl ...": only these runs (default: every one); NIXL_ANCHOR=<path of shared/anchors/nixl_kv_transfer.py>:
+# NIXL's own block-major run of the same bytes too (nixl_anchor.txt), which summarize.py compares with NIXL via the agent
+want() { [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $1 "* ]]; }
 run() {  # name, then bench arguments; a failing run is reported and the script goes on
   local name=$1; shift
+  want "$name" || return 0
   echo "=== $name: $*"
   timeout 300 python -m pdserve.bench.transfer $W "$@" --result-dir "$OUT" --result-filename "$name.json" 2>&1 | tee "$OUT/$name.txt" | tail -12
 }
@@ -52,4 +56,9 @@ run nccl_memcheck --transport nccl --memcheck 256 --warmup 2
 run cuda_ipc_memcheck --transport cuda_ipc --memcheck 256 --warmup 2
 run cuda_ipc_isolated_vmm --transport cuda_ipc --isolate-gpus --pool-alloc vmm --iters 20 --warmup 3 --latency-iters 100
 run nccl_isolated --transport nccl --isolate-gpus --pool-alloc vmm --iters 10 --warmup 2 --latency-iters 0
+if [ -n "${NIXL_ANCHOR:-}" ] && want nixl_anchor; then
+  echo "=== nixl_anchor: $NIXL_ANCHOR"
+  timeout 300 python "$NIXL_ANCHOR" > "$OUT/nixl_anchor.txt" 2> "$OUT/nixl_anchor.err" || echo "nixl anchor failed (nixl_anchor.err)"
+  tail -30 "$OUT/nixl_anchor.txt"
+fi
 python benchmarks/transfer/summarize.py "$OUT"

@@ -18,6 +18,9 @@ from pathlib import Path
 
 RESULT = re.compile(r"^(vllm|pdserve)_(\w+?)_(\d+)x(\d+)_c(\d+)\.json$")
 SERVER = re.compile(r"^(vllm|pdserve)_(\w+)_server\.json$")
+CLIENT = re.compile(r"^((?:vllm|pdserve)_\w+?_\d+x\d+_c\d+)_pdclient\.json$")  # pdserve's client, same server and workload
+CLIENT_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
+                  "request_throughput")
 METRICS = ("output_throughput", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_itl_ms",
            "request_throughput")
 
@@ -85,8 +88,18 @@ def compare(folder: Path) -> dict:
         server_rows.append({"mode": mode, "vllm": v, "pdserve": p, "ratio": {
             "startup_s": _ratio((p or {}).get("startup_s"), (v or {}).get("startup_s")),
             "kv_tokens": _ratio((p or {}).get("kv_tokens"), (v or {}).get("kv_tokens"))}})
+    clients = []
+    for f in sorted(folder.iterdir()):
+        m = CLIENT.match(f.name)
+        base = folder / f"{m.group(1)}.json" if m else None
+        if base is None or not base.exists():
+            continue
+        v, p = json.loads(base.read_text()), json.loads(f.read_text())
+        clients.append({"run": m.group(1), "vllm_client": {k: v.get(k) for k in CLIENT_METRICS},
+                        "pdserve_client": {k: p.get(k) for k in CLIENT_METRICS},
+                        "ratio": {k: _ratio(p.get(k), v.get(k)) for k in CLIENT_METRICS}})
     return {"benchmark": "vs_vllm", "date": dt.datetime.now(dt.timezone.utc).isoformat(), "commit": _commit(),
-            "gpus": _gpus(), "command": sys.argv, "workloads": rows, "servers": server_rows}
+            "gpus": _gpus(), "command": sys.argv, "workloads": rows, "servers": server_rows, "clients": clients}
 
 
 def table(c: dict) -> str:
@@ -106,6 +119,14 @@ def table(c: dict) -> str:
         v, p = s.get("vllm") or {}, s.get("pdserve") or {}
         out.append(f"| {s['mode']} | start-up s / KV tokens | {v.get('startup_s', '-')} / {v.get('kv_tokens', '-')} | "
                    f"{p.get('startup_s', '-')} / {p.get('kv_tokens', '-')} | | | |")
+    if c.get("clients"):
+        out += ["", "| server and workload | metric | vLLM's client | pdserve's client | pdserve / vLLM |",
+                "|---|---|---|---|---|"]
+        for r in c["clients"]:
+            for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+                a, b, q = r["vllm_client"].get(k), r["pdserve_client"].get(k), r["ratio"].get(k)
+                if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+                    out.append(f"| {r['run']} | {k} | {a:.2f} | {b:.2f} | {q:.3f} |")
     return "\n".join(out)
 
 

@@ -7,7 +7,8 @@
 # MODE: single (vLLM on GPU 0, pdserve on GPU 1 at once; SINGLE_GPU=1: one after the other on GPU 0),
 #       pd-vllm (1P1D NixlConnector), pd-pdserve (`pdserve serve --prefill 1 --decode 1`),
 #       colo-vllm / colo-pdserve (two colocated instances behind a proxy / `pdserve serve --both 2`).
-# Knobs: MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
+# Knobs: CLIENTS ("vllm pdserve": each workload measured by vLLM's client, then by `pdserve bench serve` into
+# <name>_<in>x<out>_c<conc>_pdclient.json), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
 # ("in:out:prompts:concurrency ...", default "1024:1024:512:256 8192:16:16:1 32768:16:8:1").
 # Each server's start-up time (launch -> first completion answered) and KV capacity (tokens, from its log) are
 # written to $OUT/<name>_server.json; each workload to $OUT/<name>_<in>x<out>_c<conc>.json (vLLM's format).
@@ -80,6 +81,14 @@ bench() {  # NAME PORT: every workload, vLLM's client
       --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
       --save-result --result-dir $OUT --result-filename $f.json > $OUT/$f.txt 2>&1
     python3 benchmarks/vs_vllm/compare.py --line $OUT/$f.json
+    if [[ " ${CLIENTS:-vllm} " == *" pdserve "* ]]; then  # the same workload again, measured by pdserve's client
+      timeout 600 env -u PYTHONPATH pdserve bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME \
+        --tokenizer $M --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n \
+        --max-concurrency $c --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+        --num-warmups 2 --disable-tqdm --no-plots --save-result --result-dir $OUT --result-filename ${f}_pdclient.json \
+        > $OUT/${f}_pdclient.txt 2>&1
+      python3 benchmarks/vs_vllm/compare.py --line $OUT/${f}_pdclient.json
+    fi
   done
 }
 single() {

@@ -238,6 +238,8 @@ class EngineCore:
 
     def _step(self) -> list[CoreOutput]:
         outputs = self._take_kv_reports() if self.connector is not None else []
+        if any(o.new_token_ids for o in outputs):
+            return outputs  # first tokens a peer computed: out at once, not after the step in flight or the next one
         prev = self._inflight
         if prev is not None and not can_schedule_ahead(prev):
             outputs += self._collect(prev)  # this step needs what the previous one sampled: wait for it first

@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="command that starts one instance; --role/--port/--host and the instance flags are appended")
     _add(g, parser, "--no-restart", action="store_true",
          help="leave an instance that died down (default: restart it, with backoff)")
+    _add(g, parser, "--isolate-gpus", action="store_true",
+         help="start each instance with CUDA_VISIBLE_DEVICES set to its own GPUs, as instances started by hand "
+              "usually are (default: every GPU visible, each instance told its own with --device)")
     _add(g, parser, "--allow-gpu-sharing", action="store_true",
          help="more instances than GPUs: share GPUs round-robin instead of refusing")
     _add(g, parser, "--router-config", default=None, metavar="FILE.yaml", help="router settings (pools are ignored)")
@@ -218,7 +221,11 @@ def spawn_children(args: argparse.Namespace, log_dir: Path) -> list[Child]:
             env = dict(os.environ)  # with PDSERVE_DEPLOYMENT_SECRET_FILE (write_secret): never on a command line
             gpu = ",".join(gpus[slot:slot + tp]) if slot is not None else None
             device: list[str] = []
-            if slot is not None:
+            if slot is not None and getattr(args, "isolate_gpus", False):
+                # only its own GPUs: cuda_ipc to peers then goes through CUDA VMM pools (--kv-pool-alloc auto)
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+                device = ["--device", "cuda:0"]
+            elif slot is not None:
                 # every GPU stays visible and the instance is told which one is its own (rank r on slot + r): peers
                 # on other GPUs of the host can then map its KV pool (cuda_ipc), which a CUDA_VISIBLE_DEVICES of
                 # its own GPUs only would forbid

@@ -35,11 +35,11 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RouteRequest, make_policy
 from pdserve.router.pool import Instance, Pools
-from pdserve.router.prefix import chunk_hashes, prompt_text
+from pdserve.router.prefix import prompt_key
 from pdserve.router.sse import SSEFilter, error_event, pop_timings
 from pdserve.secret import as_secret
 from pdserve.server.auth import api_key_middleware, bearer
-from pdserve.server.body import RUNNER_OPTIONS, parse_json, read_body, read_json
+from pdserve.server.body import RUNNER_OPTIONS, extend_json_object, parse_json, read_body, read_json
 from pdserve.server.errors import error_middleware
 from pdserve.signing import sign_request
 
@@ -219,16 +219,13 @@ class Router:
 
     def route_request(self, path: str, body: dict[str, Any]) -> RouteRequest:
         cfg = self.config
-        text = prompt_text(path, body)
+        key = prompt_key(path, body, cfg.prefix_chunk_chars, cfg.chars_per_token)
         prompt = body.get("prompt")
         copies = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
         n = body.get("n")
         copies *= n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 else 1
-        return RouteRequest(
-            est_tokens=math.ceil(len(text) / cfg.chars_per_token) * copies,
-            hashes=chunk_hashes(text, cfg.prefix_chunk_chars),
-            tokens_per_chunk=cfg.prefix_chunk_chars / cfg.chars_per_token,
-        )
+        return RouteRequest(est_tokens=key.est_tokens * copies, hashes=key.hashes,
+                            tokens_per_chunk=key.tokens_per_chunk)
 
     def plan(self, req: RouteRequest, exclude: set[str]) -> Plan | None:
         """Pick the decode-side target and, for disaggregation, the ordered prefill candidates."""
@@ -266,7 +263,7 @@ class Router:
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
-        _, body = await read_json(request, self.config.body_read_timeout_s, self.config.max_request_bytes)
+        raw, body = await read_json(request, self.config.body_read_timeout_s, self.config.max_request_bytes)
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
         chat = request.path.endswith("/chat/completions")
@@ -283,18 +280,20 @@ class Router:
             return error_response(rej.status, str(rej), "overloaded", headers={"Retry-After": str(retry)})
         req = self.route_request(request.path, body)
         rid = f"rt-{uuid.uuid4().hex}"
-        return await self._dispatch(request, body, req, rid, arrival)
+        return await self._dispatch(request, raw, body, req, rid, arrival)
 
-    def _upstream_body(self, body: dict[str, Any], plan: Plan, rid: str, stream: bool) -> dict[str, Any]:
-        out = dict(body)
+    def _upstream_body(self, raw: bytes, body: dict[str, Any], plan: Plan, rid: str, stream: bool) -> bytes:
+        extra: dict[str, Any] = {}
         if plan.mode == "pd":
-            out["pd"] = {"prefill_urls": [p.url for p in plan.prefill], "request_id": rid}
+            extra["pd"] = {"prefill_urls": [p.url for p in plan.prefill], "request_id": rid}
         options = body.get("stream_options")
-        if stream and body.get("stream") is True and (options is None or isinstance(options, dict)):
-            out["stream_options"] = {**(options or {}), "include_usage": True}
-        return out  # anything malformed goes through unchanged: the instance refuses it with a 400
+        if stream and body.get("stream") is True and (options is None or isinstance(options, dict)) \
+                and not (isinstance(options, dict) and options.get("include_usage") is True):
+            extra["stream_options"] = {**(options or {}), "include_usage": True}
+        # anything malformed goes through unchanged: the instance refuses it with a 400
+        return extend_json_object(raw, body, extra)
 
-    async def _dispatch(self, request: web.Request, body: dict[str, Any], req: RouteRequest, rid: str,
+    async def _dispatch(self, request: web.Request, raw: bytes, body: dict[str, Any], req: RouteRequest, rid: str,
                         arrival: float) -> web.StreamResponse:
         stream = bool(body.get("stream"))
         options = body.get("stream_options")
@@ -312,7 +311,7 @@ class Router:
                 self.metrics.local_prefill.labels(plan.reason).inc()
             # each attempt gets its own id: a late abort of a failed attempt must not hit its retry
             attempt_rid = f"{rid}-{attempt}" if attempt else rid
-            result = await self._attempt(request, body, req, attempt_rid, plan, stream, wants_usage, arrival)
+            result = await self._attempt(request, raw, body, req, attempt_rid, plan, stream, wants_usage, arrival)
             if isinstance(result, web.StreamResponse):
                 return result
             last_error = result
@@ -326,12 +325,12 @@ class Router:
             return error_response(503, last_error, "upstream_error", headers=retry_after)
         return error_response(502, last_error, "upstream_error")
 
-    async def _attempt(self, request: web.Request, body: dict[str, Any], req: RouteRequest, rid: str, plan: Plan,
-                       stream: bool, wants_usage: bool, arrival: float) -> web.StreamResponse | str:
+    async def _attempt(self, request: web.Request, raw: bytes, body: dict[str, Any], req: RouteRequest, rid: str,
+                       plan: Plan, stream: bool, wants_usage: bool, arrival: float) -> web.StreamResponse | str:
         """Send to plan.target. Returns the client response, or an error string when the caller should retry."""
         target = plan.target
         url = target.url + request.path
-        payload = self._upstream_body(body, plan, rid, stream)
+        payload = self._upstream_body(raw, body, plan, rid, stream)
         attempt = _Attempt()
         target.active.add(attempt.hook)
         target.inflight += 1
@@ -341,7 +340,7 @@ class Router:
             plan.prefill[0].pending_tokens += req.est_tokens
             plan.prefill[0].prefix.insert(req.hashes)
         try:
-            post = asyncio.ensure_future(self._post(url, request.path, payload, rid))
+            post = asyncio.ensure_future(self._post(url, request.path, payload, rid, plan.mode == "pd"))
             try:
                 await asyncio.wait({post, attempt.down}, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
@@ -386,9 +385,8 @@ class Router:
             headers.update(sign_request(self.secret, "POST", path, data))
         return headers
 
-    async def _post(self, url: str, path: str, payload: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
-        data = json.dumps(payload, ensure_ascii=False).encode()
-        headers = {"X-Request-Id": rid, **self._headers(path, data, "pd" in payload)}
+    async def _post(self, url: str, path: str, data: bytes, rid: str, signed: bool) -> aiohttp.ClientResponse:
+        headers = {"X-Request-Id": rid, **self._headers(path, data, signed)}
         return await self.session.post(url, data=data, headers=headers)
 
     async def _relay_body(self, resp: aiohttp.ClientResponse, plan: Plan, attempt: _Attempt,

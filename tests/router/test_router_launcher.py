@@ -203,3 +203,18 @@ def test_launcher_gives_each_role_its_tensor_parallel_size(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_isolate_gpus_gives_each_instance_only_its_own(tmp_path, monkeypatch):
+    import argparse
+    from pdserve.router import launcher
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setattr(launcher.Child, "start", lambda self: None)
+    parser = launcher.add_arguments(argparse.ArgumentParser())
+    for flags, envs, devices in ((["--isolate-gpus"], ["3", "5"], ["cuda:0", "cuda:0"]),
+                                 ([], ["3,5", "3,5"], ["cuda:0", "cuda:1"])):
+        args = launcher.normalize_args(parser.parse_args(["--prefill", "1", "--decode", "1", *flags]))
+        children = launcher.spawn_children(args, tmp_path)
+        assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children] == envs
+        assert [c.cmd[c.cmd.index("--device") + 1] for c in children] == devices

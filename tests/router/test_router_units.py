@@ -181,3 +181,31 @@ def test_sse_filter_fast_path_strips_null_usage_without_changing_the_rest():
                             {"id": "x", "choices": [{"index": 0, "text": "b"}]}]
     f = SSEFilter(client_wants_usage=True)
     assert f.feed(compact + spaced) == compact + spaced  # asked for usage: bytes untouched
+
+
+def test_prompt_key_of_token_ids_is_exact_and_shares_prefixes():
+    from pdserve.router.prefix import prompt_key
+
+    a = prompt_key("/v1/completions", {"prompt": list(range(100))}, 64, 4.0)
+    b = prompt_key("/v1/completions", {"prompt": list(range(40)) + [7] * 60}, 64, 4.0)
+    assert a.est_tokens == 100 and a.tokens_per_chunk == 16.0 and len(a.hashes) == 6  # 6 full chunks of 16 ids
+    assert a.hashes[:2] == b.hashes[:2] and a.hashes[2] != b.hashes[2]  # ids 0..31 shared, 32..47 differ
+    text = prompt_key("/v1/completions", {"prompt": "x" * 130}, 64, 4.0)
+    assert text.est_tokens == 33 and len(text.hashes) == 2
+    odd = prompt_key("/v1/completions", {"prompt": [1, "a", 2]}, 64, 4.0)  # not ids: estimated from its text
+    assert odd.est_tokens >= 1
+
+
+def test_extend_json_object_appends_without_reencoding():
+    import json
+
+    from pdserve.server.body import extend_json_object
+
+    raw = b' {"prompt": [1, 2, 3], "note": "caf\\u00e9"}\n'
+    obj = json.loads(raw)
+    out = extend_json_object(raw, obj, {"pd": {"request_id": "r"}})
+    assert out.startswith(b'{"prompt": [1, 2, 3], "note": "caf\\u00e9"') and json.loads(out) == {**obj, "pd": {"request_id": "r"}}
+    assert extend_json_object(raw, obj, {}) is raw
+    again = extend_json_object(raw, obj, {"note": "x"})  # a member it has: re-encoded, never repeated
+    assert again.count(b'"note"') == 1 and json.loads(again)["note"] == "x"
+    assert json.loads(extend_json_object(b"{}", {}, {"a": 1})) == {"a": 1}
