@@ -155,6 +155,8 @@ class Worker:
         """(free, total) bytes of this rank's GPU; (0, 0) on CPU."""
         if self.device.type != "cuda":
             return 0, 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # what loading left cached but unused (temporaries of the weights' init) is free
         return torch.cuda.mem_get_info(self.device)
 
     def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,

@@ -207,6 +207,7 @@ def test_launcher_gives_each_role_its_tensor_parallel_size(tmp_path):
 
 def test_isolate_gpus_gives_each_instance_only_its_own(tmp_path, monkeypatch):
     import argparse
+
     from pdserve.router import launcher
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
