@@ -11,9 +11,10 @@
 #   moe        the same with dummy Qwen3-30B-A3B and --kv-cache-dtype fp8 on both
 #   pd         pdserve 1P1D (`serve --prefill 1 --decode 1`) and vLLM 1P1D NIXL, 1024/1024 c256 and 8192/16
 #   transfer   benchmarks/transfer/run_2xh200.sh with NIXL and Mooncake installed; the PD GPU tests
-#   verify     the 2-GPU tests; the transfer table (every transport, NIXL's own anchor run beside NIXL via our agent,
-#              the memory checks, GPU-isolated processes); the 1P1D handover and TTFT (benchmarks/router/pd_handover.py)
-#              with every GPU visible and with each instance seeing only its own (--isolate-gpus)
+#   verify_xfer the 2-GPU tests; the transfer table (every transport, NIXL's own anchor run beside NIXL via our
+#              agent, the memory checks, GPU-isolated processes)
+#   verify_pd  the 1P1D handover and TTFT (benchmarks/router/pd_handover.py) with every GPU visible, with each
+#              instance seeing only its own (--isolate-gpus), and with an fp8 KV cache
 #   moeclients dummy Qwen3-30B-A3B with --kv-cache-dtype fp8 side by side (vLLM with FLASH_ATTN), each server measured
 #              by vLLM's client and then by pdserve's (`pdserve bench serve`), back to back
 set -uo pipefail
@@ -38,7 +39,7 @@ case $STAGE in
   pd)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS pd-pdserve pd-vllm \
       2>&1 | tail -25 ;;
-  verify)
+  verify_xfer)
     mkdir -p /tmp/mcroot && for f in .mc/*.deb; do dpkg -x "$f" /tmp/mcroot; done
     export LD_LIBRARY_PATH="/tmp/mcroot/usr/lib/x86_64-linux-gnu:/tmp/mcroot/usr/lib/x86_64-linux-gnu/libibverbs:${LD_LIBRARY_PATH:-}"
     mkdir -p /tmp/mcw && cp .mc/*.whl /tmp/mcw/
@@ -50,17 +51,22 @@ case $STAGE in
     echo "== transfer table"
     RUNS="cuda_ipc cuda_ipc_kernel nixl all_transports nccl_memcheck cuda_ipc_isolated_vmm nccl_isolated nixl_anchor" \
       NIXL_ANCHOR=$S/anchors/nixl_kv_transfer.py NIXL_WHEELS=/tmp/nixlw MOONCAKE_WHEELS=/tmp/mcw OUT=$W/transfer \
-      timeout 240 bash benchmarks/transfer/run_2xh200.sh 2>&1 | grep -E "^(===|write|read|single|\[|machine)" | tail -40
-    echo "== 1P1D handover, every GPU visible"
-    timeout 170 python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024 \
-      --prompt-lens 1024 8192 32768 --num-requests 10 --out "$W/pd_handover.json" > "$W/pd_handover.txt" 2>&1
-    tail -8 "$W/pd_handover.txt"
-    echo "== 1P1D handover, CUDA_VISIBLE_DEVICES of its own GPU per instance"
-    timeout 90 python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024 \
-      --prompt-lens 8192 --num-requests 8 --launcher-args=--isolate-gpus --out "$W/pd_handover_isolated.json" \
-      > "$W/pd_handover_isolated.txt" 2>&1
-    tail -6 "$W/pd_handover_isolated.txt"
-    tar czf "$OUT/verify.tgz" -C "$OUT" verify ;;
+      timeout 330 bash benchmarks/transfer/run_2xh200.sh 2>&1 | grep -E "^(===|write|read|single|\[|machine)" | tail -40
+    tar czf "$OUT/verify_xfer.tgz" -C "$OUT" verify_xfer ;;
+  verify_pd)
+    H="python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024"
+    echo "== 1P1D handover, every GPU visible (the docs' run)"
+    timeout 230 $H --prompt-lens 1024 8192 32768 --num-requests 10 --out "$W/pd_handover.json" > "$W/pd_handover.txt" 2>&1
+    tail -6 "$W/pd_handover.txt"
+    echo "== 1P1D handover, each instance sees only its own GPU (CUDA_VISIBLE_DEVICES)"
+    timeout 110 $H --prompt-lens 8192 --num-requests 8 --launcher-args=--isolate-gpus \
+      --out "$W/pd_handover_isolated.json" > "$W/pd_handover_isolated.txt" 2>&1
+    tail -4 "$W/pd_handover_isolated.txt"
+    echo "== 1P1D handover, fp8 KV cache"
+    timeout 110 $H --prompt-lens 8192 --num-requests 8 "--instance-args=--kv-cache-dtype fp8" \
+      --out "$W/pd_handover_fp8.json" > "$W/pd_handover_fp8.txt" 2>&1
+    tail -4 "$W/pd_handover_fp8.txt"
+    tar czf "$OUT/verify_pd.tgz" -C "$OUT" verify_pd ;;
   moeclients)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="vllm pdserve" MODEL=.vllm-stage/model-moe \
       VLLM_ARGS="--kv-cache-dtype fp8 --attention-backend FLASH_ATTN" PDSERVE_ARGS="--kv-cache-dtype fp8" OUT=$W \
