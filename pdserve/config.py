@@ -109,6 +109,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     kv_cache_dtype: str = "auto"
+    nvtx: bool = False  # NVTX ranges around engine steps, KV transfers and handovers (Nsight Systems; docs/profiling.md)
     log_level: str = "info"  # of the engine process too
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 

@@ -37,6 +37,7 @@ from pdserve.engine.messages import (
 from pdserve.engine.request import Request
 from pdserve.engine.runner import block_bytes, kv_cache_torch_dtype
 from pdserve.engine.scheduler import Scheduler, failed_outputs
+from pdserve.kv.nvtx import mark, nvtx_range
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
 from pdserve.model.parallel import kv_head_range
 from pdserve.sampling_params import SamplingParams
@@ -231,7 +232,8 @@ class EngineCore:
         outputs of the steps collected."""
         self.executor.check()  # a dead tensor-parallel rank fails the instance (WorkerDied is fatal)
         try:
-            return self._step()
+            with nvtx_range(self.config.nvtx, f"engine.step {self.num_steps}"):
+                return self._step()
         except BaseException:
             self._drop_in_flight()
             raise
@@ -278,6 +280,7 @@ class EngineCore:
         new, exports = self.scheduler.collected(step.handle.reqs, result.token_ids if result else [],
                                                 result.logprobs if result else [], time.time())
         for ex in exports:
+            mark(self.config.nvtx, f"pd.export {ex.req.request_id}")
             self.connector.start_export(ex)
             self.handover.exports += 1
         return new
@@ -304,6 +307,7 @@ class EngineCore:
             handover = now - a.t_prefill_done
             self.handover.imports += 1
             self.handover.handover_s.append(handover)
+            mark(self.config.nvtx, f"pd.admitted {req.request_id} handover {handover * 1e3:.2f} ms")
             self._events.append(KVAdmitted(req.request_id, a.t_prefill_done, now, handover))
             done = req.is_finished
             lp = [a.logprob] if (a.logprob is not None and req.params.logprobs is not None) else None

@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
     e.add_argument("--attention-backend", default=_default(E, "attention_backend"), choices=ATTENTION_BACKENDS)
     e.add_argument("--enforce-eager", action="store_true", default=_default(E, "enforce_eager"),
                    help="no CUDA graphs for decode")
+    e.add_argument("--nvtx", action=argparse.BooleanOptionalAction, default=_default(E, "nvtx"),
+                   help="NVTX ranges around engine steps, KV transfers and handovers, for Nsight Systems")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_default(E, "enable_prefix_caching"))
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
