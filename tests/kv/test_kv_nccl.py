@@ -166,6 +166,23 @@ def test_pair_store_semantics_and_bounds():
         m.call("set", ["one-more", b""], 1)
 
 
+def test_pair_store_extended_api_through_torch():
+    """torch's binding of a Python store asserts ("Not implemented.") for the extended calls a process group may make
+    (torch 2.11's NCCL does): the pair store answers them, through torch's own Store methods."""
+    from pdserve.kv.transports.pair_store import make_store
+
+    m = LocalMap()
+    s = make_store(m.call, 1.0)
+    s.set("a", b"1")
+    s.append("a", b"23")
+    assert s.get("a") == b"123"
+    s.multi_set(["x", "y"], [b"1", b"2"])
+    assert s.multi_get(["x", "y", "a"]) == [b"1", b"2", b"123"]
+    assert s.has_extended_api() is True
+    with pytest.raises(StoreError, match="one value per key"):
+        m.call("multi_set", [["x"], []], 1)
+
+
 def test_without_torch_distributed_the_error_says_so(monkeypatch):
     import torch.distributed as dist
 

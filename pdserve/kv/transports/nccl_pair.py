@@ -63,6 +63,7 @@ class Pair:
         # NCCL watchdog tears the whole process down when an operation outlives it)
         self.op_timeout_s = op_timeout_s
         self.pg: Any = None
+        self.store: Any = None  # the process group's rendezvous store (pair_store.make_store)
         self.broken: str | None = None
         self.setup_failed = False  # the communicator could not be made or failed its probe: not retried for this peer
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -79,7 +80,9 @@ class Pair:
         """Create the process group over the pair's store (blocking: run in the pair's thread)."""
         import torch.distributed as dist
 
-        store = make_store(call, self.timeout_s)
+        # held as long as the process group: torch keeps only the C++ side of a Python store alive, and NCCL uses it
+        # lazily (at the first send); with the Python object collected its calls fail ("Not implemented.")
+        store = self.store = make_store(call, self.timeout_s)
         timeout = datetime.timedelta(seconds=self.op_timeout_s)
         if self.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
@@ -240,22 +243,23 @@ class Pair:
                 fail_future(fut, err)
         # the process group (with its store) is aborted and released in a helper thread, so its destructor runs
         # there at a known time, not in whatever thread a garbage collection happens to hit it
-        holder = [self.pg]
-        self.pg = None
+        holder = [self.pg, self.store]
+        self.pg = self.store = None
         threading.Thread(target=_abort, args=(holder, self.peer, self._thread), name="kv-nccl-abort",
                          daemon=True).start()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 def _abort(holder: list, peer: str, pair_thread: concurrent.futures.ThreadPoolExecutor) -> None:
-    pg = holder.pop()
+    pg, store = holder
+    holder.clear()
     if pg is not None:
         try:
             pg.abort()
         except Exception as e:  # best effort: the communicator may be half made or already gone
             log.debug("aborting the communicator with %s: %s", peer, e)
     pair_thread.shutdown(wait=True)  # the pair's thread may still hold an operation: let it end first
-    del pg
+    del pg, store
 
 
 def _settle(fut: asyncio.Future, c: concurrent.futures.Future) -> None:

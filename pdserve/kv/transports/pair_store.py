@@ -20,7 +20,8 @@ from typing import Any
 MAX_KEYS = 4096
 MAX_KEY_CHARS = 512
 MAX_VALUE_BYTES = 1 << 20
-FUNCTIONS = ("set", "get", "add", "compare_set", "check", "wait", "delete", "num_keys")
+FUNCTIONS = ("set", "get", "add", "compare_set", "check", "wait", "delete", "num_keys", "append", "multi_get",
+             "multi_set")
 
 Call = Callable[[str, list, float], Any]  # (function, arguments, timeout seconds) -> result; raises on failure
 
@@ -103,6 +104,21 @@ class LocalMap:
                 return None
             if fn == "delete":
                 return self._d.pop(_key(args[0]), None) is not None
+            if fn == "append":
+                k, v = _key(args[0]), _value(args[1])
+                self._put(k, _value(self._d.get(k, b"") + v))
+                return None
+            if fn == "multi_get":
+                keys = _keys(args[0])
+                self._wait_for(keys, timeout)
+                return [self._d[k] for k in keys]
+            if fn == "multi_set":
+                keys, values = _keys(args[0]), args[1]
+                if not isinstance(values, list) or len(values) != len(keys):
+                    raise StoreError("store multi_set needs one value per key")
+                for k, v in zip(keys, [_value(v) for v in values]):
+                    self._put(k, v)
+                return None
             return len(self._d)
 
 
@@ -141,5 +157,19 @@ def make_store(call: Call, timeout: float) -> Any:
 
         def num_keys(self) -> int:
             return call("num_keys", [], timeout)
+
+        # the "extended" API: a Python store must define these itself (torch's binding asserts "Not implemented."
+        # instead of falling back), and torch 2.11's NCCL process group calls them while it sets up
+        def append(self, key: str, value: Any) -> None:
+            call("append", [key, _value(value)], timeout)
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            return call("multi_get", [list(keys)], timeout)
+
+        def multi_set(self, keys: list[str], values: list[Any]) -> None:
+            call("multi_set", [list(keys), [_value(v) for v in values]], timeout)
+
+        def has_extended_api(self) -> bool:
+            return True
 
     return PairStore()
