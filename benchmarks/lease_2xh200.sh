@@ -49,21 +49,21 @@ case $STAGE in
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv tests/disagg tests/parallel 2>&1 \
       | tee "$W/gpu_tests_2gpu.txt" | grep -v "^\.*$" | tail -12
     echo "== transfer table"
-    RUNS="cuda_ipc cuda_ipc_kernel nixl all_transports nccl_memcheck cuda_ipc_isolated_vmm nccl_isolated nixl_anchor" \
+    RUNS="cuda_ipc all_transports nccl_memcheck cuda_ipc_isolated_vmm nccl_isolated nixl_anchor" \
       NIXL_ANCHOR=$S/anchors/nixl_kv_transfer.py NIXL_WHEELS=/tmp/nixlw MOONCAKE_WHEELS=/tmp/mcw OUT=$W/transfer \
       timeout 330 bash benchmarks/transfer/run_2xh200.sh 2>&1 | grep -E "^(===|write|read|single|\[|machine)" | tail -40
     tar czf "$OUT/verify_xfer.tgz" -C "$OUT" verify_xfer ;;
   verify_pd)
     H="python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024"
     echo "== 1P1D handover, every GPU visible (the docs' run)"
-    timeout 230 $H --prompt-lens 1024 8192 32768 --num-requests 10 --out "$W/pd_handover.json" > "$W/pd_handover.txt" 2>&1
+    timeout 230 $H --prompt-lens 1024 8192 32768 --num-requests 8 --out "$W/pd_handover.json" > "$W/pd_handover.txt" 2>&1
     tail -6 "$W/pd_handover.txt"
     echo "== 1P1D handover, each instance sees only its own GPU (CUDA_VISIBLE_DEVICES)"
-    timeout 110 $H --prompt-lens 8192 --num-requests 8 --launcher-args=--isolate-gpus \
+    timeout 110 $H --prompt-lens 8192 --num-requests 6 --launcher-args=--isolate-gpus \
       --out "$W/pd_handover_isolated.json" > "$W/pd_handover_isolated.txt" 2>&1
     tail -4 "$W/pd_handover_isolated.txt"
     echo "== 1P1D handover, fp8 KV cache"
-    timeout 110 $H --prompt-lens 8192 --num-requests 8 "--instance-args=--kv-cache-dtype fp8" \
+    timeout 110 $H --prompt-lens 8192 --num-requests 6 "--instance-args=--kv-cache-dtype fp8" \
       --out "$W/pd_handover_fp8.json" > "$W/pd_handover_fp8.txt" 2>&1
     tail -4 "$W/pd_handover_fp8.txt"
     tar czf "$OUT/verify_pd.tgz" -C "$OUT" verify_pd ;;
