@@ -69,7 +69,7 @@ case $STAGE in
     tar czf "$OUT/verify_pd.tgz" -C "$OUT" verify_pd ;;
   moeclients)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="vllm pdserve" MODEL=.vllm-stage/model-moe \
-      VLLM_ARGS="--kv-cache-dtype fp8 --attention-backend FLASH_ATTN" PDSERVE_ARGS="--kv-cache-dtype fp8" OUT=$W \
+      VLLM_ARGS="--kv-cache-dtype fp8 --attention-backend FLASH_ATTN" PDSERVE_ARGS="--kv-cache-dtype fp8" OUT=$W VLLM_USE_FLASHINFER_SAMPLER=0 \
       STAGE=.vllm-stage timeout 540 bash $SBS single 2>&1 | tail -25
     tar czf "$OUT/moeclients.tgz" -C "$OUT" moeclients ;;
   transfer)
