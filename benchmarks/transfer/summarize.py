@@ -74,6 +74,36 @@ def targets(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def nixl_anchor(folder: Path) -> dict | None:
+    """NIXL's own block-major run of the same bytes (shared/anchors/nixl_kv_transfer.py, run_2xh200.sh NIXL_ANCHOR):
+    the last JSON object it printed."""
+    p = folder / "nixl_anchor.txt"
+    if not p.exists():
+        return None
+    text = p.read_text(errors="replace")
+    start = text.rfind("\n{")
+    try:
+        return json.loads(text[start + 1 if start >= 0 else text.find("{"):])
+    except ValueError:
+        return None
+
+
+def anchor_lines(results: dict[str, dict], anchor: dict | None) -> list[str]:
+    """NIXL via pdserve's agent against NIXL's own block-major run: within 10 % (the issue's target)."""
+    lines = []
+    if not anchor:
+        return lines
+    for op in ("write", "read"):
+        ref = anchor.get(f"nixl_block_major_{op.upper()}_ms")
+        ours = (results.get("nixl") or {}).get("results", {}).get(op) or \
+            (results.get("all_transports") or {}).get("results", {}).get(f"{op}:nixl")
+        if isinstance(ref, (int, float)) and ours:
+            ok = ours["median_ms"] <= 1.10 * ref
+            lines.append(f"[{'PASS' if ok else 'FAIL'}] NIXL {op} via pdserve's agent within 10 % of NIXL's own "
+                         f"block-major run: {ours['median_ms']:.3f} ms vs {ref:.3f} ms ({ours['median_ms'] / ref:.2f}x)")
+    return lines
+
+
 def main(folder: str) -> int:
     results = {}
     for p in sorted(Path(folder).glob("*.json")):
@@ -90,7 +120,7 @@ def main(folder: str) -> int:
     print(f"{'run':<22}{'what':<28}{'transport':<18}{'descs':>13}{'med ms':>9}{'p99 ms':>9}{'GB/s':>8}{'ceil':>8}"
           f"{'of':>6}{'e2e us':>8}")
     print("\n".join(rows(results)))
-    lines = targets(results)
+    lines = targets(results) + anchor_lines(results, nixl_anchor(Path(folder)))
     print("\n".join(lines))
     return 1 if any(line.startswith("[FAIL]") for line in lines) else 0
 
