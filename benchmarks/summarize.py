@@ -160,6 +160,52 @@ def kernels_s3() -> None:
           f"({100 * r['fraction_of_ceiling']:.0f} %); `benchmarks/transfer/results_2xh200_s3/`.")
 
 
+def session4() -> None:
+    """The session-4 lease (benchmarks/lease_2xh200.sh verify_xfer / verify_pd) and GPU test round 4."""
+    import re
+
+    for part in ("ops", "rest"):
+        text = (B / f"gpu_tests/round4/{part}/gpu_tests/gpu_tests.txt").read_text()
+        m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
+        print(f"- GPU tests on one H200, `{part}`: {m[-1] if m else 'no summary'}")
+    base = "lease_s4/verify_xfer/verify_xfer/transfer"
+    t = load(f"{base}/all_transports.json")
+    print("\nEvery transport in one run (`bench transfer --transport all`, 2xH200, 8192 tokens of Qwen3-8B KV in 512 "
+          "random 16-token blocks, peer-copy ceiling of the same run):\n")
+    print("| transport | write ms | read ms | write GB/s | of ceiling | one block, call -> notified us |\n|---|---|---|---|---|---|")
+    for tr in ("cuda_ipc", "nixl", "nccl", "mooncake", "tcp"):
+        w, r = t["results"].get(f"write:{tr}"), t["results"].get(f"read:{tr}")
+        sb = t["results"].get(f"single_block_write:{tr}") or {}
+        if w and r:
+            print(f"| {tr} | {w['median_ms']:.2f} | {r['median_ms']:.2f} | {w['GBps']:.1f} | "
+                  f"{100 * w['fraction_of_ceiling']:.0f} % | {_fmt(sb.get('e2e_median_us'))} |")
+    for name in ("cuda_ipc_isolated_vmm", "nccl_isolated"):
+        x = load(f"{base}/{name}.json")["results"]["write"]
+        print(f"\n- {name} (each process sees only its own GPU): write {x['median_ms']:.2f} ms "
+              f"({100 * x['fraction_of_ceiling']:.0f} % of the ceiling)", end="")
+    mc = load(f"{base}/nccl_memcheck.json")["memcheck"]
+    grew = ", ".join(f"{k} +{v['grew_bytes'] / 2**20:.1f} MiB" for k, v in mc["sides"].items())
+    print(f"\n- nccl memory check, {mc['transfers_in_flight']} transfers of {mc['bytes_per_transfer'] / 2**20:.0f} MiB "
+          f"in flight: {grew} beyond the pools")
+    text = (B / f"{base}/nixl_anchor.txt").read_text()
+    anchor = json.loads(text[text.find("{"):])
+    for op in ("write", "read"):
+        ours = t["results"][f"{op}:nixl"]["median_ms"]
+        ref = anchor[f"nixl_block_major_{op.upper()}_ms"]
+        print(f"- NIXL {op} via pdserve's agent {ours:.2f} ms vs NIXL's own block-major run {ref:.2f} ms "
+              f"({ours / ref:.2f}x; target <= 1.10x)")
+    print("\n1P1D through the router (`benchmarks/router/pd_handover.py`, `pdserve serve --prefill 1 --decode 1`, "
+          "dummy Qwen3-8B, 2xH200):\n")
+    print("| run | prompt tokens | handover p50 ms | TTFT router p50 ms | TTFT prefill alone p50 ms | router - alone ms |"
+          "\n|---|---|---|---|---|---|")
+    for label, f in (("all GPUs visible", "pd_handover"), ("CUDA_VISIBLE_DEVICES per instance", "pd_handover_isolated"),
+                     ("fp8 KV cache", "pd_handover_fp8")):
+        d = load(f"lease_s4/verify_pd/verify_pd/{f}.json")
+        for n, r in d["results"].items():
+            h, tr, ta = r["handover_s"]["p50"], r["ttft_router_s"]["p50"], r["ttft_prefill_alone_s"]["p50"]
+            print(f"| {label} | {n} | {h * 1e3:.2f} | {tr * 1e3:.1f} | {ta * 1e3:.1f} | {(tr - ta) * 1e3:+.1f} |")
+
+
 def _fmt(x) -> str:
     if x is None:
         return "-"
@@ -168,6 +214,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session4()
+    print()
     vs_vllm()
     print()
     kernels_s3()
