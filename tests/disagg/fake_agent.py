@@ -28,6 +28,7 @@ class Fabric:
         self.gate = threading.Event()
         self.gate.set()
         self.pushes = 0
+        self.transport = "tcp"  # what the fabric stands in for (the transport agents choose for their peers)
 
     def hold(self) -> None:
         self.gate.clear()
@@ -89,6 +90,9 @@ class FakeAgent:
         self.grants.pop(key, None)
         return 0
 
+    def peer_address(self, peer: str) -> str:
+        return peer  # a fake agent's name is its address
+
     def peer_region_id(self, peer: str, name: str) -> int:
         return self.fabric.agents[peer].names[name]
 
@@ -100,6 +104,9 @@ class FakeAgent:
         if address not in self.fabric.agents:
             raise PeerUnreachableError(f"no fake agent at {address}")
         return address
+
+    def peer_transport(self, peer: str) -> dict:
+        return {"transport": self.fabric.transport, "unavailable": {}}  # what the fabric stands in for
 
     async def notify(self, peer: str, payload: dict, key: str | None = None) -> None:
         self._check(peer, key, [])
@@ -123,7 +130,8 @@ class FakeAgent:
         self.fabric.pushes += 1
         if notif is not None:
             self._deliver(peer, encode_notif(notif), "write", None, key)
-        return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=int(xfers.length.sum()), transport="fake")
+        return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=int(xfers.length.sum()),
+                               transport=kw.get("transport") or self.fabric.transport)
 
     def _check(self, peer: str, key: str | None, spans: list[tuple[int, int]]) -> None:
         """Every (offset, length) span must lie inside one block the receiver granted to `key`."""

@@ -144,7 +144,7 @@ def test_tp_handover_gives_the_colocated_tokens(pairs, arch, p_tp, d_tp):
     # the first push goes whole (its connections are made meanwhile); then prefix hits and a fresh prompt, both ways
     for i, (kind, prompt, layerwise) in enumerate([("greedy", PROMPT, False), ("seeded", PROMPT, True),
                                                    ("greedy", PROMPT, False), ("seeded", OTHER, True)]):
-        p.core.connector.layerwise = layerwise
+        p.core.connector.layerwise = "on" if layerwise else "off"
         rid = f"{arch}-{p_tp}{d_tp}-{i}"
         ev = handover(p, d, rid, prompt, GREEDY if kind == "greedy" else SEEDED)
         dest = ev.dest
@@ -152,7 +152,7 @@ def test_tp_handover_gives_the_colocated_tokens(pairs, arch, p_tp, d_tp):
         assert d.tokens[rid] == want[kind, tuple(prompt)], (rid, kind, layerwise)
         done = p.event(ExportFinished, "p-" + rid)
         assert done.error is None and done.first_token == want[kind, tuple(prompt)][0]
-        assert done.transport.endswith("/layerwise") == layerwise, done.transport
+        assert done.layerwise == layerwise and done.transport == "tcp", done.transport
         assert d.event(KVAdmitted, rid) is not None
         if prompt is PROMPT and i > 0:  # the decode side holds the prompt's 5 full blocks: only the last travels
             assert ev.num_cached_tokens == 20 and ev.dest.start_block == 5 and len(ev.dest.block_ids) == 1
