@@ -61,6 +61,7 @@ class FakeAgent:
         self.lost_callbacks: list = []
         self.grants: dict[str, tuple[set[int], int]] = {}  # key -> (block ids the key may write, block bytes)
         self.refused = 0
+        self.connects = 0  # dials (connect calls) made
         self.closed = False
         self._xfer = 0
 
@@ -77,6 +78,11 @@ class FakeAgent:
 
     def on_peer_lost(self, cb) -> None:
         self.lost_callbacks.append(cb)
+
+    def lose(self, peer: str, why: str = "connection reset") -> None:
+        """As a real agent does when a peer's control connection ends: tell the callbacks (on the agent's thread)."""
+        for cb in self.lost_callbacks:
+            self.fabric.loop.call_soon_threadsafe(cb, peer, why)
 
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.fabric.loop)
@@ -103,6 +109,7 @@ class FakeAgent:
     async def connect(self, address: str, timeout: float | None = None) -> str:
         if address not in self.fabric.agents:
             raise PeerUnreachableError(f"no fake agent at {address}")
+        self.connects += 1
         return address
 
     def peer_transport(self, peer: str) -> dict:
