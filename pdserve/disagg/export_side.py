@@ -32,6 +32,7 @@ from pdserve.disagg.rank_kv import (
     kv_dial,
     kv_push,
     kv_start,
+    layerwise_for,
 )
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_connector import ExportResult, KVConnector, KVPool
@@ -99,8 +100,9 @@ class PrefillExporter(KVConnector):
 
     # ---- layer by layer, during the forward pass that completes the prompt
     def layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
-        if self.layerwise == "off":
-            return None
+        if self.layerwise == "off" or (self.layerwise == "auto" and self.config.transport != "auto" and
+                                       not layerwise_for("auto", self.config.transport)):
+            return None  # no peer's pushes go layer by layer: no need to ask the ranks
         bs = self.pool.block_size
         items = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
