@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.kv_connector import KVPool
-from pdserve.engine.messages import POOL_REGION
+from pdserve.engine.messages import POOL_REGION, KVTransportSpec
 from pdserve.kv import AgentConfig, ThreadedAgent
 from pdserve.kv.errors import KVConfigError
 from pdserve.secret import HELP
@@ -19,6 +19,11 @@ def agent_config(config: KVTransferConfig) -> AgentConfig:
                        protocol=config.protocol, devices=config.devices)
 
 
+def transport_spec(config: KVTransferConfig) -> KVTransportSpec:
+    """How this instance's agents move KV, as peers check it before a handover (protocol: mooncake's only)."""
+    return KVTransportSpec(config.transport, config.protocol if config.transport == "mooncake" else None)
+
+
 def start_agent(config: KVTransferConfig, pool: KVPool, agent: ThreadedAgent | None = None) -> tuple[ThreadedAgent, int]:
     """A listening agent (or the one given) with the pool registered; returns it and the pool's region id."""
     agent = agent if agent is not None else ThreadedAgent(agent_config(config))
@@ -29,3 +34,8 @@ def start_agent(config: KVTransferConfig, pool: KVPool, agent: ThreadedAgent | N
         agent.close()
         raise
     return agent, region
+
+
+def transfer_counts(counts: dict[tuple[str, str, str], int]) -> list[dict]:
+    """Per (transport, peer, outcome) counts as /load and /metrics show them."""
+    return [{"transport": t, "peer": p, "outcome": o, "count": n} for (t, p, o), n in sorted(counts.items())]

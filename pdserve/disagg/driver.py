@@ -3,7 +3,10 @@
 When the engine reports `KVReserved`, the driver asks the router's prefill candidates, in order, to compute the
 prompt and push its KV into the reserved blocks (POST /internal/pd/prefill), with bounded retries and backoff. If
 none delivers, it tells the engine (`remote_prefill_failed`), which recomputes locally or fails the request, by
-configuration. It owns the orders and the per-request handover timings (attached to the request's last output for
+configuration. Only a candidate that answered (an error) or was never reached gives way to the next: an order that
+was sent and got no answer is never handed to another prefill instance, since that one may still be pushing into
+the reserved blocks (its engine and KV agents outlive its HTTP server; one-sided transports cannot be fenced): the
+blocks are quarantined until the lease ends and the request recomputes here or fails. It owns the orders and the per-request handover timings (attached to the request's last output for
 the router's per-phase metrics), nothing in the engine.
 """
 
@@ -31,7 +34,8 @@ PREFILL_ROUTE = "/internal/pd/prefill"
 ORDER_CONTENT_TYPE = "application/msgpack"  # prompt ids of 32k tokens: msgpack packs and parses them in well under 1 ms
 ABORT_ROUTE = "/internal/pd/abort"
 PUBLIC_TIMINGS = ("queue_s", "prefill_s", "handover_s", "first_token_s", "prefill_url", "fallback", "fallback_reason",
-                  "num_cached_tokens", "push_s", "prefill_http_s")
+                  "num_cached_tokens", "push_s", "prefill_http_s", "transport")
+MAX_TRANSPORT_NAME = 32
 
 
 def order_sampling(params: SamplingParams) -> dict:
@@ -50,7 +54,8 @@ def prefill_order(rid: str, prompt_token_ids: list[int], params: SamplingParams,
             "dest": {"request_id": d.request_id, "block_ids": list(d.block_ids), "start_block": d.start_block,
                      "ranks": [{"agent": r.agent, "region": r.region, "heads": [r.head_start, r.head_stop]}
                                for r in d.ranks],
-                     "layout": asdict(d.layout) if d.layout is not None else None}}
+                     "layout": asdict(d.layout) if d.layout is not None else None,
+                     "transport": asdict(d.transport) if d.transport is not None else None}}
 
 
 class DecodeDriver:
@@ -154,20 +159,24 @@ class DecodeDriver:
                         data = await r.json(content_type=None)
                     if r.status == 200 and isinstance(data, dict) and data.get("ok"):
                         got = data.get("timings") or {}
+                        tr = got.get("transport")
                         timings.update(prefill_url=url, prefill_s=got.get("prefill_s"), push_s=got.get("push_s"),
-                                       prefill_http_s=time.time() - t0)
+                                       prefill_http_s=time.time() - t0,
+                                       transport=tr if isinstance(tr, str) and len(tr) <= MAX_TRANSPORT_NAME else None)
                         return
                     err = data.get("error") if isinstance(data, dict) else data
                     why, peer_done = f"{url} answered {r.status}: {err}", True  # it answered: it writes no more
                 except aiohttp.ClientConnectorError as e:
                     why, peer_done = f"{url} is unreachable: {e}", True
                 except (asyncio.TimeoutError, aiohttp.ClientError, ValueError) as e:
-                    why = f"{url} failed: {type(e).__name__}: {e}"
-                    # a peer whose server no longer accepts connections has died: nothing of it writes any more
-                    peer_done = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
-                        await probe_down(self.session, url)
-                    if not peer_done:
-                        break  # it may still be writing: do not hand the same blocks to another peer
+                    # the order was sent and got no answer: the peer may still be pushing, even when its HTTP server
+                    # is gone (its engine process and KV agents outlive it for a while; over a one-sided transport,
+                    # mooncake, nixl, cuda_ipc, nothing here can fence their writes). Its blocks must not go to
+                    # another peer: they wait out the lease, and the request recomputes here or fails.
+                    why, peer_done = f"{url} failed: {type(e).__name__}: {e}", False
+                    log.warning("remote prefill of %s failed (attempt %d, not retried elsewhere): %s", rid,
+                                attempt + 1, why)
+                    break
                 log.warning("remote prefill of %s failed (attempt %d): %s", rid, attempt + 1, why)
             if self.llm.request_info(rid) is not None:
                 self.llm.remote_prefill_failed(rid, why, peer_done)
@@ -181,14 +190,3 @@ class DecodeDriver:
             if self.llm.request_info(rid) is None and self.llm.is_alive:
                 # aborted meanwhile: the prefill peer answered, so it is done with our blocks
                 self.llm.remote_prefill_done(rid)
-
-
-async def probe_down(session: aiohttp.ClientSession, url: str) -> bool:
-    try:
-        async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-            await r.read()
-        return False
-    except aiohttp.ClientConnectorError:
-        return True
-    except (asyncio.TimeoutError, aiohttp.ClientError):
-        return False

@@ -7,6 +7,12 @@ decode ranks it sends to while the prompt computes, `layer_hook` (over slow tran
 layer's runs as soon as that layer's attention wrote them, `start_export` has every rank push the rest and notify,
 `take_finished_exports` reports a push's end once every rank's share ended (the scheduler then frees the blocks),
 `cancel_export` stops a push whose lease ran out on every rank.
+
+Each rank's agent fixes the transport per decode rank it sends to when it dials it (`rank_kv.PeerLink`), names it on
+every push, and decides per peer whether pushes go layer by layer (--kv-layerwise auto: over tcp); the orders are
+checked before anything is computed: a destination whose KV layout or transport (`KVTransportSpec`) differs from
+ours is refused. Handovers are counted per (transport, decode agent, outcome), one per (prefill rank, decode rank)
+pair of a push, for /load and /metrics.
 """
 
 from __future__ import annotations
@@ -15,9 +21,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict
 
-import torch
-
 from pdserve.config import KVTransferConfig
+from pdserve.disagg.agent import transfer_counts, transport_spec
 from pdserve.disagg.heads import MAX_TP, head_ranges
 from pdserve.disagg.rank_kv import (
     RankPushed,
@@ -27,10 +32,11 @@ from pdserve.disagg.rank_kv import (
     kv_dial,
     kv_push,
     kv_start,
+    layerwise_for,
 )
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_connector import ExportResult, KVConnector, KVPool
-from pdserve.engine.messages import POOL_REGION, KVDestination
+from pdserve.engine.messages import POOL_REGION, KVDestination, KVTransportSpec
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ExportStart, ScheduledBatch
 
@@ -41,10 +47,12 @@ def num_prompt_blocks(req: Request, block_size: int) -> int:
     return (req.num_prompt_tokens + block_size - 1) // block_size
 
 
-def check_destination(dest: KVDestination, ours: KVPool) -> None:
-    """Raise ValueError unless `dest` is a decode instance we can push into: the same global layout, and ranks that
-    split the model's KV heads as a pdserve instance of that size does."""
+def check_destination(dest: KVDestination, ours: KVPool, spec: KVTransportSpec | None = None) -> None:
+    """Raise ValueError unless `dest` is a decode instance we can push into: the same global layout, a KV transport
+    ours agrees with (`spec`), and ranks that split the model's KV heads as a pdserve instance of that size does."""
     why = ours.layout.mismatch(dest.layout) if dest.layout is not None else None
+    if why is None and spec is not None and dest.transport is not None:
+        why = spec.mismatch(dest.transport)
     if why is not None:
         raise ValueError(why)
     if not 1 <= len(dest.ranks) <= MAX_TP:
@@ -67,15 +75,19 @@ class PrefillExporter(KVConnector):
         self.wake = wake
         self.ranks = ranks
         self.agents = [i["agent"] for i in ranks.collective_rpc(kv_start, config, agent)]
-        self.layerwise = layerwise_enabled(config, pool.device)
+        self.spec = transport_spec(config)
+        self.layerwise = config.layerwise  # KV_LAYERWISE; auto: decided per decode peer by its transport
         self._pushes: dict[str, list[RankPushed]] = {}  # request -> the ranks' ends of its push so far
         self._failed: list[ExportResult] = []  # pushes that never started
         self.num_layerwise = 0
+        # (transport, decode agent address, ok | failed) -> pairs pushed; engine thread only (take_finished_exports)
+        self.transfers: dict[tuple[str, str, str], int] = {}
 
     def describe(self) -> dict:
         return {"role": self.role, "agent": self.agents[0], "agents": self.agents, "region": POOL_REGION,
                 "block_bytes": self.pool.block_bytes, "block_size": self.pool.block_size,
-                "layout": asdict(self.pool.layout), "layerwise": self.layerwise, "tp": self.ranks.size}
+                "layout": asdict(self.pool.layout), "transport": asdict(self.spec), "layerwise": self.layerwise,
+                "tp": self.ranks.size}
 
     def has_events(self) -> bool:
         return bool(self._failed) or self.ranks.has_reports()
@@ -83,13 +95,14 @@ class PrefillExporter(KVConnector):
     # ---- connections: every rank dials the decode ranks it sends to, while the prompt computes
     def on_added(self, req: Request) -> None:
         dest = req.kv_export.dest
-        check_destination(dest, self.pool)
+        check_destination(dest, self.pool, self.spec)
         self.ranks.collective_rpc(kv_dial, dest)
 
     # ---- layer by layer, during the forward pass that completes the prompt
     def layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
-        if not self.layerwise:
-            return None
+        if self.layerwise == "off" or (self.layerwise == "auto" and self.config.transport != "auto" and
+                                       not layerwise_for("auto", self.config.transport)):
+            return None  # no peer's pushes go layer by layer: no need to ask the ranks
         bs = self.pool.block_size
         items = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
@@ -99,7 +112,7 @@ class PrefillExporter(KVConnector):
             items.append((req.request_id, ex.dest, req.block_ids[ex.dest.start_block:num_prompt_blocks(req, bs)]))
         if not items:
             return None
-        armed = self.ranks.collective_rpc(kv_arm_layers, items)
+        armed = self.ranks.collective_rpc(kv_arm_layers, items, self.layerwise)
         hook = self.ranks.driver.take_after_layer()
         if hook is None and any(armed):
             return _layer_by_layer  # rank 0 sends nothing itself, but the step must run layer by layer everywhere
@@ -119,7 +132,8 @@ class PrefillExporter(KVConnector):
                  "logprob": [ex.logprob[0], [list(t) for t in ex.logprob[1]]] if ex.logprob else None,
                  "t_prefill_done": ex.t_prefill_done, "num_blocks": len(src)}
         self._pushes[rid] = []
-        self.ranks.collective_rpc(kv_push, rid, dest, list(src), notif)
+        # every rank's writes end within what is left of the push's lease (the scheduler cancels it at the end)
+        self.ranks.collective_rpc(kv_push, rid, dest, list(src), notif, req.kv_deadline)
 
     def take_finished_exports(self) -> list[ExportResult]:
         out, self._failed = self._failed, []
@@ -129,25 +143,31 @@ class PrefillExporter(KVConnector):
                 continue
             ends = self._pushes[r.request_id]
             ends.append(r)
+            for pair in r.pairs:
+                k = (pair.transport, pair.peer, "ok" if pair.error is None else "failed")
+                self.transfers[k] = self.transfers.get(k, 0) + 1
             if len(ends) < self.ranks.size:
                 continue
             del self._pushes[r.request_id]
             errors = [e.error for e in sorted(ends, key=lambda e: e.rank) if e.error is not None]
             if errors:
-                out.append(ExportResult(r.request_id, errors[0]))
+                tr = next((e.transport for e in sorted(ends, key=lambda e: e.rank) if e.transport), None)
+                out.append(ExportResult(r.request_id, errors[0], transport=tr))
                 continue
             transport = next((e.transport for e in sorted(ends, key=lambda e: e.rank) if e.transport != "none"),
                              "none")
-            self.num_layerwise += transport.endswith("/layerwise")
+            layerwise = any(e.layerwise for e in ends)
+            self.num_layerwise += layerwise
             out.append(ExportResult(r.request_id, None, max(e.seconds for e in ends), sum(e.nbytes for e in ends),
-                                    transport))
+                                    transport, layerwise))
         return out
 
     def cancel_export(self, request_id: str) -> None:
         self.ranks.collective_rpc(kv_cancel, request_id)
 
     def stats(self) -> dict:
-        return {"layerwise_exports": self.num_layerwise, "pushes_in_flight": len(self._pushes)}
+        return {"layerwise_exports": self.num_layerwise, "pushes_in_flight": len(self._pushes),
+                "transfers": transfer_counts(self.transfers)}
 
     def close(self) -> None:
         close_ranks(self.ranks)
@@ -165,10 +185,3 @@ def close_ranks(ranks: Executor) -> None:
     except Exception:  # closing on the way out (a rank may be dead): rank 0's agent still stops
         log.debug("closing the ranks' KV agents failed", exc_info=True)
         kv_close(ranks.driver)
-
-
-def layerwise_enabled(config: KVTransferConfig, device: torch.device) -> bool:
-    """`auto`: push layer by layer where copies are slow enough to be worth overlapping with compute (tcp)."""
-    if config.layerwise in ("on", "off"):
-        return config.layerwise == "on"
-    return config.transport == "tcp" or (config.transport == "auto" and device.type == "cpu")

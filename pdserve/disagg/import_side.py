@@ -7,7 +7,10 @@ on every rank's KV agent (`pdserve.disagg.rank_kv`, through the executor's colle
 destination (each rank's agent and KV heads), and counts the validated notifications the ranks report: one per
 (prefill rank, decode rank) pair of the push plan (`pdserve.disagg.heads.push_plan` for the prefill instance's
 size), the one from prefill rank 0 to decode rank 0 carrying the first token. A notification that is malformed is
-dropped and counted; nothing a peer sends can fail an engine step.
+dropped and counted; nothing a peer sends can fail an engine step. The destination names this instance's KV
+transport (`KVTransportSpec`: the prefill side refuses a mismatch before computing anything); every pair's
+notification names the transport that carried it, counted per (transport, prefill agent, outcome) for /load and
+/metrics.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from pdserve.config import KVTransferConfig
+from pdserve.disagg.agent import transfer_counts, transport_spec
 from pdserve.disagg.export_side import close_ranks
 from pdserve.disagg.heads import head_ranges, push_plan
 from pdserve.disagg.rank_kv import RankDropped, RankNotified, kv_grant, kv_revoke, kv_start
@@ -48,16 +52,19 @@ class DecodeImporter(KVConnector):
         self.pool = pool
         self.wake = wake
         self.ranks = ranks
+        self.spec = transport_spec(config)
         infos = ranks.collective_rpc(kv_start, config, agent)
         self.dest_ranks = tuple(KVRankDest(i["agent"], i["heads"][0], i["heads"][1]) for i in infos)
         self._plans: dict[int, frozenset[tuple[int, int]]] = {}  # prefill size -> the pairs a push has
         self._landing: dict[str, Landing] = {}
         self.num_dropped = 0
+        # (transport, prefill agent address, ok | failed) -> pairs' notifications; engine thread only (take_arrivals)
+        self.transfers: dict[tuple[str, str, str], int] = {}
 
     def describe(self) -> dict:
         return {"role": self.role, "agent": self.dest_ranks[0].agent, "agents": [r.agent for r in self.dest_ranks],
                 "region": POOL_REGION, "block_bytes": self.pool.block_bytes, "block_size": self.pool.block_size,
-                "layout": asdict(self.pool.layout), "tp": self.ranks.size}
+                "layout": asdict(self.pool.layout), "transport": asdict(self.spec), "tp": self.ranks.size}
 
     def has_events(self) -> bool:
         return self.ranks.has_reports()
@@ -70,7 +77,7 @@ class DecodeImporter(KVConnector):
         # only these blocks, only for this request, until its lease ends, on every rank
         self.ranks.collective_rpc(kv_grant, req.request_id, blocks, req.kv_deadline)
         self._landing[req.request_id] = Landing()
-        dest = KVDestination(req.request_id, tuple(blocks), self.dest_ranks, start, self.pool.layout)
+        dest = KVDestination(req.request_id, tuple(blocks), self.dest_ranks, start, self.pool.layout, self.spec)
         return KVReserved(req.request_id, dest, req.num_cached_tokens, req.t_reserved,
                           req.t_reserved - req.arrival_time)
 
@@ -91,6 +98,8 @@ class DecodeImporter(KVConnector):
             if not isinstance(r, RankNotified):
                 log.debug("decode side: ignored a %s", type(r).__name__)
                 continue
+            k = (r.transport or "unknown", r.peer, "ok" if r.error is None else "failed")
+            self.transfers[k] = self.transfers.get(k, 0) + 1
             h = self._landing.get(r.request_id)
             if h is None:  # not waiting (any more): admitted, failed or aborted, and its grants revoked
                 continue
@@ -134,7 +143,8 @@ class DecodeImporter(KVConnector):
         self.ranks.collective_rpc(kv_revoke, request_id)
 
     def stats(self) -> dict:
-        return {"dropped_notifications": self.num_dropped, "waiting_for_kv": len(self._landing)}
+        return {"dropped_notifications": self.num_dropped, "waiting_for_kv": len(self._landing),
+                "transfers": transfer_counts(self.transfers)}
 
     def close(self) -> None:
         close_ranks(self.ranks)

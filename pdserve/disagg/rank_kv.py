@@ -9,6 +9,13 @@ bookkeeping (which pairs of a push landed, which ranks finished pushing). Decode
 on this rank, validate notifications at the edge (`parse_notification`). Prefill side: send this rank's head runs
 (`pdserve.disagg.heads.push_plan`) to the decode ranks that hold those heads, whole blocks after the prefill or one
 run per head and layer during it, each pair ending with a notification to its destination rank.
+
+The transport is chosen per (prefill rank, decode rank) pair, when this rank's agent dials the decode rank's agent
+(`PeerLink`: the agent's choice for that peer, or a clear error when none serves), and named on every write to it,
+so every push to one peer takes the same one; each pair's notification says which (the decode side counts it per
+peer), and so does the rank's report (`RankPushed.pairs`: per-peer counters on /metrics). Whether a push goes layer
+by layer is decided per pair too (`layerwise_for`). Every write and wait of a push is bounded by its lease; a peer
+lost since it was dialled is dialled again by the next push to it.
 """
 
 from __future__ import annotations
@@ -24,18 +31,21 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from pdserve.config import KVTransferConfig
-from pdserve.disagg.agent import start_agent
+from pdserve.config import KV_LAYERWISE_AUTO_TRANSPORTS, KV_TRANSPORTS, KVTransferConfig
+from pdserve.disagg.agent import start_agent, transport_spec
 from pdserve.disagg.heads import MAX_TP, HeadRun, head_ranges, push_plan
 from pdserve.engine.kv_connector import KVPool
 from pdserve.engine.messages import POOL_REGION, KVDestination
 from pdserve.kv.descs import XferList
+from pdserve.kv.errors import TransportUnavailableError
 from pdserve.model.parallel import kv_head_range
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID = 256
 MAX_TOP_LOGPROBS = 20
+# what a prefill rank may name as the transport that carried a pair of a push ("none": only its notification travelled)
+PAIR_TRANSPORTS = frozenset(KV_TRANSPORTS) - {"auto"} | {"none"}
 
 
 # ---- reports (rank -> rank 0)
@@ -54,6 +64,8 @@ class RankNotified:
     logprob: tuple | None = None
     t_prefill_done: float | None = None
     error: str | None = None
+    transport: str | None = None  # what carried the pair, as the prefill rank says (PAIR_TRANSPORTS)
+    peer: str = ""  # the prefill rank's agent address
 
 
 @dataclass(frozen=True)
@@ -66,15 +78,47 @@ class RankDropped:
 
 
 @dataclass(frozen=True)
+class PairPushed:
+    """Prefill side: one (this rank -> decode rank) pair of a push ended."""
+
+    peer: str  # the decode rank's agent address
+    transport: str  # what carried it ("none": only the notification travelled)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class RankPushed:
-    """Prefill side: rank `rank`'s share of a push ended (`error` None: its KV and notifications landed)."""
+    """Prefill side: rank `rank`'s share of a push ended (`error` None: its KV and notifications landed), every pair
+    of it (`pairs`) ended."""
 
     rank: int
     request_id: str
     error: str | None
     seconds: float = 0.0
     nbytes: int = 0
-    transport: str | None = None
+    transport: str | None = None  # the first pair's that moved bytes ("none": only notifications travelled)
+    layerwise: bool = False
+    pairs: tuple[PairPushed, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """A connected decode rank's agent, as this rank's agent sees it: its name and the transport every push to it
+    takes (the agent's choice for that peer when it was dialled)."""
+
+    address: str
+    name: str
+    transport: str
+
+
+def layerwise_for(mode: str, transport: str) -> bool:
+    """Whether pushes over `transport` go layer by layer (--kv-layerwise `mode`): `on` / `off` as configured; `auto`
+    where copies are slow enough to be worth overlapping with the remaining layers' compute
+    (KV_LAYERWISE_AUTO_TRANSPORTS: tcp). Every transport can carry them (a layer's runs are ordinary descriptors), so
+    `on` is honoured whatever it is."""
+    if mode in ("on", "off"):
+        return mode == "on"
+    return transport in KV_LAYERWISE_AUTO_TRANSPORTS
 
 
 # ---- one rank
@@ -101,11 +145,12 @@ class RankKV:
         if config.port and agent is None:  # a fixed port: rank r listens on port + r
             config = replace(config, port=config.port + rank)
         self.agent, self.region_id = start_agent(config, pool, agent)
+        self.spec = transport_spec(config)
         self.head_bytes = pool.num_layers * pool.run_bytes  # one head of one block, every layer, K and V
         self.src_ranges = head_ranges(pool.total_kv_heads, tp_size)
         self._plans: dict[tuple, list[HeadRun]] = {}
-        self._connects: dict[str, concurrent.futures.Future] = {}  # decode agent address -> dial (peer name)
-        self._peers: dict[str, str] = {}  # decode agent address -> connected peer name
+        self._connects: dict[str, concurrent.futures.Future] = {}  # decode agent address -> dial (PeerLink)
+        self._peers: dict[str, PeerLink] = {}  # decode agent address -> link (replaced whole on the agent thread)
         self._layer_futs: dict[str, list[tuple[HeadRun, concurrent.futures.Future]]] = {}
         self._pushes: dict[str, concurrent.futures.Future] = {}
         self.agent.on_peer_lost(self._on_peer_lost)
@@ -126,7 +171,7 @@ class RankKV:
 
     def _on_notification(self, n) -> None:  # agent thread
         try:
-            self.report(parse_notification(n, self.rank, self.pool.vocab_size))
+            self.report(parse_notification(n, self.rank, self.pool.vocab_size, self.agent.peer_address(n.peer)))
         except (ValueError, TypeError, KeyError) as e:
             peer = str(getattr(n, "peer", "?"))
             log.warning("rank %d dropped a malformed KV notification from %s: %s", self.rank, peer, e)
@@ -134,7 +179,7 @@ class RankKV:
 
     # ---- prefill side: connections, one per decode rank's agent, made once and reused
     def _on_peer_lost(self, peer: str, why: str) -> None:  # agent thread
-        self._peers = {a: p for a, p in self._peers.items() if p != peer}
+        self._peers = {a: p for a, p in self._peers.items() if p.name != peer}
 
     def plan(self, dest: KVDestination) -> list[HeadRun]:
         """This rank's runs of a push into `dest`."""
@@ -148,21 +193,36 @@ class RankKV:
         for run in self.plan(dest):
             address = dest.ranks[run.dst].agent
             f = self._connects.get(address)
-            if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):
+            if f is None or (f.done() and self._connected(address) is None):  # never dialled, failed, or lost since
                 self._connects[address] = self.agent.submit(self._peer_for(address))
 
-    async def _peer_for(self, address: str) -> str:
-        peer = self._peers.get(address)
-        if peer is None:
-            peer = await self.agent.agent.connect(address)
-            self._peers[address] = peer
-        return peer
+    async def _peer_for(self, address: str) -> PeerLink:
+        """The link to the decode agent at `address`, dialled (and its transport chosen) when there is none."""
+        link = self._peers.get(address)
+        if link is None:
+            name = await self.agent.agent.connect(address)
+            choice = self.agent.agent.peer_transport(name)
+            if choice["transport"] == "none":
+                why = "; ".join(f"{k}: {v}" for k, v in choice["unavailable"].items()) or "no transport applies"
+                raise TransportUnavailableError(f"rank {self.rank}: no KV transport of this instance serves the "
+                                                f"decode agent at {address}: {why}")
+            link = PeerLink(address, name, choice["transport"])
+            self._peers = {**self._peers, address: link}
+        return link
 
-    def _connected(self, address: str) -> str | None:
+    def _connected(self, address: str) -> PeerLink | None:
+        """The link to `address` when it is connected now (a lost peer's link is dropped by `_on_peer_lost`)."""
         f = self._connects.get(address)
         if f is None or not f.done() or f.cancelled() or f.exception() is not None:
             return None
-        return f.result()
+        link = f.result()
+        return link if self._peers.get(address) is link else None
+
+    def _transport_to(self, address: str) -> str:
+        """The transport of the link to `address`, or this instance's configured one (for counting a pair that
+        failed before its link was made)."""
+        link = self._peers.get(address)
+        return link.transport if link is not None else self.spec.transport
 
     def _offsets(self, run: HeadRun, dest: KVDestination, src_blocks, dst_blocks) -> tuple[np.ndarray, np.ndarray]:
         """Byte offsets of the run's first head in each source and destination block."""
@@ -174,26 +234,30 @@ class RankKV:
         return src, dst
 
     # ---- layer by layer, during the forward pass that completes the prompt
-    def arm_layers(self, items: list[tuple[str, KVDestination, list[int]]]) -> Callable[[int], None] | None:
+    def arm_layers(self, items: list[tuple[str, KVDestination, list[int]]], mode: str) -> Callable[[int], None] | None:
         """The per-layer callback of this rank's next step: each layer's runs of these requests go out as soon as
-        that layer's attention wrote them. Only requests whose every peer of this rank is connected."""
+        that layer's attention wrote them. Only requests whose every peer of this rank is connected over a transport
+        that goes layer by layer (`layerwise_for(mode, ...)`); the others are pushed whole after the prefill."""
         todo = []
         for rid, dest, src_blocks in items:
             runs = self.plan(dest)
-            peers = [self._connected(dest.ranks[r.dst].agent) for r in runs]
-            if not runs or not src_blocks or None in peers or len(src_blocks) != len(dest.block_ids):
+            links = [self._connected(dest.ranks[r.dst].agent) for r in runs]
+            if not runs or not src_blocks or None in links or len(src_blocks) != len(dest.block_ids):
+                continue
+            if not all(layerwise_for(mode, link.transport) for link in links):
                 continue
             self._layer_futs[rid] = []
-            for run, peer in zip(runs, peers):
+            for run, link in zip(runs, links):
                 src, dst = self._offsets(run, dest, src_blocks, dest.block_ids)
                 heads = np.arange(run.hi - run.lo, dtype=np.int64) * self.head_bytes
-                rr = self.agent.peer_region_id(peer, dest.ranks[run.dst].region)
-                todo.append((rid, run, peer, (src[:, None] + heads).ravel(), (dst[:, None] + heads).ravel(), rr,
+                rr = self.agent.peer_region_id(link.name, dest.ranks[run.dst].region)
+                todo.append((rid, run, link, (src[:, None] + heads).ravel(), (dst[:, None] + heads).ravel(), rr,
                              dest.request_id))
         if not todo:
             return None
         cuda = self.pool.device.type == "cuda"
         run_bytes = self.pool.run_bytes
+        timeout = self.config.lease_s  # a layer's write may take no longer than a whole push's lease
 
         def after_layer(layer: int) -> None:
             ev = None
@@ -201,22 +265,26 @@ class RankKV:
                 ev = torch.cuda.Event()
                 ev.record()
             off = layer * run_bytes  # the layer's run under each head of a block
-            for rid, run, peer, src_off, dst_off, rr, key in todo:
+            for rid, run, link, src_off, dst_off, rr, key in todo:
                 xl = XferList.build(self.region_id, src_off + off, rr, dst_off + off, run_bytes)
-                fut = self.agent.submit(self.agent.agent.write(peer, xl, None, wait_event=ev, coalesce=False, key=key))
+                fut = self.agent.submit(self.agent.agent.write(link.name, xl, None, wait_event=ev, coalesce=False,
+                                                               key=key, transport=link.transport, timeout=timeout))
                 self._layer_futs[rid].append((run, fut))
 
         return after_layer
 
     # ---- the push, after the first token was sampled
-    def push(self, request_id: str, dest: KVDestination, src_blocks: list[int], notif: dict) -> None:
+    def push(self, request_id: str, dest: KVDestination, src_blocks: list[int], notif: dict,
+             deadline: float | None = None) -> None:
         """Send this rank's runs of the request's prompt blocks to their decode ranks, each pair followed by its
-        notification; rank 0 reports a `RankPushed` when all of this rank's pairs ended."""
+        notification (naming the pair's transport), all within what is left of the push's lease (`deadline`);
+        rank 0 reports a `RankPushed` when all of this rank's pairs ended."""
         runs = self.plan(dest)
         layer_futs = self._layer_futs.pop(request_id, None)
         if not runs:
             self.report(RankPushed(self.rank, request_id, None, 0.0, 0, "none"))
             return
+        timeout = max(0.001, deadline - time.time()) if deadline is not None else self.config.lease_s
         base = {**notif, "src": self.rank, "src_tp": self.tp_size}
         first = {k: notif[k] for k in ("first_token", "logprob") if k in notif}
         # the first token travels once: from prefill rank 0 to decode rank 0
@@ -224,55 +292,89 @@ class RankKV:
                    **(first if (self.rank, run.dst) == (0, 0) else {})} for run in runs]
         expected = self.pool.num_layers * len(runs)  # one write per layer and run
         if layer_futs is not None and len(layer_futs) == expected:
-            coro = self._finish_layerwise(dest, runs, layer_futs, notifs)
+            coro = self._finish_layerwise(request_id, dest, runs, layer_futs, notifs, timeout)
         else:
             if layer_futs:  # partly pushed (the step did not run layer by layer): the blocks go whole as well
                 log.debug("rank %d: %s pushed whole (%d of %d layer writes)", self.rank, request_id,
                           len(layer_futs), expected)
-            coro = self._push(dest, runs, src_blocks, notifs)
+            coro = self._push(request_id, dest, runs, src_blocks, notifs, timeout)
         fut = self.agent.submit(coro)
         self._pushes[request_id] = fut
-        fut.add_done_callback(lambda f, rid=request_id: self._on_push_done(rid, f))
+        peers = [dest.ranks[run.dst].agent for run in runs]
+        fut.add_done_callback(lambda f, rid=request_id, peers=peers: self._on_push_done(rid, peers, f))
 
-    async def _push(self, dest: KVDestination, runs: list[HeadRun], src_blocks: list[int], notifs: list[dict]):
-        """Each run of every block (one contiguous run per block), under the decode side's grant, then notify."""
-        async def one(run: HeadRun, notif: dict):
+    async def _push(self, request_id: str, dest: KVDestination, runs: list[HeadRun], src_blocks: list[int],
+                    notifs: list[dict], timeout: float) -> RankPushed:
+        """Each run of every block (one contiguous run per block), under the decode side's grant, over the pair's
+        transport, then notify. Every pair ends (each write bounded by `timeout`) before the rank's share does."""
+        async def one(run: HeadRun, notif: dict) -> tuple[PairPushed, int]:
             d = dest.ranks[run.dst]
-            peer = await self._peer_for(d.agent)
-            if not src_blocks:  # everything was a prefix hit on the decode side: only the notification travels
-                await self.agent.agent.notify(peer, notif, dest.request_id)
-                return None
-            src, dst = self._offsets(run, dest, src_blocks, dest.block_ids)
-            rr = self.agent.peer_region_id(peer, d.region)
-            xl = XferList.build(self.region_id, src, rr, dst, (run.hi - run.lo) * self.head_bytes)
-            return await self.agent.agent.write(peer, xl, notif, key=dest.request_id)
+            transport = self._transport_to(d.agent)
+            try:
+                link = await self._peer_for(d.agent)
+                transport = link.transport
+                if not src_blocks:  # everything was a prefix hit on the decode side: only the notification travels
+                    await self.agent.agent.notify(link.name, {**notif, "transport": "none"}, dest.request_id)
+                    return PairPushed(d.agent, "none"), 0
+                src, dst = self._offsets(run, dest, src_blocks, dest.block_ids)
+                rr = self.agent.peer_region_id(link.name, d.region)
+                xl = XferList.build(self.region_id, src, rr, dst, (run.hi - run.lo) * self.head_bytes)
+                r = await self.agent.agent.write(link.name, xl, {**notif, "transport": transport},
+                                                 key=dest.request_id, timeout=timeout, transport=transport)
+                return PairPushed(d.agent, r.transport), r.nbytes
+            except Exception as e:  # a KVTransferError, or a bug: the pair's end is reported, never lost
+                return PairPushed(d.agent, transport, f"{type(e).__name__}: {e}"), 0
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(r, n) for r, n in zip(runs, notifs)))
-        done = [r for r in results if r is not None]
-        return (time.perf_counter() - t0, sum(r.nbytes for r in done), done[0].transport if done else "notify")
+        ends = await asyncio.gather(*(one(r, n) for r, n in zip(runs, notifs)))
+        return self._pushed(request_id, [p for p, _ in ends], time.perf_counter() - t0, sum(n for _, n in ends),
+                            False)
 
-    async def _finish_layerwise(self, dest: KVDestination, runs: list[HeadRun], futs: list, notifs: list[dict]):
-        """Every layer of every run landed: only now do the decode ranks hear of it."""
+    async def _finish_layerwise(self, request_id: str, dest: KVDestination, runs: list[HeadRun], futs: list,
+                                notifs: list[dict], timeout: float) -> RankPushed:
+        """Every layer of every run landed (within `timeout`): only now do the decode ranks hear of it."""
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(asyncio.wrap_future(f) for _, f in futs))
-        for run, notif in zip(runs, notifs):
-            peer = await self._peer_for(dest.ranks[run.dst].agent)
-            await self.agent.agent.notify(peer, notif, dest.request_id)
-        return (time.perf_counter() - t0, sum(r.nbytes for r in results),
-                (results[0].transport if results else "none") + "/layerwise")
+        peers = [dest.ranks[run.dst].agent for run in runs]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(asyncio.wrap_future(f) for _, f in futs), return_exceptions=True), timeout)
+        failed: dict[int, str] = {}  # run index -> its first failed layer write
+        for (run, _), r in zip(futs, results):
+            if isinstance(r, BaseException):
+                failed.setdefault(runs.index(run), f"{type(r).__name__}: {r}")
+        pairs = []
+        for i, (address, notif) in enumerate(zip(peers, notifs)):
+            transport = self._transport_to(address)
+            if i in failed:
+                pairs.append(PairPushed(address, transport, failed[i]))
+                continue
+            try:
+                link = await self._peer_for(address)
+                await self.agent.agent.notify(link.name, {**notif, "transport": link.transport}, dest.request_id)
+                pairs.append(PairPushed(address, link.transport))
+            except Exception as e:
+                pairs.append(PairPushed(address, transport, f"{type(e).__name__}: {e}"))
+        nbytes = sum(r.nbytes for r in results if not isinstance(r, BaseException))
+        return self._pushed(request_id, pairs, time.perf_counter() - t0, nbytes, True)
 
-    def _on_push_done(self, rid: str, fut: concurrent.futures.Future) -> None:  # agent thread
+    def _pushed(self, request_id: str, pairs: list[PairPushed], seconds: float, nbytes: int,
+                layerwise: bool) -> RankPushed:
+        errors = [p.error for p in pairs if p.error is not None]
+        transport = next((p.transport for p in pairs if p.transport != "none"), "none")
+        return RankPushed(self.rank, request_id, f"KV push failed on rank {self.rank}: {errors[0]}" if errors else None,
+                          seconds, nbytes, transport, layerwise, tuple(pairs))
+
+    def _on_push_done(self, rid: str, peers: list[str], fut: concurrent.futures.Future) -> None:  # agent thread
         self._pushes.pop(rid, None)
         if fut.cancelled():
-            self.report(RankPushed(self.rank, rid, "the KV push was cancelled: its lease ran out"))
+            why = "the KV push was cancelled: its lease ran out"
+        elif fut.exception() is not None:
+            e = fut.exception()
+            why = f"KV push failed on rank {self.rank}: {type(e).__name__}: {e}"
+        else:
+            self.report(fut.result())
             return
-        e = fut.exception()
-        if e is not None:
-            self.report(RankPushed(self.rank, rid, f"KV push failed on rank {self.rank}: {type(e).__name__}: {e}"))
-            return
-        seconds, nbytes, transport = fut.result()
-        self.report(RankPushed(self.rank, rid, None, seconds, nbytes, transport))
+        pairs = tuple(PairPushed(p, self._transport_to(p), why) for p in peers)
+        self.report(RankPushed(self.rank, rid, why, transport=pairs[0].transport if pairs else None, pairs=pairs))
 
     def cancel(self, request_id: str) -> None:
         self._layer_futs.pop(request_id, None)
@@ -293,9 +395,10 @@ class RankKV:
 # ---- the notification of one pair, validated at the edge
 
 
-def parse_notification(n, rank: int, vocab_size: int) -> RankNotified:
+def parse_notification(n, rank: int, vocab_size: int, peer: str = "") -> RankNotified:
     """A notification as a RankNotified; raises ValueError/TypeError/KeyError on anything malformed. The request is
-    the one the notification's key names: the agent checked that key against a live grant admitting the sender."""
+    the one the notification's key names: the agent checked that key against a live grant admitting the sender.
+    `peer`: the sender's address (for the per-peer counters)."""
     rid = n.key
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID:
         raise ValueError("the notification names no request (key)")
@@ -305,9 +408,15 @@ def parse_notification(n, rank: int, vocab_size: int) -> RankNotified:
         src = payload.get("src") if isinstance(payload, dict) else None
         src_tp = payload.get("src_tp") if isinstance(payload, dict) else None
         ok = _small_int(src, MAX_TP) and _small_int(src_tp, MAX_TP + 1) and src < src_tp
-        return RankNotified(rank, rid, src if ok else -1, src_tp if ok else 0, error=str(error)[:1000])
+        try:  # a failure is taken whatever its payload says: the request must not wait out its lease
+            transport = _parse_transport(payload)
+        except ValueError:
+            transport = None
+        return RankNotified(rank, rid, src if ok else -1, src_tp if ok else 0, error=str(error)[:1000],
+                            transport=transport, peer=peer)
     if payload is None:
         raise TypeError("payload is not a map")
+    transport = _parse_transport(payload)
     src, src_tp = payload["src"], payload["src_tp"]
     if not (_small_int(src_tp, MAX_TP + 1) and src_tp >= 1 and _small_int(src, MAX_TP) and src < src_tp):
         raise ValueError(f"src {src!r} of src_tp {src_tp!r} is not a prefill rank")
@@ -320,7 +429,17 @@ def parse_notification(n, rank: int, vocab_size: int) -> RankNotified:
     if tok is not None and (isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size):
         raise ValueError(f"first_token {tok!r} is not a token id of this model")
     return RankNotified(rank, rid, src, src_tp, tok, _parse_logprob(payload.get("logprob"), vocab_size),
-                        float(t_done))
+                        float(t_done), None, transport, peer)
+
+
+def _parse_transport(payload: object) -> str | None:
+    """The transport a pair's notification names (None when it names none)."""
+    t = payload.get("transport") if isinstance(payload, dict) else None
+    if t is None:
+        return None
+    if not isinstance(t, str) or t not in PAIR_TRANSPORTS:
+        raise ValueError(f"transport {str(t)[:32]!r} is not one of {sorted(PAIR_TRANSPORTS)}")
+    return t
 
 
 def _small_int(x: object, bound: int) -> bool:
@@ -367,17 +486,20 @@ def kv_dial(worker, dest: KVDestination) -> None:
     _kv(worker).dial(dest)
 
 
-def kv_arm_layers(worker, items: list) -> bool:
-    """Set this rank's per-layer callback for its next step (Worker.after_layer); whether it has one."""
-    worker.after_layer = _kv(worker).arm_layers(items)
+def kv_arm_layers(worker, items: list, mode: str) -> bool:
+    """Set this rank's per-layer callback for its next step (Worker.after_layer); whether it has one. `mode`:
+    --kv-layerwise (auto: per peer, by its transport)."""
+    worker.after_layer = _kv(worker).arm_layers(items, mode)
     return worker.after_layer is not None
 
 
-def kv_push(worker, request_id: str, dest: KVDestination, src_blocks: list[int], notif: dict) -> None:
-    """Never raises: a push that cannot start is reported as this rank's failed share (the others may be running)."""
+def kv_push(worker, request_id: str, dest: KVDestination, src_blocks: list[int], notif: dict,
+            deadline: float | None = None) -> None:
+    """Never raises: a push that cannot start is reported as this rank's failed share (the others may be running).
+    `deadline`: the push's lease (time.time()); every write of it ends by then."""
     kv = _kv(worker)
     try:
-        kv.push(request_id, dest, src_blocks, notif)
+        kv.push(request_id, dest, src_blocks, notif, deadline)
     except Exception as e:
         log.exception("rank %d: the push of %s could not start", worker.rank, request_id)
         kv.report(RankPushed(worker.rank, request_id, f"KV push could not start on rank {worker.rank}: "

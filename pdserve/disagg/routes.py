@@ -1,7 +1,8 @@
 """The instance's PD routes (server process), installed by role:
 
 - prefill role: POST /internal/pd/prefill computes a prompt and pushes its KV into a decode instance's reserved
-  blocks (answering once the push ended), POST /internal/pd/abort stops such an order;
+  blocks (answering once the push ended; an order whose KV layout or transport differs from ours is refused with a
+  400 naming both, before anything is computed), POST /internal/pd/abort stops such an order;
 - decode role: the DecodeDriver that sends those orders;
 - every role: POST /v1/abort aborts a request by the router's id.
 """
@@ -16,11 +17,11 @@ from collections.abc import Callable
 import msgpack
 from aiohttp import web
 
-from pdserve.config import KVTransferConfig
+from pdserve.config import KV_PROTOCOLS, KV_TRANSPORTS, KVTransferConfig
 from pdserve.disagg.driver import ABORT_ROUTE, PREFILL_ROUTE, DecodeDriver
 from pdserve.disagg.heads import MAX_TP
 from pdserve.engine.async_llm import AsyncLLM
-from pdserve.engine.messages import POOL_REGION, KVDestination, KVLayout, KVRankDest
+from pdserve.engine.messages import POOL_REGION, KVDestination, KVLayout, KVRankDest, KVTransportSpec
 from pdserve.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.protocol import error_body
 from pdserve.sampling_params import InvalidParameter, SamplingParams
@@ -65,7 +66,7 @@ def parse_order(body: object) -> tuple[str, list[int], SamplingParams, KVDestina
     layout = KVLayout(str(lay["dtype"]), int(lay["block_size"]), int(lay["num_layers"]), int(lay["num_kv_heads"]),
                       int(lay["head_dim"])) if isinstance(lay, dict) else None
     dest = KVDestination(str(d["request_id"]), tuple(blocks), _parse_ranks(d["ranks"]), int(d.get("start_block", 0)),
-                         layout)
+                         layout, _parse_transport(d.get("transport")))
     if dest.start_block < 0:
         raise ValueError("dest.start_block must be >= 0")
     return str(body["request_id"]), ids, params, dest
@@ -87,6 +88,30 @@ def _parse_ranks(ranks: object) -> tuple[KVRankDest, ...]:
     return tuple(out)
 
 
+def _parse_transport(tr: object) -> KVTransportSpec | None:
+    """dest.transport: the decode instance's KVTransportSpec (None: it names none, e.g. an older instance)."""
+    if tr is None:
+        return None
+    if not isinstance(tr, dict):
+        raise TypeError("dest.transport must be an object")
+    t, proto = tr["transport"], tr.get("protocol")
+    if t not in KV_TRANSPORTS or (proto is not None and proto not in KV_PROTOCOLS):
+        raise ValueError(f"dest.transport names no KV transport: {str(t)[:32]!r} over {str(proto)[:32]!r}")
+    return KVTransportSpec(t, proto)
+
+
+def order_mismatch(ours: dict, dest: KVDestination) -> str | None:
+    """Why this instance (its connector's `describe()`) cannot push into `dest`: a different KV layout or a KV
+    transport the decode instance does not run (None: it can)."""
+    if dest.layout is not None and ours.get("layout") is not None:
+        why = KVLayout(**ours["layout"]).mismatch(dest.layout)
+        if why is not None:
+            return why
+    if dest.transport is not None and ours.get("transport") is not None:
+        return KVTransportSpec(**ours["transport"]).mismatch(dest.transport)
+    return None
+
+
 def _json_error(message: str, status: int) -> web.Response:
     return web.json_response({"ok": False, **error_body(message, "invalid_request_error" if status < 500
                                                         else "server_error")}, status=status)
@@ -102,11 +127,9 @@ def add_prefill_routes(app: web.Application, llm: AsyncLLM, config: KVTransferCo
             remote_rid, ids, params, dest = parse_order(unpack_order(raw))
         except (ValueError, KeyError, TypeError, InvalidParameter) as e:
             return _json_error(f"bad prefill order: {e}", 400)
-        ours = (llm.info.get("kv") or {}).get("layout")
-        if dest.layout is not None and ours is not None:
-            why = KVLayout(**ours).mismatch(dest.layout)
-            if why is not None:
-                return _json_error(why, 400)
+        why = order_mismatch(llm.info.get("kv") or {}, dest)
+        if why is not None:  # refused before the prompt is computed: the decode side falls back at once
+            return _json_error(why, 400)
         rid = f"pd-{uuid.uuid4().hex[:12]}"
         orders[remote_rid] = rid
         t0 = time.time()

@@ -322,7 +322,7 @@ class EngineCore:
                 self.handover.export_failures += 1
             self._events.append(ExportFinished(r.request_id, req.output_token_ids[0] if r.error is None else None,
                                                r.error, req.first_token_time, r.push_s, r.nbytes, r.transport,
-                                               req.first_scheduled_time))
+                                               req.first_scheduled_time, r.layerwise))
         for rid in s.expired_exports(now):
             c.cancel_export(rid)
         reserved, failed = s.reserve_remote(now)

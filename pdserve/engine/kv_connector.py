@@ -78,7 +78,8 @@ class ExportResult:
     error: str | None
     push_s: float | None = None
     nbytes: int = 0
-    transport: str | None = None
+    transport: str | None = None  # what carried it ("none": only the notifications travelled)
+    layerwise: bool = False  # pushed layer by layer during the prefill
 
 
 class KVConnector:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.config import KV_OPT_IN_TRANSPORTS
 from pdserve.sampling_params import SamplingParams
 
 # ---- PD parameters of a request
@@ -38,6 +39,31 @@ class KVLayout:
         diff = [f"{f}: {getattr(other, f)} vs {getattr(self, f)} here" for f in
                 ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim") if getattr(self, f) != getattr(other, f)]
         return "KV layout mismatch between the instances (" + "; ".join(diff) + ")" if diff else None
+
+
+@dataclass(frozen=True)
+class KVTransportSpec:
+    """How an instance's KV agents move blocks (its --kv-transport and, for mooncake, --kv-protocol; every rank's agent
+    runs the same): two instances hand KV over only when their specs agree, checked before the prompt is computed."""
+
+    transport: str  # KV_TRANSPORTS
+    protocol: str | None = None  # KV_PROTOCOLS; only mooncake's counts
+
+    def mismatch(self, other: KVTransportSpec) -> str | None:
+        """Why an agent configured as `other` cannot push into ours (None: it can). The same transport on both sides
+        always agrees (mooncake: with the same protocol); `auto` agrees with the transports auto picks from (tcp,
+        cuda_ipc, nixl: each rank's agent then chooses per peer); an opt-in transport (mooncake, nccl) must be named
+        by both sides, since the other side does not run it."""
+        a, b = other.transport, self.transport
+        if a == b:
+            if a == "mooncake" and other.protocol != self.protocol:
+                return (f"KV transport mismatch between the instances: mooncake over {other.protocol} vs over "
+                        f"{self.protocol} here (--kv-protocol)")
+            return None
+        if "auto" in (a, b) and a not in KV_OPT_IN_TRANSPORTS and b not in KV_OPT_IN_TRANSPORTS:
+            return None
+        return (f"KV transport mismatch between the instances: {a} vs {b} here (--kv-transport must name the same "
+                "transport on prefill and decode instances; mooncake and nccl only when both name them)")
 
 
 @dataclass(frozen=True)
@@ -65,6 +91,7 @@ class KVDestination:
     ranks: tuple[KVRankDest, ...]
     start_block: int = 0  # leading prompt blocks the decode instance already holds (its prefix-cache hits)
     layout: KVLayout | None = None  # the decode pool's (global); the prefill side refuses to push into another
+    transport: KVTransportSpec | None = None  # the decode agents'; the prefill side refuses a mismatched one
 
 
 @dataclass(frozen=True)
@@ -203,8 +230,9 @@ class ExportFinished:
     t_prefill_done: float | None = None
     push_s: float | None = None
     nbytes: int = 0
-    transport: str | None = None
+    transport: str | None = None  # what carried the KV ("none": only the notifications travelled)
     first_scheduled_time: float | None = None
+    layerwise: bool = False  # pushed layer by layer during the prefill
 
 
 PDEvent = KVReserved | KVAdmitted | KVFallback | ExportFinished

@@ -115,6 +115,11 @@ class ThreadedAgent:
         cannot serve (for /metrics)."""
         return self._call(self._sync(self.agent.peer_transports), timeout)
 
+    def peer_address(self, peer: str) -> str:
+        """The address a connected peer's agent listens on ("host:port"); its name when it is not connected."""
+        p = self.agent.peers.get(peer)
+        return p.address if p is not None and p.address else peer
+
     def peer_region_id(self, peer: str, name: str) -> int:
         return self.agent.peer(peer).region_id(name)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.config import KV_TRANSPORTS
 from pdserve.router.pool import BreakerState, Instance
 
 # 1 ms .. ~80 s, dense where handovers and TTFTs live
@@ -20,6 +21,8 @@ LATENCY_BUCKETS = (
     0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
 PHASES = ("queue_s", "prefill_s", "handover_s", "first_token_s")
+# what pd_timings may name as the transport of a handover ("none": only the notification travelled)
+HANDOVER_TRANSPORTS = frozenset(KV_TRANSPORTS) - {"auto"} | {"none"}
 
 
 class RouterMetrics:
@@ -47,6 +50,9 @@ class RouterMetrics:
         self.prefill_fallback = Counter("pdserve:router_prefill_fallback",
                                         "Disaggregated requests whose decode instance fell back (pd_timings)",
                                         ["fallback"], registry=r)
+        self.kv_transfers = Counter("pdserve:router_kv_transfers",
+                                    "Disaggregated requests whose KV a prefill instance pushed, by the transport that "
+                                    "carried it (pd_timings)", ["transport"], registry=r)
         self.queue_depth = Gauge("pdserve:router_queue_depth", "Requests waiting for admission", registry=r)
         self.inflight = Gauge("pdserve:router_inflight", "Requests outstanding per instance", ["url", "role"],
                               registry=r)
@@ -78,6 +84,9 @@ class RouterMetrics:
         fallback = timings.get("fallback")
         if mode == "pd" and isinstance(fallback, str):
             self.prefill_fallback.labels(fallback).inc()
+        transport = timings.get("transport")
+        if mode == "pd" and isinstance(transport, str) and transport in HANDOVER_TRANSPORTS:
+            self.kv_transfers.labels(transport).inc()
 
     def render(self, instances: list[Instance]) -> bytes:
         for inst in instances:  # gauges that are cheaper to sample at scrape time than to keep updated

@@ -127,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
     k.add_argument("--kv-fallback", default=_default(K, "fallback"), choices=KV_FALLBACKS,
                    help="decode role, when no prefill instance delivers the KV: recompute it here or fail the request")
     k.add_argument("--kv-layerwise", default=_default(K, "layerwise"), choices=KV_LAYERWISE,
-                   help="prefill role: push each layer's KV while later layers compute (auto: when the transport is tcp)")
+                   help="prefill role: push each layer's KV while later layers compute (auto: per decode peer, when "
+                        "its transport is tcp)")
     k.add_argument("--kv-pool-alloc", default=_default(K, "pool_alloc"), choices=KV_POOL_ALLOCS,
                    help="the KV pool's GPU memory: vmm (CUDA VMM, shareable over cuda_ipc whatever GPUs each process "
                         "sees), torch, or auto (vmm for prefill/decode roles where the GPU supports it)")

@@ -54,6 +54,17 @@ class _EngineStatsCollector(Collector):
         yield gauge(
             "prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.", hits / queries if queries else 0.0
         )
+        transfers = (s.get("pd") or {}).get("transfers")
+        if transfers is not None:  # a prefill or decode instance: KV handovers per transport and peer
+            c = CounterMetricFamily(
+                "pdserve:kv_transfers",
+                "KV handovers by the transport that carried them and the peer agent (prefill: pushes to a decode "
+                "agent; decode: arrivals from a prefill agent), by outcome (ok, failed).",
+                labels=["model_name", "transport", "peer", "outcome"],
+            )
+            for t in transfers:
+                c.add_metric([self.model_name, t["transport"], t["peer"], t["outcome"]], t["count"])
+            yield c
 
 
 class ServerMetrics:

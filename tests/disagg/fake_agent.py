@@ -28,6 +28,7 @@ class Fabric:
         self.gate = threading.Event()
         self.gate.set()
         self.pushes = 0
+        self.transport = "tcp"  # what the fabric stands in for (the transport agents choose for their peers)
 
     def hold(self) -> None:
         self.gate.clear()
@@ -60,6 +61,7 @@ class FakeAgent:
         self.lost_callbacks: list = []
         self.grants: dict[str, tuple[set[int], int]] = {}  # key -> (block ids the key may write, block bytes)
         self.refused = 0
+        self.connects = 0  # dials (connect calls) made
         self.closed = False
         self._xfer = 0
 
@@ -77,6 +79,11 @@ class FakeAgent:
     def on_peer_lost(self, cb) -> None:
         self.lost_callbacks.append(cb)
 
+    def lose(self, peer: str, why: str = "connection reset") -> None:
+        """As a real agent does when a peer's control connection ends: tell the callbacks (on the agent's thread)."""
+        for cb in self.lost_callbacks:
+            self.fabric.loop.call_soon_threadsafe(cb, peer, why)
+
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.fabric.loop)
 
@@ -89,6 +96,9 @@ class FakeAgent:
         self.grants.pop(key, None)
         return 0
 
+    def peer_address(self, peer: str) -> str:
+        return peer  # a fake agent's name is its address
+
     def peer_region_id(self, peer: str, name: str) -> int:
         return self.fabric.agents[peer].names[name]
 
@@ -99,7 +109,11 @@ class FakeAgent:
     async def connect(self, address: str, timeout: float | None = None) -> str:
         if address not in self.fabric.agents:
             raise PeerUnreachableError(f"no fake agent at {address}")
+        self.connects += 1
         return address
+
+    def peer_transport(self, peer: str) -> dict:
+        return {"transport": self.fabric.transport, "unavailable": {}}  # what the fabric stands in for
 
     async def notify(self, peer: str, payload: dict, key: str | None = None) -> None:
         self._check(peer, key, [])
@@ -123,7 +137,8 @@ class FakeAgent:
         self.fabric.pushes += 1
         if notif is not None:
             self._deliver(peer, encode_notif(notif), "write", None, key)
-        return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=int(xfers.length.sum()), transport="fake")
+        return SimpleNamespace(seconds=time.perf_counter() - t0, nbytes=int(xfers.length.sum()),
+                               transport=kw.get("transport") or self.fabric.transport)
 
     def _check(self, peer: str, key: str | None, spans: list[tuple[int, int]]) -> None:
         """Every (offset, length) span must lie inside one block the receiver granted to `key`."""

@@ -69,17 +69,17 @@ def until(cond, *nodes: Node, timeout: float = 20.0) -> None:
 def cluster(model_dir):
     made: list = []
 
-    def make(lease_s: float = 30.0, fallback: str = "recompute", decode_block_size: int = 4
-             ) -> tuple[Node, Node, Node, Fabric]:
+    def make(lease_s: float = 30.0, fallback: str = "recompute", decode_block_size: int = 4,
+             decode_transport: str = "auto") -> tuple[Node, Node, Node, Fabric]:
         fabric = Fabric()
 
-        def cfg(role: str, block_size: int = 4) -> EngineConfig:
-            kv = KVTransferConfig(role=role, layerwise="off", lease_s=lease_s, fallback=fallback)
+        def cfg(role: str, block_size: int = 4, transport: str = "auto") -> EngineConfig:
+            kv = KVTransferConfig(role=role, layerwise="off", lease_s=lease_s, fallback=fallback, transport=transport)
             return EngineConfig(model=str(model_dir), device="cpu", num_gpu_blocks=48, block_size=block_size,
                                 kv_transfer=kv)
 
         p = Node(EngineCore(cfg("prefill"), kv_agent=fabric.agent("prefill")))
-        d = Node(EngineCore(cfg("decode", decode_block_size), kv_agent=fabric.agent("decode")))
+        d = Node(EngineCore(cfg("decode", decode_block_size, decode_transport), kv_agent=fabric.agent("decode")))
         colo = Node(EngineCore(cfg("both")))
         made.append(fabric)
         return p, d, colo, fabric
@@ -258,4 +258,39 @@ def test_a_peer_with_another_kv_layout_is_refused_clearly(cluster):
     assert fabric.pushes == 0
     d.core.abort_request("r")
     d.core.remote_prefill_done("r")
+    whole(p, d)
+
+
+def test_a_peer_with_another_kv_transport_is_refused_clearly(cluster):
+    p, d, colo, fabric = cluster(decode_transport="nccl")
+    d.core.add_request("r", PROMPT, SamplingParams(max_tokens=2), IMPORT)
+    until(lambda: d.event(KVReserved, "r") is not None, d)
+    dest = d.event(KVReserved, "r").dest
+    assert (dest.transport.transport, dest.transport.protocol) == ("nccl", None)
+    with pytest.raises(ValueError, match=r"KV transport mismatch .*nccl vs auto here"):
+        p.core.add_request("p-r", PROMPT, SamplingParams(max_tokens=1), ExportParams(dest))
+    assert fabric.pushes == 0 and p.core.num_steps == 0
+    d.core.abort_request("r")
+    d.core.remote_prefill_done("r")
+    whole(p, d)
+
+
+def test_a_decode_peer_lost_since_is_dialled_again(cluster):
+    """The prefill side's link to a decode agent goes when that peer is lost; the next order dials it again (and
+    fixes its transport again) instead of pushing to a peer that is gone."""
+    p, d, colo, fabric = cluster()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = colocated(colo, "c", PROMPT, params)
+    agent = fabric.agents["fake-prefill:1"]
+    rank = p.core.executor.driver.extras["kv"]
+    for i in range(3):
+        if i == 2:
+            agent.lose("fake-decode:1")
+            until(lambda: not rank._peers, p)
+            assert rank._connected("fake-decode:1") is None  # no layer-by-layer write to a peer that is gone
+        handover(p, d, f"r{i}", PROMPT, params)
+        until(lambda i=i: f"r{i}" in d.finished and p.event(ExportFinished, f"p-r{i}") is not None, p, d)
+        assert d.tokens[f"r{i}"] == want and p.event(ExportFinished, f"p-r{i}").error is None
+    assert agent.connects == 2  # once at first, once after the loss
+    assert [(t["transport"], t["outcome"], t["count"]) for t in p.core.stats()["pd"]["transfers"]] == [("tcp", "ok", 3)]
     whole(p, d)

@@ -3,7 +3,9 @@ side; real tcp KV agents, one per rank): prefill TP=1 -> decode TP=2 and prefill
 colocated TP=1 engine's tokens, with whole-block and layer-by-layer pushes and prefix hits on the decode side, for
 split KV heads (Llama: 2 KV heads) and replicated ones (Gemma 3: 1 KV head on every rank). An abort mid-handover
 and a rank whose write is refused leave every rank's pool and grants whole. (TP=2 -> TP=2 needs two TP engines,
-one per process: tests/disagg/test_pd_tp_live.py.)"""
+one per process: tests/disagg/test_pd_tp_live.py.) The opt-in transports carry a TP handover too: prefill TP=2 ->
+decode TP=1 over nccl (Gloo) and Mooncake (its TCP), every (prefill rank, decode rank) pair over its own link, named
+on every push and counted per peer on both sides."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pdserve.engine.messages import ExportFinished, ExportParams, KVAdmitted, KV
 from pdserve.sampling_params import SamplingParams
 from tests.disagg.test_pd_sides import IMPORT, PROMPT, Node, colocated, until
 from tests.engine.tiny_models import write_tiny_model
+from tests.kv.test_kv_optin import MOONCAKE
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,8 +38,9 @@ def model_dirs(tmp_path_factory):
     return {arch: write_tiny_model(arch, root / arch) for arch in ("llama", "gemma3")}
 
 
-def engine(path, role: str, tp: int) -> EngineCore:
-    kv = KVTransferConfig(role=role, transport="tcp", layerwise="on", secret=SECRET)
+def engine(path, role: str, tp: int, transport: str = "tcp") -> EngineCore:
+    kv = KVTransferConfig(role=role, transport=transport, layerwise="on", secret=SECRET,
+                          protocol="tcp" if transport == "mooncake" else "rdma")
     return EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", num_gpu_blocks=48, block_size=4,
                                    tensor_parallel_size=tp, kv_transfer=kv))
 
@@ -57,14 +61,15 @@ class Pairs:
         self.key = None
         self.nodes: tuple[Node, Node, Node] | None = None
 
-    def get(self, arch: str, p_tp: int, d_tp: int) -> tuple[Node, Node, Node]:
-        if self.key != (arch, p_tp, d_tp):
+    def get(self, arch: str, p_tp: int, d_tp: int, transport: str = "tcp") -> tuple[Node, Node, Node]:
+        if self.key != (arch, p_tp, d_tp, transport):
             self.close()
             path = self.dirs[arch]
             colo = Node(EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", num_gpu_blocks=48,
                                                 block_size=4)))
-            self.nodes = (Node(engine(path, "prefill", p_tp)), Node(engine(path, "decode", d_tp)), colo)
-            self.key = (arch, p_tp, d_tp)
+            self.nodes = (Node(engine(path, "prefill", p_tp, transport)), Node(engine(path, "decode", d_tp, transport)),
+                          colo)
+            self.key = (arch, p_tp, d_tp, transport)
         return self.nodes
 
     def close(self) -> None:
@@ -144,7 +149,7 @@ def test_tp_handover_gives_the_colocated_tokens(pairs, arch, p_tp, d_tp):
     # the first push goes whole (its connections are made meanwhile); then prefix hits and a fresh prompt, both ways
     for i, (kind, prompt, layerwise) in enumerate([("greedy", PROMPT, False), ("seeded", PROMPT, True),
                                                    ("greedy", PROMPT, False), ("seeded", OTHER, True)]):
-        p.core.connector.layerwise = layerwise
+        p.core.connector.layerwise = "on" if layerwise else "off"
         rid = f"{arch}-{p_tp}{d_tp}-{i}"
         ev = handover(p, d, rid, prompt, GREEDY if kind == "greedy" else SEEDED)
         dest = ev.dest
@@ -152,7 +157,7 @@ def test_tp_handover_gives_the_colocated_tokens(pairs, arch, p_tp, d_tp):
         assert d.tokens[rid] == want[kind, tuple(prompt)], (rid, kind, layerwise)
         done = p.event(ExportFinished, "p-" + rid)
         assert done.error is None and done.first_token == want[kind, tuple(prompt)][0]
-        assert done.transport.endswith("/layerwise") == layerwise, done.transport
+        assert done.layerwise == layerwise and done.transport == "tcp", done.transport
         assert d.event(KVAdmitted, rid) is not None
         if prompt is PROMPT and i > 0:  # the decode side holds the prompt's 5 full blocks: only the last travels
             assert ev.num_cached_tokens == 20 and ev.dest.start_block == 5 and len(ev.dest.block_ids) == 1
@@ -166,3 +171,34 @@ def test_tp_handover_gives_the_colocated_tokens(pairs, arch, p_tp, d_tp):
     assert dest.layout.num_kv_heads == heads  # global, whatever the size
     assert p.core.stats()["pd"]["layerwise_exports"] == 2
     whole(p, d, rids=[f"{arch}-{p_tp}{d_tp}-{i}" for i in range(4)])
+
+
+@pytest.mark.parametrize("transport", [pytest.param("nccl", id="nccl-gloo"),
+                                       pytest.param("mooncake", id="mooncake-tcp", marks=MOONCAKE)])
+def test_tp_handover_over_the_opt_in_transports(pairs, transport):
+    """Prefill TP=2 -> decode TP=1 (Llama: each prefill rank holds one of the 2 KV heads and sends it to decode rank
+    0): the colocated tokens, whole pushes under --kv-layerwise auto and layer by layer under on; each prefill rank's
+    agent names the transport on its pushes, and both sides count them per peer."""
+    p, d, colo = pairs.get("llama", 2, 1, transport)
+    cases = [("auto", PROMPT, GREEDY), ("auto", OTHER, SEEDED), ("on", OTHER, GREEDY)]
+    want = {(tuple(pr), params.seed): colocated(colo, f"c-{transport}-{i}", pr, params)
+            for i, (_, pr, params) in enumerate(cases)}
+    rids = []
+    for i, (mode, prompt, params) in enumerate(cases):
+        p.core.connector.layerwise = mode
+        rid = f"{transport}-{i}"
+        rids.append(rid)
+        handover(p, d, rid, prompt, params)
+        until(lambda rid=rid: rid in d.finished and p.event(ExportFinished, "p-" + rid) is not None, p, d)
+        assert d.tokens[rid] == want[tuple(prompt), params.seed], (rid, mode)
+        done = p.event(ExportFinished, "p-" + rid)
+        assert done.error is None and done.transport == transport and done.layerwise == (mode == "on"), done
+    # two pairs per push (prefill rank 0 and 1 -> decode rank 0), counted per decode agent and per prefill agent
+    decode_agent = d.core.connector.dest_ranks[0].agent
+    pushed = p.core.stats()["pd"]["transfers"]
+    assert pushed == [{"transport": transport, "peer": decode_agent, "outcome": "ok", "count": 2 * len(cases)}]
+    landed = d.core.stats()["pd"]["transfers"]
+    assert {t["peer"] for t in landed} == set(p.core.connector.agents), landed
+    assert all(t["transport"] == transport and t["outcome"] == "ok" and t["count"] == len(cases) for t in landed)
+    assert p.core.connector.describe()["transport"]["transport"] == transport
+    whole(p, d, rids=rids)
