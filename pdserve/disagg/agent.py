@@ -11,12 +11,12 @@ from pdserve.kv.errors import KVConfigError
 from pdserve.secret import HELP
 
 
-def agent_config(config: KVTransferConfig) -> AgentConfig:
+def agent_config(config: KVTransferConfig, nvtx: bool = False) -> AgentConfig:
     if config.secret is None:
         raise KVConfigError(
             f"a {config.role} instance needs the deployment secret, the same on every instance: {HELP}")
     return AgentConfig(host=config.host, port=config.port, transport=config.transport, secret=config.secret,
-                       protocol=config.protocol, devices=config.devices)
+                       protocol=config.protocol, devices=config.devices, nvtx=nvtx)
 
 
 def transport_spec(config: KVTransferConfig) -> KVTransportSpec:
@@ -24,9 +24,10 @@ def transport_spec(config: KVTransferConfig) -> KVTransportSpec:
     return KVTransportSpec(config.transport, config.protocol if config.transport == "mooncake" else None)
 
 
-def start_agent(config: KVTransferConfig, pool: KVPool, agent: ThreadedAgent | None = None) -> tuple[ThreadedAgent, int]:
+def start_agent(config: KVTransferConfig, pool: KVPool, agent: ThreadedAgent | None = None,
+                nvtx: bool = False) -> tuple[ThreadedAgent, int]:
     """A listening agent (or the one given) with the pool registered; returns it and the pool's region id."""
-    agent = agent if agent is not None else ThreadedAgent(agent_config(config))
+    agent = agent if agent is not None else ThreadedAgent(agent_config(config, nvtx))  # nvtx: EngineConfig.nvtx
     try:
         # one (head, layer) run of a block is the unit every push is made of (NIXL prepares its lists in these units)
         region = agent.register(pool.tensor, name=POOL_REGION, unit_bytes=pool.run_bytes)

@@ -136,7 +136,7 @@ def rank_pool(worker) -> KVPool:
 
 class RankKV:
     def __init__(self, config: KVTransferConfig, pool: KVPool, rank: int, tp_size: int,
-                 report: Callable[[object], None], agent=None):
+                 report: Callable[[object], None], agent=None, nvtx: bool = False):
         self.config = config
         self.pool = pool
         self.rank = rank
@@ -144,7 +144,7 @@ class RankKV:
         self.report = report
         if config.port and agent is None:  # a fixed port: rank r listens on port + r
             config = replace(config, port=config.port + rank)
-        self.agent, self.region_id = start_agent(config, pool, agent)
+        self.agent, self.region_id = start_agent(config, pool, agent, nvtx)
         self.spec = transport_spec(config)
         self.head_bytes = pool.num_layers * pool.run_bytes  # one head of one block, every layer, K and V
         self.src_ranges = head_ranges(pool.total_kv_heads, tp_size)
@@ -469,7 +469,8 @@ def _kv(worker) -> RankKV:
 
 def kv_start(worker, config: KVTransferConfig, agent=None) -> dict:
     """Start this rank's agent over its pool; returns where peers reach it and which heads it holds."""
-    kv = RankKV(config, rank_pool(worker), worker.rank, worker.tp.size, worker.report, agent)
+    kv = RankKV(config, rank_pool(worker), worker.rank, worker.tp.size, worker.report, agent,
+                nvtx=bool(getattr(worker.config, "nvtx", False)))
     worker.extras["kv"] = kv
     return {"rank": worker.rank, "agent": kv.address, "heads": tuple(kv.pool.head_range)}
 
