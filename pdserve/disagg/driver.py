@@ -60,6 +60,8 @@ class DecodeDriver:
         self.session: aiohttp.ClientSession | None = None
         self.tasks: dict[str, asyncio.Task] = {}
         self.current: dict[str, str] = {}  # request id -> the prefill url working on it
+        # live requests whose prefill peer pushed the KV and answered: it writes none of their blocks any more
+        self.delivered: set[str] = set()
         self.timings: dict[str, dict] = {}
         llm.add_event_listener(self.on_event)
         llm.add_output_hook(self.on_output)
@@ -94,6 +96,7 @@ class DecodeDriver:
     def on_output(self, rid: str, out: RequestOutput) -> None:
         if not out.finished:
             return
+        self.delivered.discard(rid)
         t = self.timings.pop(rid, None)
         if t is not None:
             out.pd_timings = {k: t[k] for k in PUBLIC_TIMINGS if k in t}
@@ -105,6 +108,12 @@ class DecodeDriver:
         url = self.current.get(rid)
         if url is not None:
             self._spawn_abort(url, rid)
+        elif rid in self.delivered:
+            # the peer is done, but the engine may not have taken the KV notification yet: then the abort (sent
+            # before this listener runs) quarantined the blocks until the lease ends; free them now
+            self.delivered.discard(rid)
+            if self.llm.is_alive:
+                self.llm.remote_prefill_done(rid)
 
     def _spawn_abort(self, url: str, rid: str) -> None:
         if self.session is not None:
@@ -156,6 +165,8 @@ class DecodeDriver:
                         got = data.get("timings") or {}
                         timings.update(prefill_url=url, prefill_s=got.get("prefill_s"), push_s=got.get("push_s"),
                                        prefill_http_s=time.time() - t0)
+                        if self.llm.request_info(rid) is not None:  # (else `finally` tells the engine)
+                            self.delivered.add(rid)
                         return
                     err = data.get("error") if isinstance(data, dict) else data
                     why, peer_done = f"{url} answered {r.status}: {err}", True  # it answered: it writes no more
