@@ -379,16 +379,29 @@ def pool_whole(ld: dict | None, idle_free: int | None) -> bool:
             and not pd.get("pushes_in_flight") and not pd.get("waiting_for_kv"))
 
 
+def pool_summary(ld: dict | None) -> dict:
+    if not ld:
+        return {"answered": False}
+    pd = ld.get("pd") or {}
+    return {k: ld.get(k) for k in ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_remote",
+                                   "num_exporting")} | {"quarantine_blocks": pd.get("quarantine_blocks"),
+                                                        "pushes_in_flight": pd.get("pushes_in_flight"),
+                                                        "waiting_for_kv": pd.get("waiting_for_kv")}
+
+
 async def wait_pools_whole(session: aiohttp.ClientSession, urls: dict[str, str], idle: dict[str, int] | None,
-                           timeout: float) -> tuple[bool, float, dict[str, dict]]:
-    """(whole, seconds it took, the last /load of each instance)."""
+                           timeout: float) -> tuple[bool, float, dict[str, dict], dict[str, dict]]:
+    """(whole, seconds it took, the last /load of each instance, what was not whole at the first look)."""
     t0 = time.monotonic()
+    first: dict[str, dict] = {}
     while True:
         loads = {n: await get_json(session, u + "/load") for n, u in urls.items()}
-        if all(pool_whole(ld, (idle or {}).get(n)) for n, ld in loads.items()):
-            return True, time.monotonic() - t0, loads
+        not_whole = {n: pool_summary(ld) for n, ld in loads.items() if not pool_whole(ld, (idle or {}).get(n))}
+        if not not_whole:
+            return True, time.monotonic() - t0, loads, first
+        first = first or not_whole
         if time.monotonic() - t0 > timeout:
-            return False, time.monotonic() - t0, loads
+            return False, time.monotonic() - t0, loads, first
         await asyncio.sleep(0.2)
 
 
@@ -452,6 +465,7 @@ class Rep:
     pools_whole: bool = False
     pools_whole_after_s: float | None = None  # load stopped -> every pool whole
     pools: dict[str, dict] = field(default_factory=dict)  # idle and final free/total blocks per instance
+    pools_not_whole_at_stop: dict[str, dict] = field(default_factory=dict)  # when the load stopped, if any
     pd_after: bool | None = None  # requests were disaggregated again after the kill
     errors: dict[str, int] = field(default_factory=dict)  # clean errors by kind
     lost_kinds: dict[str, int] = field(default_factory=dict)
@@ -463,7 +477,7 @@ async def run_rep(dep: Deployment, session: aiohttp.ClientSession, scenario: str
     out = Rep(scenario, rep)
     router = dep.own_router_url if scenario == "router" else dep.router_url
     await wait_router_ready(session, router, args.recovery_timeout)
-    ok, _, loads = await wait_pools_whole(session, dep.urls, None, args.pool_timeout)
+    ok, _, loads, _ = await wait_pools_whole(session, dep.urls, None, args.pool_timeout)
     if not ok:
         raise RuntimeError(f"pools not whole before {scenario} rep {rep}: {loads}")
     idle = {n: ld["num_free_blocks"] for n, ld in loads.items()}
@@ -515,8 +529,8 @@ async def run_rep(dep: Deployment, session: aiohttp.ClientSession, scenario: str
             out.restart_serving_s = out.recovery_s
     finally:
         await load.stop()
-    ok, took, loads = await wait_pools_whole(session, dep.urls, idle, args.pool_timeout)
-    out.pools_whole, out.pools_whole_after_s = ok, round(took, 2)
+    ok, took, loads, first = await wait_pools_whole(session, dep.urls, idle, args.pool_timeout)
+    out.pools_whole, out.pools_whole_after_s, out.pools_not_whole_at_stop = ok, round(took, 2), first
     out.pools = {n: {"idle_free": idle[n], "free": (ld or {}).get("num_free_blocks"),
                      "total": (ld or {}).get("num_total_blocks"),
                      "quarantine": ((ld or {}).get("pd") or {}).get("quarantine_blocks")} for n, ld in loads.items()}
