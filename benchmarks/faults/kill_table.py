@@ -467,6 +467,7 @@ class Rep:
     pools: dict[str, dict] = field(default_factory=dict)  # idle and final free/total blocks per instance
     pools_not_whole_at_stop: dict[str, dict] = field(default_factory=dict)  # when the load stopped, if any
     pd_after: bool | None = None  # requests were disaggregated again after the kill
+    loadavg_1m: float | None = None  # the machine's load at the kill (CPU timings depend on what else runs)
     errors: dict[str, int] = field(default_factory=dict)  # clean errors by kind
     lost_kinds: dict[str, int] = field(default_factory=dict)
     note: str = ""
@@ -491,6 +492,7 @@ async def run_rep(dep: Deployment, session: aiohttp.ClientSession, scenario: str
                                  args.recovery_timeout, "requests completing before the kill")
         await asyncio.sleep(args.warmup)
         pd_before = await router_pd_ok(session, router)
+        out.loadavg_1m = round(os.getloadavg()[0], 2)
         restarted = None
         if scenario == "router":
             dep.router.kill9()
@@ -622,7 +624,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--concurrency", type=int, default=4, help="clients sending requests back to back")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--deadline", type=float, default=60.0, help="seconds a request may take before it counts as lost")
+    p.add_argument("--deadline", type=float, default=120.0, help="seconds a request may take before it counts as lost")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before the kill")
     p.add_argument("--settle", type=float, default=3.0, help="seconds of load after recovery")
     p.add_argument("--recovery-timeout", type=float, default=180.0)
