@@ -80,6 +80,8 @@ class DecodeDriver:
     def on_event(self, ev: PDEvent) -> None:
         info = self.llm.request_info(ev.request_id)
         if info is None:
+            if isinstance(ev, KVReserved):
+                self._never_ordered(ev.request_id)
             return
         t = self.timings.setdefault(ev.request_id, {"t_arrival": info.arrival_time})
         if isinstance(ev, KVReserved):
@@ -115,6 +117,13 @@ class DecodeDriver:
             if self.llm.is_alive:
                 self.llm.remote_prefill_done(rid)
 
+    def _never_ordered(self, rid: str) -> None:
+        """The client left while the engine reserved the request's blocks (its abort, sent before, crossed the
+        reservation): the engine quarantined them until the lease ends, and no prefill peer was asked to write
+        them. Free them now."""
+        if self.llm.is_alive:
+            self.llm.remote_prefill_done(rid)
+
     def _spawn_abort(self, url: str, rid: str) -> None:
         if self.session is not None:
             asyncio.get_running_loop().create_task(self._abort_remote(url, rid))
@@ -141,6 +150,9 @@ class DecodeDriver:
         rid = ev.request_id
         info = self.llm.request_info(rid)
         if info is None or info.kv is None:
+            self.tasks.pop(rid, None)
+            if info is None:  # aborted before this task ran: no order went out
+                self._never_ordered(rid)
             return
         cfg = self.config
         urls = list(info.kv.prefill_urls)[: cfg.order_max_attempts]

@@ -1,10 +1,12 @@
-"""The decode side's order driver tells its engine when the prefill peer of an aborted request is done with the
-reserved blocks, so they leave quarantine at once instead of at the end of the KV lease (30 s by default).
+"""The decode side's order driver tells its engine when nobody writes into the reserved blocks of an aborted
+request any more, so they leave quarantine at once instead of at the end of the KV lease (30 s by default).
 
-The case the kill tests (benchmarks/faults/kill_table.py) found: a router dies, so the decode instance's clients
-go away, just after a prefill peer pushed the KV and answered its order but before the engine admitted the
-request. The engine's abort quarantines the blocks (it does not know the peer is done) and drops the request's
-late KV notification; only the driver knows the peer answered."""
+The kill tests (benchmarks/faults/kill_table.py) saw it: a router dies, so the decode instance's clients go away,
+and now and then one request's blocks stayed quarantined for the whole lease. The engine's abort of a request
+waiting for its KV quarantines the blocks (it cannot know whether a peer still writes) and drops the request's late
+KV notification; only the driver knows whether a peer was ordered and has answered. Two ways to get there: the
+client leaves after the prefill peer answered but before the engine took the KV notification, or its abort
+crosses the engine's reservation (no order ever went out)."""
 
 from __future__ import annotations
 
@@ -132,6 +134,44 @@ def test_abort_while_the_order_is_out_is_released_once_the_peer_answers():
             gate.set()
             await until(lambda: not driver.tasks)
             assert llm.told == [("done", "r1")] and not driver.delivered
+        finally:
+            await driver.close()
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_client_gone_while_the_engine_reserved_frees_the_blocks_without_an_order():
+    """The abort crossed the reservation: the engine quarantined blocks nobody was asked to write."""
+
+    async def main():
+        orders = []
+
+        async def order(request: web.Request) -> web.Response:
+            orders.append(await request.read())
+            return web.json_response({"ok": True, "first_token": 7, "timings": {}})
+
+        app = web.Application()
+        app.router.add_post(PREFILL_ROUTE, order)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        llm = FakeLLM()
+        driver = DecodeDriver(llm, KVTransferConfig(role="decode"))
+        await driver.start()
+        try:
+            # the stream was gone when the reservation reached the server
+            dest = KVDestination("r1", (3, 4), (KVRankDest("127.0.0.1:1", 0, 1),))
+            llm.on_event(KVReserved("r1", dest, 0, time.time(), 0.0))
+            assert llm.told == [("done", "r1")] and not driver.tasks
+            # the stream closed after the reservation arrived but before the order went out
+            reserve(llm, "r2", url)
+            llm.close_stream("r2")
+            await until(lambda: not driver.tasks)
+            assert llm.told == [("done", "r1"), ("done", "r2")]
+            assert orders == []  # no prefill peer was asked to write into them
         finally:
             await driver.close()
             await runner.cleanup()
