@@ -170,14 +170,15 @@ def faults() -> None:
           f"streaming and not, {st['max_tokens']} tokens each, deadline {st['deadline_s']:.0f} s). Lost must be 0."
           + _loads(k["reps"]) + "\n")
     print("| kill | rep | sent | completed | clean errors | lost | recovery s | restarted instance healthy / "
-          "serving s | pools whole (s after the load stopped) |\n|---|---|---|---|---|---|---|---|---|")
+          "serving s | pools whole (s after the load stopped) | processes left behind |"
+          "\n|---|---|---|---|---|---|---|---|---|---|")
     names = {"decode": "decode instance", "prefill": "prefill instance", "router": "router (restarted at once)"}
     for r in k["reps"]:
         restart = "-" if r["scenario"] == "router" else \
             f"{_fmt(r['restart_healthy_s'])} / {_fmt(r['restart_serving_s'])}"
         whole = f"yes ({r['pools_whole_after_s']:.1f})" if r["pools_whole"] else "**no**"
         print(f"| {names[r['scenario']]} | {r['rep']} | {r['sent']} | {r['completed']} | {r['clean_errors']} | "
-              f"{r['lost']} | {_fmt(r['recovery_s'])} | {restart} | {whole} |")
+              f"{r['lost']} | {_fmt(r['recovery_s'])} | {restart} | {whole} | {len(r.get('left_behind', []))} |")
     print()
     for s, t in k["totals"].items():
         kinds: dict[str, int] = {}

@@ -17,7 +17,9 @@ error event or a finish, a 200 with a partial answer, an error without a JSON er
 recovery (kill -> the first request sent after the kill that completed), for instance kills the time until the
 launcher's new instance answers /health and until it has served (its /load shows engine steps), and whether every
 instance's KV pool is whole afterwards (/load: free blocks back to the idle value, which is every block, nothing
-running, waiting, importing, exporting or quarantined).
+running, waiting, importing, exporting or quarantined), and which processes of the killed one were still running at
+the end of the repetition (its process group: an instance's engine process and tokenizer workers must end with it).
+SIGKILL goes to the process itself, not to its group, as the OOM killer or an operator would send it.
 
 While the router process is dead its clients get connection refused (or, for requests in flight, a connection
 reset): in the router scenario those count as clean errors, since the client sees an error at once; in the
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = Path(__file__).resolve().parent / "results_cpu"
@@ -114,7 +117,9 @@ class Proc:
             await asyncio.sleep(0.05)
 
     def kill9(self) -> None:
-        killpg(self.pid, signal.SIGKILL)
+        """SIGKILL to the process itself (not its group), as the OOM killer or an operator would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
 
     def stop(self, grace: float = 20.0, sig: int = signal.SIGTERM) -> None:
         """`sig` to the group, then SIGKILL to the group after `grace`."""
@@ -132,6 +137,18 @@ class Proc:
 def killpg(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def group_left(pgid: int) -> list[str]:
+    """Command lines of the processes still in process group `pgid` (what a killed process left behind)."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getpgid(p.info["pid"]) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(" ".join(p.info["cmdline"] or [])[:160])
+        except (ProcessLookupError, psutil.Error, OSError):
+            pass
+    return out
 
 
 def free_port() -> int:
@@ -467,6 +484,7 @@ class Rep:
     pools: dict[str, dict] = field(default_factory=dict)  # idle and final free/total blocks per instance
     pools_not_whole_at_stop: dict[str, dict] = field(default_factory=dict)  # when the load stopped, if any
     pd_after: bool | None = None  # requests were disaggregated again after the kill
+    left_behind: list[str] = field(default_factory=list)  # processes of the killed one still running at the end
     loadavg_1m: float | None = None  # the machine's load at the kill (CPU timings depend on what else runs)
     errors: dict[str, int] = field(default_factory=dict)  # clean errors by kind
     lost_kinds: dict[str, int] = field(default_factory=dict)
@@ -487,6 +505,7 @@ async def run_rep(dep: Deployment, session: aiohttp.ClientSession, scenario: str
                 seed=100 * SCENARIOS.index(scenario) + rep)
     load.start()
     t_kill = time.monotonic()
+    killed = 0
     try:
         await wait_for_condition(lambda: sum(r.outcome == "completed" for r in load.results) >= args.concurrency,
                                  args.recovery_timeout, "requests completing before the kill")
@@ -495,9 +514,11 @@ async def run_rep(dep: Deployment, session: aiohttp.ClientSession, scenario: str
         out.loadavg_1m = round(os.getloadavg()[0], 2)
         restarted = None
         if scenario == "router":
+            killed = dep.router.pid
             dep.router.kill9()
             t_kill = time.monotonic()
-            dep.router.stop(grace=5)  # reaped
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                dep.router.popen.wait(timeout=5)  # reaped (what it left in its group is looked for at the end)
             if args.router_downtime:
                 await asyncio.sleep(args.router_downtime)
             await dep.start_router()
@@ -506,7 +527,9 @@ async def run_rep(dep: Deployment, session: aiohttp.ClientSession, scenario: str
         else:
             name = f"{scenario}0"
             mark = len(dep.launcher.lines)
-            killpg(dep.pid(name), signal.SIGKILL)
+            killed = dep.pid(name)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(killed, signal.SIGKILL)  # the instance's process, as the OOM killer or an operator would
             t_kill = time.monotonic()
             restarted = asyncio.create_task(dep.await_restart(name, mark, args.recovery_timeout))
             waiting = asyncio.create_task(wait_instance(session, dep.urls[name], t_kill, args.recovery_timeout))
@@ -531,6 +554,9 @@ async def run_rep(dep: Deployment, session: aiohttp.ClientSession, scenario: str
             out.restart_serving_s = out.recovery_s
     finally:
         await load.stop()
+    if killed:  # its own process group (the launcher and this script start each process in a new session)
+        out.left_behind = group_left(killed)
+        killpg(killed, signal.SIGKILL)  # do not let them pile up over the repetitions
     ok, took, loads, first = await wait_pools_whole(session, dep.urls, idle, args.pool_timeout)
     out.pools_whole, out.pools_whole_after_s, out.pools_not_whole_at_stop = ok, round(took, 2), first
     out.pools = {n: {"idle_free": idle[n], "free": (ld or {}).get("num_free_blocks"),
@@ -595,8 +621,8 @@ def _s(x: float | None) -> str:
 
 
 COLUMNS = ("| scenario | rep | sent | completed | clean errors | lost | recovery s (kill -> first success) | "
-           "restarted instance healthy / serving s | pools whole (s after load stopped) |\n"
-           "|---|---|---|---|---|---|---|---|---|")
+           "restarted instance healthy / serving s | pools whole (s after load stopped) | processes left behind |\n"
+           "|---|---|---|---|---|---|---|---|---|---|")
 NAMES = {"decode": "kill -9 decode", "prefill": "kill -9 prefill", "router": "kill -9 + restart router"}
 
 
@@ -606,7 +632,7 @@ def table(reps: list[dict]) -> str:
         restart = "-" if r["scenario"] == "router" else f"{_s(r['restart_healthy_s'])} / {_s(r['restart_serving_s'])}"
         whole = f"yes ({r['pools_whole_after_s']:.1f})" if r["pools_whole"] else "**no**"
         rows.append(f"| {NAMES[r['scenario']]} | {r['rep']} | {r['sent']} | {r['completed']} | {r['clean_errors']} | "
-                    f"{r['lost']} | {_s(r['recovery_s'])} | {restart} | {whole} |")
+                    f"{r['lost']} | {_s(r['recovery_s'])} | {restart} | {whole} | {len(r['left_behind'])} |")
     return "\n".join(rows)
 
 
@@ -664,6 +690,7 @@ def run(args: argparse.Namespace) -> dict:
         mine = [r for r in rows if r["scenario"] == s]
         totals[s] = {k: sum(r[k] for r in mine) for k in ("sent", "completed", "clean_errors", "lost")}
         totals[s]["pools_whole"] = all(r["pools_whole"] for r in mine)
+        totals[s]["left_behind"] = sum(len(r["left_behind"]) for r in mine)
         rec = [r["recovery_s"] for r in mine if r["recovery_s"] is not None]
         totals[s]["recovery_s_max"] = max(rec) if rec else None
     return {
@@ -693,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(md + "\n")
     print(md)
     print(f"\nwritten: {out} and {out.with_suffix('.md')}; process logs in {result['logs']}")
-    return 0 if all(t["lost"] == 0 and t["pools_whole"] for t in result["totals"].values()) else 1
+    return 0 if all(t["lost"] == 0 and t["pools_whole"] and not t["left_behind"]
+                    for t in result["totals"].values()) else 1
 
 
 if __name__ == "__main__":

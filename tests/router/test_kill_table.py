@@ -2,7 +2,8 @@
 --decode 1`, tiny random-weight Gemma 3 on CPU) under steady load; kill -9 the decode instance, then the prefill
 instance (the launcher restarts each), then kill -9 and restart a router of its own process in front of the same
 instances. No request may be lost (each completes or gets a clean error), every KV pool must be whole afterwards,
-requests are disaggregated again after each kill, and the launcher's restarted instances serve."""
+requests are disaggregated again after each kill, the launcher's restarted instances serve, and no process of a
+killed one is left running."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def test_kill_decode_prefill_and_router_lose_nothing_and_leave_pools_whole(tmp_p
         assert r["sent"] == r["completed"] + r["clean_errors"] and r["completed"] > 0, r
         assert r["recovery_s"] is not None and r["pd_after"], (name, r)
         assert not r["note"], r
+        assert r["left_behind"] == [], (name, r["left_behind"])  # the killed process's helpers ended with it
     for name in ("decode", "prefill"):  # the launcher restarted the instance, which then served
         assert reps[name]["restart_healthy_s"] is not None and reps[name]["restart_serving_s"] is not None, reps[name]
     assert reps["decode"]["clean_errors"] > 0  # one decode instance: clients saw its death as errors, not silence
