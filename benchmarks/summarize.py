@@ -206,6 +206,42 @@ def session4() -> None:
             print(f"| {label} | {n} | {h * 1e3:.2f} | {tr * 1e3:.1f} | {ta * 1e3:.1f} | {(tr - ta) * 1e3:+.1f} |")
 
 
+def faults() -> None:
+    k = load("faults/results_cpu/kill_table.json")
+    st = k["settings"]
+    print(f"`{k['command']}` (commit {k['git_commit']}, {k['date'][:10]}, {k['machine']['cpus']} CPU cores shared "
+          f"with other work): `pdserve serve --prefill 1 --decode 1` with the default model (Gemma 3 270M) on CPU, "
+          f"instance flags `{' '.join(st['instance_args'])}`, router flags `{' '.join(st['router_args'])}` (every "
+          f"request disaggregated); {st['concurrency']} clients send requests back to back (completions and chat, "
+          f"streaming and not, {st['max_tokens']} tokens each, deadline {st['deadline_s']:.0f} s). Lost must be 0."
+          + _loads(k["reps"]) + "\n")
+    print("| kill | rep | sent | completed | clean errors | lost | recovery s | restarted instance healthy / "
+          "serving s | pools whole (s after the load stopped) | processes left behind |"
+          "\n|---|---|---|---|---|---|---|---|---|---|")
+    names = {"decode": "decode instance", "prefill": "prefill instance", "router": "router (restarted at once)"}
+    for r in k["reps"]:
+        restart = "-" if r["scenario"] == "router" else \
+            f"{_fmt(r['restart_healthy_s'])} / {_fmt(r['restart_serving_s'])}"
+        whole = f"yes ({r['pools_whole_after_s']:.1f})" if r["pools_whole"] else "**no**"
+        print(f"| {names[r['scenario']]} | {r['rep']} | {r['sent']} | {r['completed']} | {r['clean_errors']} | "
+              f"{r['lost']} | {_fmt(r['recovery_s'])} | {restart} | {whole} | {len(r.get('left_behind', []))} |")
+    print()
+    for s, t in k["totals"].items():
+        kinds: dict[str, int] = {}
+        for r in k["reps"]:
+            if r["scenario"] == s:
+                for what, n in r["errors"].items():
+                    kinds[what] = kinds.get(what, 0) + n
+        print(f"- {names[s]}: {t['sent']} sent, {t['completed']} completed, {t['clean_errors']} clean errors "
+              f"({', '.join(f'{n} {w}' for w, n in sorted(kinds.items(), key=lambda x: -x[1])) or 'none'}), "
+              f"{t['lost']} lost; pools whole after every repetition: {'yes' if t['pools_whole'] else 'NO'}")
+
+
+def _loads(reps: list[dict]) -> str:
+    la = [r["loadavg_1m"] for r in reps if r.get("loadavg_1m") is not None]
+    return f" Load average at the kills: {min(la):.1f} to {max(la):.1f}." if la else ""
+
+
 def _fmt(x) -> str:
     if x is None:
         return "-"
@@ -225,3 +261,5 @@ if __name__ == "__main__":
     handover()
     server()
     search()
+    print()
+    faults()

@@ -65,6 +65,8 @@ class DecodeDriver:
         self.session: aiohttp.ClientSession | None = None
         self.tasks: dict[str, asyncio.Task] = {}
         self.current: dict[str, str] = {}  # request id -> the prefill url working on it
+        # live requests whose prefill peer pushed the KV and answered: it writes none of their blocks any more
+        self.delivered: set[str] = set()
         self.timings: dict[str, dict] = {}
         llm.add_event_listener(self.on_event)
         llm.add_output_hook(self.on_output)
@@ -83,6 +85,8 @@ class DecodeDriver:
     def on_event(self, ev: PDEvent) -> None:
         info = self.llm.request_info(ev.request_id)
         if info is None:
+            if isinstance(ev, KVReserved):
+                self._never_ordered(ev.request_id)
             return
         t = self.timings.setdefault(ev.request_id, {"t_arrival": info.arrival_time})
         if isinstance(ev, KVReserved):
@@ -99,6 +103,7 @@ class DecodeDriver:
     def on_output(self, rid: str, out: RequestOutput) -> None:
         if not out.finished:
             return
+        self.delivered.discard(rid)
         t = self.timings.pop(rid, None)
         if t is not None:
             out.pd_timings = {k: t[k] for k in PUBLIC_TIMINGS if k in t}
@@ -110,6 +115,19 @@ class DecodeDriver:
         url = self.current.get(rid)
         if url is not None:
             self._spawn_abort(url, rid)
+        elif rid in self.delivered:
+            # the peer is done, but the engine may not have taken the KV notification yet: then the abort (sent
+            # before this listener runs) quarantined the blocks until the lease ends; free them now
+            self.delivered.discard(rid)
+            if self.llm.is_alive:
+                self.llm.remote_prefill_done(rid)
+
+    def _never_ordered(self, rid: str) -> None:
+        """The client left while the engine reserved the request's blocks (its abort, sent before, crossed the
+        reservation): the engine quarantined them until the lease ends, and no prefill peer was asked to write
+        them. Free them now."""
+        if self.llm.is_alive:
+            self.llm.remote_prefill_done(rid)
 
     def _spawn_abort(self, url: str, rid: str) -> None:
         if self.session is not None:
@@ -137,6 +155,9 @@ class DecodeDriver:
         rid = ev.request_id
         info = self.llm.request_info(rid)
         if info is None or info.kv is None:
+            self.tasks.pop(rid, None)
+            if info is None:  # aborted before this task ran: no order went out
+                self._never_ordered(rid)
             return
         cfg = self.config
         urls = list(info.kv.prefill_urls)[: cfg.order_max_attempts]
@@ -163,6 +184,8 @@ class DecodeDriver:
                         timings.update(prefill_url=url, prefill_s=got.get("prefill_s"), push_s=got.get("push_s"),
                                        prefill_http_s=time.time() - t0,
                                        transport=tr if isinstance(tr, str) and len(tr) <= MAX_TRANSPORT_NAME else None)
+                        if self.llm.request_info(rid) is not None:  # (else `finally` tells the engine)
+                            self.delivered.add(rid)
                         return
                     err = data.get("error") if isinstance(data, dict) else data
                     why, peer_done = f"{url} answered {r.status}: {err}", True  # it answered: it writes no more

@@ -24,7 +24,6 @@ import os
 import pickle
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.parent_watch import exit_with_parent
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_inputs import StepPlan
 from pdserve.model.loader import ModelSource, build_model
@@ -210,28 +210,6 @@ def pin_cpus(cpus: tuple[int, ...]) -> None:
         torch.set_num_threads(len(cpus))
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """End this process as soon as rank 0's process ends (even while the main thread is inside a collective)."""
-    if os.getppid() != parent_pid:
-        os._exit(3)
-
-    def watch() -> None:
-        try:
-            fd = os.pidfd_open(parent_pid)
-        except (AttributeError, OSError):
-            fd = None
-        if fd is not None:
-            import select
-
-            select.select([fd], [], [])
-        else:
-            while os.getppid() == parent_pid:
-                time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="pdserve-parent-watch", daemon=True).start()
-
-
 def _recv_control(conn: Connection):
     buf = conn.recv_bytes()
     if int.from_bytes(buf[:8], "little") != TAG_CONTROL:
@@ -311,7 +289,7 @@ def main(fd: int, report_fd: int) -> int:
         print("pdserve worker: no WorkerInit from rank 0", file=sys.stderr)
         return 2
     init: WorkerInit = _recv_control(conn)
-    _exit_with_parent(init.parent_pid)
+    exit_with_parent(init.parent_pid)
     logging.basicConfig(level=init.config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s tp-rank{init.rank}: %(message)s")
     try:

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing as mp
+import os
 import signal
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -26,9 +27,13 @@ INLINE_CHARS = 4096  # at most a few ms of encoding with the GIL held
 _WORKER_TOKENIZER: Any = None
 
 
-def _worker_init(path: str) -> None:
+def _worker_init(path: str, server_pid: int | None = None) -> None:
     global _WORKER_TOKENIZER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it shuts the pool down
+    if server_pid is not None:  # a SIGKILLed server cannot shut the pool down: end with it
+        from pdserve.engine.parent_watch import exit_with_parent
+
+        exit_with_parent(server_pid)
     from pdserve.engine.tokenizer import Tokenizer
 
     _WORKER_TOKENIZER = Tokenizer.load(path)
@@ -95,7 +100,7 @@ class TokenizerService:
 
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
-                                                      initializer=_worker_init, initargs=(self.path,))
+                                                      initializer=_worker_init, initargs=(self.path, os.getpid()))
 
     async def close(self) -> None:
         if self._pool is not None:
