@@ -201,6 +201,9 @@ class RankKV:
         link = self._peers.get(address)
         if link is None:
             name = await self.agent.agent.connect(address)
+            link = self._peers.get(address)  # a dial and a push may both have waited for the same connection
+            if link is not None and link.name == name:
+                return link
             choice = self.agent.agent.peer_transport(name)
             if choice["transport"] == "none":
                 why = "; ".join(f"{k}: {v}" for k, v in choice["unavailable"].items()) or "no transport applies"
@@ -211,12 +214,9 @@ class RankKV:
         return link
 
     def _connected(self, address: str) -> PeerLink | None:
-        """The link to `address` when it is connected now (a lost peer's link is dropped by `_on_peer_lost`)."""
-        f = self._connects.get(address)
-        if f is None or not f.done() or f.cancelled() or f.exception() is not None:
-            return None
-        link = f.result()
-        return link if self._peers.get(address) is link else None
+        """The link to `address` when it is connected now (made by a dial or a push; a lost peer's link is dropped
+        by `_on_peer_lost`)."""
+        return self._peers.get(address)
 
     def _transport_to(self, address: str) -> str:
         """The transport of the link to `address`, or this instance's configured one (for counting a pair that

@@ -43,6 +43,9 @@ class Fabric:
 
     def close(self) -> None:
         self.gate.set()
+        # let what was submitted last start (and the dials finish) before the loop stops: a coroutine submitted but
+        # never started is reported as never awaited when it is collected, in whatever test runs then
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 
