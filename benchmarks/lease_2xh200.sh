@@ -25,6 +25,14 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$W/pip.txt" 2>&
 nvidia-smi -L > "$W/gpus.txt" 2>&1
 t0=$(date +%s)
 SBS="benchmarks/vs_vllm/side_by_side.sh"
+transport_wheels() {  # Mooncake's .deb libraries unpacked and its wheel, NIXL's wheels (nx0 + nx1 joined), under /tmp
+  mkdir -p /tmp/mcroot && for f in .mc/*.deb; do dpkg -x "$f" /tmp/mcroot; done
+  export LD_LIBRARY_PATH="/tmp/mcroot/usr/lib/x86_64-linux-gnu:/tmp/mcroot/usr/lib/x86_64-linux-gnu/libibverbs:${LD_LIBRARY_PATH:-}"
+  mkdir -p /tmp/mcw && cp .mc/*.whl /tmp/mcw/
+  mkdir -p /tmp/nixlw; cp .vllm-stage/nixl/*.whl /tmp/nixlw/ 2>/dev/null
+  [ -f .vllm-stage/nx0/nxpart00 ] && cat .vllm-stage/nx0/nxpart00 .vllm-stage/nx1/nxpart01 \
+    > /tmp/nixlw/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
+}
 case $STAGE in
   engine)
     timeout 300 python3 benchmarks/engine/async_check.py --model qwen3-8b --out "$W/async_check.json" 2>&1 \
@@ -40,11 +48,7 @@ case $STAGE in
     WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS pd-pdserve pd-vllm \
       2>&1 | tail -25 ;;
   verify_xfer)
-    mkdir -p /tmp/mcroot && for f in .mc/*.deb; do dpkg -x "$f" /tmp/mcroot; done
-    export LD_LIBRARY_PATH="/tmp/mcroot/usr/lib/x86_64-linux-gnu:/tmp/mcroot/usr/lib/x86_64-linux-gnu/libibverbs:${LD_LIBRARY_PATH:-}"
-    mkdir -p /tmp/mcw && cp .mc/*.whl /tmp/mcw/
-    S=.vllm-stage; mkdir -p /tmp/nixlw; cp $S/nixl/*.whl /tmp/nixlw/ 2>/dev/null
-    [ -f $S/nx0/nxpart00 ] && cat $S/nx0/nxpart00 $S/nx1/nxpart01 > /tmp/nixlw/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
+    S=.vllm-stage; transport_wheels
     echo "== 2-GPU tests"
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv tests/disagg tests/parallel 2>&1 \
       | tee "$W/gpu_tests_2gpu.txt" | grep -v "^\.*$" | tail -12
@@ -73,11 +77,7 @@ case $STAGE in
       STAGE=.vllm-stage timeout 540 bash $SBS single 2>&1 | tail -25
     tar czf "$OUT/moeclients.tgz" -C "$OUT" moeclients ;;
   transfer)
-    mkdir -p /tmp/mcroot && for f in .mc/*.deb; do dpkg -x "$f" /tmp/mcroot; done
-    export LD_LIBRARY_PATH="/tmp/mcroot/usr/lib/x86_64-linux-gnu:/tmp/mcroot/usr/lib/x86_64-linux-gnu/libibverbs:${LD_LIBRARY_PATH:-}"
-    mkdir -p /tmp/mcw && cp .mc/*.whl /tmp/mcw/
-    S=.vllm-stage; mkdir -p /tmp/nixlw; cp $S/nixl/*.whl /tmp/nixlw/ 2>/dev/null
-    [ -f $S/nx0/nxpart00 ] && cat $S/nx0/nxpart00 $S/nx1/nxpart01 > /tmp/nixlw/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
+    S=.vllm-stage; transport_wheels
     NIXL_WHEELS=/tmp/nixlw MOONCAKE_WHEELS=/tmp/mcw OUT=$W timeout 420 bash benchmarks/transfer/run_2xh200.sh 2>&1 | tail -40
     echo "== PD GPU tests"
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv tests/disagg tests/parallel 2>&1 \
