@@ -9,6 +9,7 @@
 #   workload, every transport in one table (--transport all), the NCCL memory check (256 handovers of 8192 tokens in
 #   flight: peak GPU memory before and during), and cuda_ipc / nccl between processes that each see only their own
 #   GPU (CUDA_VISIBLE_DEVICES=0 and =1; the pools allocated with pdserve.kv.vmm).
+# The transports PD instances choose from, in one table with the nccl memory check: RUNS="all_transports nccl_memcheck".
 # Writes one JSON per run into $OUT and prints a summary table (and the pass/fail of the targets) last.
 #   usage: OUT=/some/dir bash benchmarks/transfer/run_2xh200.sh
 set -uo pipefail

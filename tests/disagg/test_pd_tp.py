@@ -9,15 +9,13 @@ on every push and counted per peer on both sides."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.messages import ExportFinished, ExportParams, KVAdmitted, KVFallback, KVReserved
+from pdserve.engine.messages import ExportFinished, KVAdmitted, KVFallback
 from pdserve.sampling_params import SamplingParams
-from tests.disagg.test_pd_sides import IMPORT, PROMPT, Node, colocated, until
+from tests.disagg.test_pd_sides import PROMPT, Node, colocated, handover, until
 from tests.engine.tiny_models import write_tiny_model
 from tests.kv.test_kv_optin import MOONCAKE
 
@@ -93,14 +91,6 @@ def grants(worker, rid: str) -> int:
 def revoke(worker, rid: str, rank: int) -> None:
     if worker.rank == rank:
         worker.extras["kv"].revoke(rid)
-
-
-def handover(p: Node, d: Node, rid: str, prompt: list[int], params: SamplingParams) -> KVReserved:
-    d.core.add_request(rid, prompt, params, IMPORT)
-    until(lambda: d.event(KVReserved, rid) is not None, d)
-    ev = d.event(KVReserved, rid)
-    p.core.add_request("p-" + rid, prompt, dataclasses.replace(params, max_tokens=1), ExportParams(ev.dest))
-    return ev
 
 
 def whole(*nodes: Node, rids=()) -> None:
