@@ -15,6 +15,10 @@
 #              agent, the memory checks, GPU-isolated processes)
 #   verify_pd  the 1P1D handover and TTFT (benchmarks/router/pd_handover.py) with every GPU visible, with each
 #              instance seeing only its own (--isolate-gpus), and with an fp8 KV cache
+#   tp_tests   the TP GPU tests (TP=2 vs TP=1 with graphs, a rank killed, prefill TP=1 -> decode TP=2 over cuda_ipc)
+#              with their tracebacks; decode step times at TP=1 and TP=2 (benchmarks/engine/bench_tp.py)
+#   tp_sbs     vLLM -tp 2, then pdserve -tp 2, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16), each measured by vLLM's
+#              client and then by pdserve's
 #   moeclients dummy Qwen3-30B-A3B with --kv-cache-dtype fp8 side by side (vLLM with FLASH_ATTN), each server measured
 #              by vLLM's client and then by pdserve's (`pdserve bench serve`), back to back
 set -uo pipefail
@@ -43,7 +47,22 @@ case $STAGE in
     WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS single 2>&1 | tail -25 ;;
   moe)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" MODEL=.vllm-stage/model-moe VLLM_ARGS="--kv-cache-dtype fp8 --attention-backend FLASH_ATTN" \
-      PDSERVE_ARGS="--kv-cache-dtype fp8" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS single 2>&1 | tail -25 ;;
+      PDSERVE_ARGS="--kv-cache-dtype fp8" OUT=$W STAGE=.vllm-stage VLLM_USE_FLASHINFER_SAMPLER=0 \
+      timeout 560 bash $SBS single 2>&1 | tail -25
+    tar czf "$OUT/moe.tgz" -C "$OUT" moe ;;
+  tp_tests)
+    echo "== 2-GPU TP tests"
+    timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=10 \
+      tests/disagg/test_pd_tp_gpu.py tests/parallel 2>&1 | tee "$W/gpu_tests_tp.txt" | tail -60
+    echo "== TP step times"
+    timeout 200 python3 benchmarks/engine/bench_tp.py --model qwen3-8b --load-format dummy --out "$W/tp_qwen3-8b.json" \
+      > "$W/bench_tp.txt" 2>&1; grep -v " INFO " "$W/bench_tp.txt" | tail -14
+    tar czf "$OUT/tp_tests.tgz" -C "$OUT" tp_tests ;;
+  tp_sbs)
+    WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="vllm pdserve" TP=2 OUT=$W STAGE=.vllm-stage \
+      VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 bash $SBS tp 2>&1 | tail -25
+    for f in "$W"/*.log; do gzip -f "$f"; done
+    tar czf "$OUT/tp_sbs.tgz" -C "$OUT" tp_sbs ;;
   pd)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS pd-pdserve pd-vllm \
       2>&1 | tail -25 ;;

@@ -5,6 +5,7 @@
 #
 #   OUT=$OUT STAGE=.vllm-stage bash benchmarks/vs_vllm/side_by_side.sh MODE [MODE ...]
 # MODE: single (vLLM on GPU 0, pdserve on GPU 1 at once; SINGLE_GPU=1: one after the other on GPU 0),
+#       tp (vLLM then pdserve, each with --tensor-parallel-size $TP, default 2, on GPUs 0..TP-1),
 #       pd-vllm (1P1D NixlConnector), pd-pdserve (`pdserve serve --prefill 1 --decode 1`),
 #       colo-vllm / colo-pdserve (two colocated instances behind a proxy / `pdserve serve --both 2`).
 # Knobs: CLIENTS ("vllm pdserve": each workload measured by vLLM's client, then by `pdserve bench serve` into
@@ -40,14 +41,26 @@ NAME=qwen3-dummy
 VCOMMON="$M --load-format dummy --max-model-len $MAXLEN --gpu-memory-utilization 0.9 --served-model-name $NAME ${VLLM_ARGS:-}"
 PCOMMON="--model $M --load-format dummy --max-model-len $MAXLEN --gpu-memory-utilization 0.9 --served-model-name $NAME ${PDSERVE_ARGS:-}"
 
-# NAME PORT LOG T0: wait for /health, answer one completion, record start-up seconds and the KV capacity
+# NAME PORT LOG T0 [PID]: wait for /health, answer one completion, record start-up seconds and the KV capacity;
+# gives up at once when the server process PID has exited (its log's tail is printed)
 ready() {
-  local name=$1 port=$2 log=$3 t0=$4
-  python3 - "$name" "$port" "$log" "$t0" "$OUT" <<'PY'
-import json, re, sys, time, urllib.request
+  local name=$1 port=$2 log=$3 t0=$4 pid=${5:-0}
+  python3 - "$name" "$port" "$log" "$t0" "$OUT" "$pid" <<'PY'
+import json, os, re, sys, time, urllib.request
 name, port, log, t0, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5]
+pid = int(sys.argv[6])
 url = f"http://127.0.0.1:{port}"
 deadline = time.time() + 420
+
+
+def exited() -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 while True:
     try:
         body = json.dumps({"model": "qwen3-dummy", "prompt": "t1 t2 t3", "max_tokens": 2}).encode()
@@ -55,6 +68,9 @@ while True:
         urllib.request.urlopen(req, timeout=10).read()
         break
     except Exception:
+        if pid and exited():
+            tail = open(log, errors="replace").read()[-3000:]
+            print(f"{name}: the server exited before answering; its log ends:\n{tail}"); sys.exit(1)
         if time.time() > deadline:
             print(f"{name}: not answering after 420 s"); sys.exit(1)
         time.sleep(0.5)
@@ -71,7 +87,15 @@ json.dump({"name": name, "startup_s": startup, "kv_tokens": kv}, open(f"{out}/{n
 print(f"{name}: first completion answered {startup:.1f} s after launch; KV capacity {kv} tokens")
 PY
 }
-stop_all() { kill $(jobs -p) 2>/dev/null; sleep 3; kill -9 $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
+stop_all() { kill $(jobs -p) 2>/dev/null; sleep 3; kill -9 $(jobs -p) 2>/dev/null; wait 2>/dev/null; gpus_idle; }
+gpus_idle() {  # up to 60 s for every GPU's memory to be given back (the next server sizes its KV cache from it)
+  local i
+  for i in $(seq 60); do
+    [ "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '$1 > 2048' | wc -l)" = 0 ] && return
+    sleep 1
+  done
+  echo "GPU memory still in use after 60 s:"; nvidia-smi --query-gpu=index,memory.used --format=csv
+}
 bench() {  # NAME PORT: every workload, vLLM's client
   local w i o n c f
   for w in $WORKLOADS; do
@@ -95,24 +119,35 @@ single() {
   install_pdserve
   if [ "${SINGLE_GPU:-0}" = 1 ]; then
     T0=$(date +%s.%N); CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 &
-    ready vllm_single 8100 $OUT/vllm.log $T0 || { stop_all; return 1; }; bench vllm_single 8100; stop_all
+    ready vllm_single 8100 $OUT/vllm.log $T0 $! && bench vllm_single 8100; stop_all
     T0=$(date +%s.%N); CUDA_VISIBLE_DEVICES=0 $PD serve $PCOMMON --port 8200 > $OUT/pdserve.log 2>&1 &
-    ready pdserve_single 8200 $OUT/pdserve.log $T0 || { stop_all; return 1; }; bench pdserve_single 8200; stop_all
+    ready pdserve_single 8200 $OUT/pdserve.log $T0 $! && bench pdserve_single 8200; stop_all
   else
     T0=$(date +%s.%N)
-    CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 $PD serve $PCOMMON --port 8200 > $OUT/pdserve.log 2>&1 &
-    ready vllm_single 8100 $OUT/vllm.log $T0 & r1=$!; ready pdserve_single 8200 $OUT/pdserve.log $T0 & r2=$!
-    wait $r1 $r2
-    bench vllm_single 8100 > $OUT/a.txt & b1=$!; bench pdserve_single 8200 > $OUT/b.txt & b2=$!
-    wait $b1 $b2
-    cat $OUT/a.txt $OUT/b.txt; stop_all
+    CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 & v=$!
+    CUDA_VISIBLE_DEVICES=1 $PD serve $PCOMMON --port 8200 > $OUT/pdserve.log 2>&1 & p=$!
+    ready vllm_single 8100 $OUT/vllm.log $T0 $v & r1=$!; ready pdserve_single 8200 $OUT/pdserve.log $T0 $p & r2=$!
+    wait $r1; ok1=$?; wait $r2; ok2=$?  # a server that did not start is left out; the other is still measured
+    b=""
+    [ $ok1 = 0 ] && { bench vllm_single 8100 > $OUT/a.txt & b="$b $!"; }
+    [ $ok2 = 0 ] && { bench pdserve_single 8200 > $OUT/b.txt & b="$b $!"; }
+    [ -n "$b" ] && wait $b
+    cat $OUT/a.txt $OUT/b.txt 2>/dev/null; stop_all
   fi
+}
+tp() {  # vLLM, then pdserve, each with --tensor-parallel-size $TP on GPUs 0..TP-1 (one after the other)
+  local n=${TP:-2} pid
+  install_pdserve
+  T0=$(date +%s.%N); $V serve $VCOMMON -tp $n --port 8100 > $OUT/vllm_tp$n.log 2>&1 & pid=$!
+  ready vllm_tp$n 8100 $OUT/vllm_tp$n.log $T0 $pid && bench vllm_tp$n 8100; stop_all
+  T0=$(date +%s.%N); $PD serve $PCOMMON -tp $n --port 8200 > $OUT/pdserve_tp$n.log 2>&1 & pid=$!
+  ready pdserve_tp$n 8200 $OUT/pdserve_tp$n.log $T0 $pid && bench pdserve_tp$n 8200; stop_all
 }
 for MODE in "$@"; do
   echo "== $MODE"
   case $MODE in
     single) single ;;
+    tp) tp ;;
     pd-vllm)
       KV='{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
       CUDA_VISIBLE_DEVICES=0 VLLM_NIXL_SIDE_CHANNEL_PORT=5600 $V serve $VCOMMON --port 8100 --kv-transfer-config "$KV" > $OUT/p.log 2>&1 &
@@ -123,7 +158,7 @@ for MODE in "$@"; do
     pd-pdserve)
       install_pdserve; T0=$(date +%s.%N)
       $PD serve $PCOMMON --prefill 1 --decode 1 --port 8000 --log-dir $OUT/pdlogs > $OUT/pdserve_pd.log 2>&1 &
-      ready pdserve_pd 8000 $OUT/pdserve_pd.log $T0 || { stop_all; continue; }
+      ready pdserve_pd 8000 $OUT/pdserve_pd.log $T0 $! || { stop_all; continue; }
       bench pdserve_pd 8000; stop_all ;;
     colo-vllm)
       CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/a.log 2>&1 &
@@ -134,7 +169,7 @@ for MODE in "$@"; do
     colo-pdserve)
       install_pdserve; T0=$(date +%s.%N)
       $PD serve $PCOMMON --both 2 --port 8000 --log-dir $OUT/pdlogs > $OUT/pdserve_colo.log 2>&1 &
-      ready pdserve_colo 8000 $OUT/pdserve_colo.log $T0 || { stop_all; continue; }
+      ready pdserve_colo 8000 $OUT/pdserve_colo.log $T0 $! || { stop_all; continue; }
       bench pdserve_colo 8000; stop_all ;;
     *) echo "unknown mode $MODE" ;;
   esac
