@@ -112,6 +112,9 @@ class EngineConfig:
     # schedule step n+1 while step n runs on the device (one step in flight; pdserve/engine/async_step.py);
     # None: on for CUDA devices, off on CPU. Prefill-role instances always wait for each step.
     async_scheduling: bool | None = None
+    # run a few requests through the engine at start-up so the first served ones do not compile kernels
+    # (pdserve/engine/warmup.py); None: on for CUDA devices, off on CPU
+    warmup: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     kv_cache_dtype: str = "auto"
     nvtx: bool = False  # NVTX ranges around engine steps, KV transfers and handovers (Nsight Systems; docs/profiling.md)

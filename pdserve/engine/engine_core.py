@@ -37,6 +37,7 @@ from pdserve.engine.messages import (
 from pdserve.engine.request import Request
 from pdserve.engine.runner import block_bytes, kv_cache_torch_dtype
 from pdserve.engine.scheduler import Scheduler, failed_outputs
+from pdserve.engine.warmup import warm_up
 from pdserve.kv.nvtx import mark, nvtx_range
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
 from pdserve.model.parallel import kv_head_range
@@ -142,6 +143,10 @@ class EngineCore:
         self.async_counts = {"overlapped": 0, "waited": 0}
         self.async_scheduling = False
         self.set_async_scheduling(config.async_scheduling)
+        self.warmup = None  # what the start-up warm-up ran
+        if config.warmup if config.warmup is not None else self.device.type == "cuda":
+            with self.executor.closing_on_error():
+                self.warmup = warm_up(self)
         log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each), role %s",
                  time.time() - t0, config.model, self.device, self.dtype, num_blocks, config.block_size, bb / 2**20,
                  kvt.role)

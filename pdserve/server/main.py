@@ -109,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
                    default=_default(E, "async_scheduling"),
                    help="schedule the next engine step while the current one runs on the GPU (default: on for CUDA "
                         "devices; never on prefill-role instances)")
+    e.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=_default(E, "warmup"),
+                   help="run a few requests through the engine at start-up so the first served ones do not compile "
+                        "kernels (default: on for CUDA devices)")
     s = _Group(parser, "server", skip)
     s.add_argument("--host", default=_default(S, "host"))
     s.add_argument("--port", type=int, default=_default(S, "port"), help="0 picks a free port (printed when ready)")

@@ -1,0 +1,63 @@
+"""The start-up warm-up (pdserve/engine/warmup.py) on CPU: the plan covers every power-of-two step size up to the
+token budget and a chunked prompt beside short odd ones, within the pool and the model length; a warmed engine
+ends whole, with nothing left in its prefix cache and zero counters, and then answers exactly as an unwarmed one."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.warmup import SHORT_LENGTHS, warmup_plan
+from pdserve.sampling_params import SamplingParams
+
+
+def test_plan_covers_step_sizes_and_a_chunked_prompt():
+    plan = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6)
+    singles = [g[0].prompt_len for g in plan if len(g) == 1]
+    assert singles == [16 * 2**i for i in range(10)]  # 16 .. 8192
+    mixed = plan[-1]
+    assert mixed[0].prompt_len == 2 * 8192 + 17  # three steps, the later two on a paged prefix
+    assert [r.prompt_len for r in mixed[1:]] == list(SHORT_LENGTHS)
+    assert any(r.params.temperature > 0 and r.params.logprobs for r in mixed)  # sampled, not only greedy
+
+
+@pytest.mark.parametrize("max_model_len,capacity", [(64, 10**6), (40960, 600), (40960, 40)])
+def test_plan_fits_the_model_length_and_the_pool(max_model_len, capacity):
+    plan = warmup_plan(max_num_batched_tokens=256, max_model_len=max_model_len, block_size=16,
+                       capacity_tokens=capacity)
+    assert plan
+    for g in plan:
+        assert all(r.prompt_len + r.params.max_tokens <= max_model_len for r in g)
+        assert sum(-(-(r.prompt_len + r.params.max_tokens) // 16) for r in g) <= capacity // 16
+
+
+def _core(path, warmup: bool) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(path), block_size=4, device="cpu", dtype="float32", num_gpu_blocks=96,
+                                   max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128, warmup=warmup))
+
+
+def _answers(core: EngineCore) -> dict[str, list[int]]:
+    prompts = {"a": [3, 1, 4, 1, 5, 9, 2, 6], "b": list(range(10, 50)), "c": [7]}
+    for rid, ids in prompts.items():
+        core.add_request(rid, ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while core.has_work():
+        for o in core.step():
+            got[o.request_id] += o.new_token_ids
+    core.check_whole()
+    return got
+
+
+def test_warmed_engine_is_whole_clean_and_answers_the_same(tiny_model_dirs):
+    path = tiny_model_dirs["qwen3"]
+    warm = _core(path, True)
+    assert warm.warmup["requests"] == len(sum(warmup_plan(32, 128, 4, 96 * 4), []))
+    assert warm.warmup["steps"] > warm.warmup["requests"] // len(SHORT_LENGTHS)
+    warm.check_whole()
+    assert warm.kv.pool.cached == {}  # the warm-up's blocks are no prefix anyone can hit
+    stats = warm.stats()
+    assert stats["num_steps"] == 0 and stats["prefix_cache_queries"] == 0 and stats["num_preemptions"] == 0
+    assert _answers(warm) == _answers(_core(path, False))
+    cold = _core(path, None)  # default on CPU: off
+    assert cold.warmup is None
