@@ -206,6 +206,60 @@ def session4() -> None:
             print(f"| {label} | {n} | {h * 1e3:.2f} | {tr * 1e3:.1f} | {ta * 1e3:.1f} | {(tr - ta) * 1e3:+.1f} |")
 
 
+def session5() -> None:
+    """The session-5 lease (2xH200): TP=2 side by side with both clients, the MoE fp8 run, TP step times."""
+    import re
+
+    base = "lease_s5"
+    c = load(f"{base}/tp_sbs/comparison.json")
+    print("TP=2 side by side (`benchmarks/lease_2xh200.sh tp_sbs`: vLLM 0.22 `-tp 2`, then pdserve `-tp 2`, on the same "
+          "two H200s one after the other; dummy Qwen3-8B bf16; vLLM's `bench serve` first on each server):\n")
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
+          "mean TPOT vLLM / pdserve ms |")
+    print("|---|---|---|---|---|---|")
+    for w in c["workloads"]:
+        v, p = w["vllm"], w["pdserve"]
+        print(f"| {w['workload']} | {_fmt(v['output_throughput'])} | {_fmt(p['output_throughput'])} | "
+              f"{w['ratio']['output_throughput']:.2f} | {_fmt(v['mean_ttft_ms'])} / {_fmt(p['mean_ttft_ms'])} | "
+              f"{v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} |")
+    for srv in c["servers"]:
+        v, p = srv["vllm"], srv["pdserve"]
+        print(f"\nStart-up (launch to first completion answered): vLLM {v['startup_s']:.1f} s, pdserve "
+              f"{p['startup_s']:.1f} s. KV capacity: vLLM {v['kv_tokens']:,} tokens, pdserve {p['kv_tokens']:,} "
+              f"({p['kv_tokens'] / v['kv_tokens']:.3f}x).")
+    print("\nThe same server and workload measured by vLLM's client, then at once by pdserve's (`pdserve bench serve`, "
+          "same dataset arguments):\n")
+    print("| server, workload | out tok/s (pdserve's / vLLM's client) | mean TTFT | mean TPOT |\n|---|---|---|---|")
+    for r in c["clients"]:
+        q = r["ratio"]
+        print(f"| {r['run']} | {q['output_throughput']:.3f} | {q['mean_ttft_ms']:.3f} | {q['mean_tpot_ms']:.3f} |")
+    text = (B / f"{base}/tp_tests/bench_tp.txt").read_text()
+    steps = re.findall(r"^TP=(\d+) batch (\d+): ([\d.]+) ms \((\w+)\)", text, re.M)
+    print("\nDecode step at TP=1 and TP=2 (`benchmarks/engine/bench_tp.py`, dummy Qwen3-8B, 1024 tokens of context per "
+          "sequence, CUDA graphs; the run's time limit ended it before its all-reduce and eager rows):\n")
+    print("| batch | TP=1 ms | TP=2 ms | TP=2 / TP=1 |\n|---|---|---|---|")
+    got = {(int(tp), int(b)): float(ms) for tp, b, ms, _ in steps}
+    for b in sorted({b for _, b in got}):
+        if (1, b) in got and (2, b) in got:
+            print(f"| {b} | {got[(1, b)]:.2f} | {got[(2, b)]:.2f} | {got[(2, b)] / got[(1, b)]:.2f} |")
+    v = load(f"{base}/moe/vllm_single_1024x1024_c256.json")
+    p = load(f"{base}/moe2/pdserve_single_1024x1024_c256.json")
+    vs = load(f"{base}/moe/vllm_single_server.json")
+    log = gzip.decompress((B / f"{base}/moe2/pdserve.log.gz").read_bytes()).decode()
+    blocks, size = map(int, re.findall(r"(\d+) KV blocks of (\d+) tokens", log)[-1])
+    print("\nDummy Qwen3-30B-A3B, `--kv-cache-dtype fp8` on both, 1024/1024 at concurrency 256, vLLM's client, one H200 "
+          "each in one lease (vLLM with FLASH_ATTN on GPU 0; pdserve on GPU 1 after vLLM's run, because its first "
+          "start in that call failed on the staging command's interpreter):\n")
+    print("| | vLLM | pdserve | pdserve / vLLM |\n|---|---|---|---|")
+    for k, label in (("output_throughput", "out tok/s"), ("mean_ttft_ms", "mean TTFT ms"),
+                     ("mean_tpot_ms", "mean TPOT ms"), ("p99_ttft_ms", "p99 TTFT ms")):
+        print(f"| {label} | {_fmt(v[k])} | {_fmt(p[k])} | {p[k] / v[k]:.2f} |")
+    print(f"| KV tokens | {vs['kv_tokens']:,} | {blocks * size:,} | {blocks * size / vs['kv_tokens']:.3f} |")
+    v8 = load(f"{base}/moe/vllm_single_8192x16_c1.json")
+    print(f"\nvLLM alone, 8192/16 one at a time: TTFT {v8['mean_ttft_ms']:.1f} ms, TPOT {v8['mean_tpot_ms']:.2f} ms "
+          "(pdserve's run of it did not fit the device time left).")
+
+
 def faults() -> None:
     k = load("faults/results_cpu/kill_table.json")
     st = k["settings"]
@@ -250,6 +304,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session5()
+    print()
     session4()
     print()
     vs_vllm()
