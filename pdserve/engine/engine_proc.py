@@ -6,9 +6,13 @@ still wakes every second to watch the deadlines of blocks held for peers."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
+import sys
+import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from pdserve.config import EngineConfig
@@ -25,6 +29,7 @@ from pdserve.engine.messages import (
     Shutdown,
     StepOutputs,
 )
+from pdserve.engine.parent_watch import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +106,47 @@ class EngineLoop:
                 self.fatal = e
 
 
+CLOSE_TIMEOUT_S = 30.0  # for closing the KV agent and the tensor-parallel ranks when the engine process ends
+
+
+def end_process(cleanup: Callable[[], None] | None = None, timeout_s: float = CLOSE_TIMEOUT_S,
+                code: int = 0) -> None:
+    """Run `cleanup`, then end this process at once. Neither a cleanup that hangs (an NCCL teardown, a transfer
+    thread) nor a thread left running nor an exit handler keeps the process, and its GPU memory, alive: a watchdog
+    ends it `timeout_s` after the cleanup began."""
+    def overdue() -> None:
+        log.warning("closing the engine did not finish within %.0f s: exiting without it", timeout_s)
+        _flush()
+        os._exit(code)
+
+    watchdog = threading.Timer(timeout_s, overdue)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        if cleanup is not None:
+            cleanup()
+    except BaseException:
+        log.exception("closing the engine failed")
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection) -> None:
+    """The engine process's body; the process ends here (`end_process`), also when the server process is killed
+    (its parent's end ends it: a SIGKILLed server no longer leaves an engine holding its GPU)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it shuts us down cleanly
+    parent = multiprocessing.parent_process()  # the pid recorded at start: right even if the server already died
+    if parent is not None:
+        exit_with_parent(parent.pid)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -119,7 +163,8 @@ def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection
         }))
     except BaseException as e:  # report start-up failures to the parent instead of dying silently
         conn.send(EngineFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))
-        return
+        end_process(code=1)
+    code = 0
     try:
         EngineLoop(core, conn, wake_r).run()
         conn.send(Bye())
@@ -127,10 +172,16 @@ def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection
         conn.send(Bye())
     except (EOFError, OSError):
         pass  # the server process went away
-    finally:
-        if core.connector is not None:
-            core.connector.close()
-        core.close()
+    except BaseException:
+        log.exception("the engine loop ended")
+        code = 1
+    end_process(lambda: _close(core), code=code)
+
+
+def _close(core: EngineCore) -> None:
+    if core.connector is not None:
+        core.connector.close()
+    core.close()
 
 
 def _drain(fd: int) -> None:
