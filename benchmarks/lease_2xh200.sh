@@ -17,6 +17,7 @@
 #              instance seeing only its own (--isolate-gpus), and with an fp8 KV cache
 #   tp_tests   the TP GPU tests (TP=2 vs TP=1 with graphs, a rank killed, prefill TP=1 -> decode TP=2 over cuda_ipc)
 #              with their tracebacks; decode step times at TP=1 and TP=2 (benchmarks/engine/bench_tp.py)
+#   warm_check pdserve with and without the start-up warm-up (one GPU each, at once), each measured twice in a row
 #   tp_sbs     vLLM -tp 2, then pdserve -tp 2, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16), each measured by vLLM's
 #              client and then by pdserve's
 #   moeclients dummy Qwen3-30B-A3B with --kv-cache-dtype fp8 side by side (vLLM with FLASH_ATTN), each server measured
@@ -51,13 +52,43 @@ case $STAGE in
       timeout 560 bash $SBS single 2>&1 | tail -25
     tar czf "$OUT/moe.tgz" -C "$OUT" moe ;;
   tp_tests)
-    echo "== 2-GPU TP tests"
-    timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=10 \
-      tests/disagg/test_pd_tp_gpu.py tests/parallel 2>&1 | tee "$W/gpu_tests_tp.txt" | tail -60
+    # one file at a time; SIGINT at the limit makes pytest print the failures it has (SIGTERM prints nothing)
+    for t in tests/disagg/test_pd_tp_gpu.py tests/parallel/test_tp_gpu.py; do
+      echo "== $t"
+      timeout -s INT -k 20 ${TEST_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+        --durations=5 "$t" 2>&1 | tee -a "$W/gpu_tests_tp.txt" | tail -40
+    done
     echo "== TP step times"
     timeout 200 python3 benchmarks/engine/bench_tp.py --model qwen3-8b --load-format dummy --out "$W/tp_qwen3-8b.json" \
       > "$W/bench_tp.txt" 2>&1; grep -v " INFO " "$W/bench_tp.txt" | tail -14
     tar czf "$OUT/tp_tests.tgz" -C "$OUT" tp_tests ;;
+  warm_check)
+    # the start-up warm-up's effect: pdserve --warmup on GPU 0 and --no-warmup on GPU 1 at once, dummy Qwen3-8B
+    # (.vllm-stage/model: its config and tokenizer), each measured twice in a row by pdserve's client (1024/1024
+    # c256; another seed each time, so the second run gets no prefix-cache hits from the first)
+    M=.vllm-stage/model; S=""; B=""
+    for g in 0 1; do
+      flag=$([ $g = 0 ] && echo --warmup || echo --no-warmup)
+      CUDA_VISIBLE_DEVICES=$g pdserve serve --model $M --load-format dummy --max-model-len 4096 $flag \
+        --served-model-name qwen3-dummy --port 820$g > "$W/server_$g.log" 2>&1 & S="$S $!"
+    done
+    for g in 0 1; do
+      for i in $(seq 240); do curl -sf localhost:820$g/health > /dev/null && break; sleep 1; done
+      echo "GPU $g: answering after $i s"
+    done
+    for g in 0 1; do
+      ( for seed in 1 2; do
+          timeout 200 pdserve bench serve --backend vllm --base-url http://127.0.0.1:820$g --model qwen3-dummy \
+            --tokenizer $M --dataset-name random --random-input-len 1024 --random-output-len 1024 --num-prompts 512 \
+            --max-concurrency 256 --ignore-eos --seed $seed --num-warmups 2 --disable-tqdm --no-plots --save-result \
+            --result-dir "$W" --result-filename "gpu${g}_run$seed.json" > "$W/gpu${g}_run$seed.txt" 2>&1
+        done ) & B="$B $!"
+    done
+    wait $B
+    for f in "$W"/gpu*_run*.json; do python3 benchmarks/vs_vllm/compare.py --line "$f"; done
+    grep -h "warm-up\|engine ready" "$W"/server_*.log
+    kill $S 2>/dev/null; sleep 3; gzip -f "$W"/*.log
+    tar czf "$OUT/warm_check.tgz" -C "$OUT" warm_check ;;
   tp_sbs)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="vllm pdserve" TP=2 OUT=$W STAGE=.vllm-stage \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 bash $SBS tp 2>&1 | tail -25

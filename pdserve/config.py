@@ -24,6 +24,9 @@ KV_POOL_ALLOCS = ("auto", "torch", "vmm")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# --tp-all-reduce: the tensor-parallel sum: NCCL, or PyTorch symmetric memory for sums of a few MiB (CUDA only;
+# pdserve/parallel/symm_allreduce.py)
+TP_ALL_REDUCES = ("nccl", "symm_mem")
 KV_FALLBACKS = ("recompute", "fail")  # decode side, when no prefill instance delivers the KV
 KV_LAYERWISE = ("auto", "on", "off")
 # --kv-layerwise auto pushes layer by layer over these transports (chosen per decode peer, on each rank): where a
@@ -98,6 +101,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N (with tensor parallelism: rank r on cuda:N+r)
     tensor_parallel_size: int = 1  # ranks, one GPU each (CPU: one process each); rank 0 is the engine process
+    tp_all_reduce: str = "nccl"  # nccl | symm_mem (CUDA only): how the ranks sum row-parallel outputs
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings, capped at 8192 on CPU
     block_size: int = 16
@@ -137,6 +141,7 @@ class EngineConfig:
         _check("load_format", self.load_format, LOAD_FORMATS)
         _check("dtype", self.dtype, DTYPES)
         _check("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check("tp_all_reduce", self.tp_all_reduce, TP_ALL_REDUCES)
         _check("log_level", self.log_level, LOG_LEVELS)
 
     @property

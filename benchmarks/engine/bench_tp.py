@@ -108,8 +108,9 @@ def child(args) -> dict:
                                    dtype=args.dtype, tensor_parallel_size=args.tp_size, max_num_seqs=max(batches),
                                    max_num_batched_tokens=max(args.max_num_batched_tokens, max(batches)),
                                    max_model_len=args.max_model_len, enable_prefix_caching=False,
-                                   gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager))
-    res: dict = {"tp": args.tp_size, "start_s": time.time() - t0, "num_blocks": core.kv.pool.num_blocks,
+                                   gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                                   tp_all_reduce=args.child_all_reduce, warmup=False))
+    res: dict = {"tp": args.tp_size, "all_reduce": args.child_all_reduce, "start_s": time.time() - t0, "num_blocks": core.kv.pool.num_blocks,
                  "decode_graph_sizes": core.runner.decode_sizes, "cases": []}
     sends: list[float] = []
     if core.executor.size > 1:
@@ -144,7 +145,8 @@ def child(args) -> dict:
             for req in batch.requests:
                 core.kv.free(req)
             res["cases"].append(case)
-            print(f"TP={args.tp_size} batch {b}: {case['step_ms_median']:.3f} ms ({case['path']})", flush=True)
+            print(f"TP={args.tp_size} ({args.child_all_reduce}) batch {b}: {case['step_ms_median']:.3f} ms "
+                  f"({case['path']})", flush=True)
     finally:
         core.close()
     return res
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated")
+    ap.add_argument("--all-reduce", default="nccl", help="TP>1: the sums to time, comma-separated (nccl, symm_mem)")
     ap.add_argument("--batches", default="1,256")
     ap.add_argument("--context", type=int, default=1024, help="tokens of KV per sequence")
     ap.add_argument("--iters", type=int, default=30)
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="tp.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tp-size", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--child-all-reduce", default="nccl", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         save_json(child(args), args.out)
@@ -177,22 +181,30 @@ def main(argv: list[str] | None = None) -> int:
     rec = new_record("engine_tp", vars(args))
     runs = []
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
-    for tp in (int(x) for x in args.tp.split(",")):
+    sums = args.all_reduce.split(",")
+    plan = [(size, how) for size in (int(x) for x in args.tp.split(",")) for how in (sums if size > 1 else ["nccl"])]
+    for tp, how in plan:
         with tempfile.TemporaryDirectory() as d:
             part = Path(d) / "part.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--child", "--tp-size", str(tp),
-                   "--out", str(part)]
-            print(f"== TP={tp}", flush=True)
-            p = subprocess.run(cmd, timeout=args.timeout)
-            if p.returncode != 0 or not part.exists():
-                runs.append({"tp": tp, "error": f"engine process exited with {p.returncode}"})
+                   "--child-all-reduce", how, "--out", str(part)]
+            print(f"== TP={tp} ({how})", flush=True)
+            try:
+                p = subprocess.run(cmd, timeout=args.timeout)
+                code = p.returncode
+            except subprocess.TimeoutExpired:
+                code = "a timeout"
+            if code != 0 or not part.exists():
+                runs.append({"tp": tp, "all_reduce": how, "error": f"engine process exited with {code}"})
+                save_json(rec | {"runs": runs}, args.out)
                 continue
             runs.append(json.loads(part.read_text()))
+            save_json(rec | {"runs": runs}, args.out)  # what is measured so far survives a limit on the whole run
     rec["runs"] = runs
     save_json(rec, args.out)
-    print("\n| TP | batch | step ms (median) | p90 | path | eager ms | plan send us | all-reduces/step ms "
+    print("\n| TP | sum | batch | step ms (median) | p90 | path | eager ms | plan send us | all-reduces/step ms "
           "(graph / eager) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         for c in r.get("cases", []):
             if "skipped" in c:
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             ar_s = f"{ar.get('graph_ms', float('nan')):.3f} / {ar['eager_ms']:.3f}" if ar else "-"
             eager = f"{c['eager']['step_ms_median']:.3f}" if "eager" in c else "-"
             send = f"{c['plan_send_us_median']:.0f}" if "plan_send_us_median" in c else "-"
-            print(f"| {r['tp']} | {c['batch']} | {c['step_ms_median']:.3f} | {c['step_ms_p90']:.3f} | {c['path']} | "
+            print(f"| {r['tp']} | {r.get('all_reduce', 'nccl')} | {c['batch']} | {c['step_ms_median']:.3f} | {c['step_ms_p90']:.3f} | {c['path']} | "
                   f"{eager} | {send} | {ar_s} |")
     return 0 if all("error" not in r for r in runs) else 1
 

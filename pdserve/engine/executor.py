@@ -131,7 +131,8 @@ class Executor:
             if self.device.type != "cuda" and cpus:
                 self._restore_cpu = (tuple(cpus), torch.get_num_threads())
                 pin_cpus(cpu_slice(0, self.size, cpus))
-            tp = init_group(0, self.size, self.device, store.port, COLLECTIVE_TIMEOUT_S, store=store)
+            tp = init_group(0, self.size, self.device, store.port, COLLECTIVE_TIMEOUT_S, store=store,
+                            all_reduce=config.tp_all_reduce, dtype=dtype)
             self._await_all(WorkerReady, deadline, "join the process group")
         except BaseException:
             _cleanup(self._procs, tp)

@@ -192,6 +192,10 @@ class Worker:
     def step_counts(self) -> dict:
         return dict(self.runner.step_counts)
 
+    def fast_sums(self) -> int:
+        """The all-reduces this rank took through symmetric memory (--tp-all-reduce symm_mem)."""
+        return self.tp.fast.calls if self.tp.fast is not None else 0
+
 
 # ---- the worker process
 
@@ -299,7 +303,8 @@ def main(fd: int, report_fd: int) -> int:
         else:
             pin_cpus(init.cpus)
         conn.send(WorkerHello(init.rank, os.getpid()))
-        tp = init_group(init.rank, init.size, device, init.store_port, init.timeout_s)
+        tp = init_group(init.rank, init.size, device, init.store_port, init.timeout_s,
+                        all_reduce=init.config.tp_all_reduce, dtype=init.dtype)
         worker = Worker(init.config, init.hf_config, init.source, init.dtype, device, tp, reports.send)
         conn.send(WorkerReady(init.rank))
     except BaseException as e:

@@ -35,10 +35,13 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     pg: Any = None  # the torch.distributed process group (None at size 1)
+    fast: Any = None  # --tp-all-reduce symm_mem: the sum through symmetric memory (parallel/symm_allreduce.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks, in place (returns `x`; no collective at size 1)."""
         if self.size > 1:
+            if self.fast is not None and self.fast.accepts(x):
+                return self.fast(x)
             dist.all_reduce(x, group=self.pg)
         return x
 
@@ -86,10 +89,12 @@ def master_store(size: int, timeout_s: float) -> dist.TCPStore:
 
 
 def init_group(rank: int, size: int, device: torch.device, store_port: int, timeout_s: float,
-               store: dist.TCPStore | None = None) -> TPGroup:
+               store: dist.TCPStore | None = None, all_reduce: str = "nccl",
+               dtype: torch.dtype = torch.bfloat16) -> TPGroup:
     """Join the instance's process group (blocks until every rank joined or `timeout_s` passed) and check it with
     one all-reduce, which also creates the NCCL communicator outside any CUDA-graph capture. `timeout_s` is also
-    the limit of every later collective."""
+    the limit of every later collective. `all_reduce="symm_mem"`: sums of `dtype` up to a few MiB go through
+    symmetric memory instead of NCCL (every rank must ask for the same)."""
     if size == 1:
         return SINGLE
     if dist.is_initialized():
@@ -109,6 +114,12 @@ def init_group(rank: int, size: int, device: torch.device, store_port: int, time
     group.all_reduce(probe)
     if float(probe.item()) != size:
         raise RuntimeError(f"tensor-parallel group check failed: all-reduce of ones gave {probe.item()}, not {size}")
+    if all_reduce == "symm_mem":
+        from pdserve.parallel.symm_allreduce import make_symm_all_reduce
+
+        group.fast = make_symm_all_reduce(group.pg, device, dtype)
+    elif all_reduce != "nccl":
+        raise ValueError(f"unknown tensor-parallel all-reduce {all_reduce!r} (nccl | symm_mem)")
     return group
 
 

@@ -31,6 +31,7 @@ from pdserve.config import (
     LOAD_FORMATS,
     LOG_LEVELS,
     ROLES,
+    TP_ALL_REDUCES,
     EngineConfig,
     KVTransferConfig,
     ServerConfig,
@@ -99,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
                    help="force the KV pool's size in blocks (tests)")
     e.add_argument("--kv-cache-dtype", default=_default(E, "kv_cache_dtype"), choices=KV_CACHE_DTYPES)
     e.add_argument("--attention-backend", default=_default(E, "attention_backend"), choices=ATTENTION_BACKENDS)
+    e.add_argument("--tp-all-reduce", default=_default(E, "tp_all_reduce"), choices=TP_ALL_REDUCES,
+                   help="how tensor-parallel ranks sum: nccl, or symm_mem (CUDA: PyTorch symmetric memory for sums "
+                        "of up to 8 MiB, NCCL above)")
     e.add_argument("--enforce-eager", action="store_true", default=_default(E, "enforce_eager"),
                    help="no CUDA graphs for decode")
     e.add_argument("--nvtx", action=argparse.BooleanOptionalAction, default=_default(E, "nvtx"),

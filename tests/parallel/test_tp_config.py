@@ -27,3 +27,19 @@ def test_bad_sizes_are_refused():
         _parse("-tp", "0")
     for role in ("prefill", "decode"):
         assert EngineConfig(tensor_parallel_size=2, kv_transfer=KVTransferConfig(role=role)).role == role
+
+
+def test_tp_all_reduce_flag():
+    assert _parse().engine.tp_all_reduce == EngineConfig().tp_all_reduce == "nccl"
+    cfg = _parse("-tp", "2", "--tp-all-reduce", "symm_mem")
+    assert cfg.engine.tp_all_reduce == "symm_mem" and _parse(*config_argv(cfg)) == cfg
+    with pytest.raises(ValueError, match="tp_all_reduce"):
+        EngineConfig(tp_all_reduce="custom")
+
+
+def test_symm_mem_sums_on_cpu_fail_the_start_with_a_clear_error(tiny_model_dirs):
+    from pdserve.engine.engine_core import EngineCore
+
+    with pytest.raises(Exception, match="symm_mem needs CUDA"):
+        EngineCore(EngineConfig(model=str(tiny_model_dirs["qwen3"]), device="cpu", dtype="float32", num_gpu_blocks=16,
+                                block_size=4, tensor_parallel_size=2, tp_all_reduce="symm_mem"))

@@ -75,6 +75,15 @@ def test_dummy_qwen3_tp2_matches_tp1_with_graphs(tmp_path):
     assert _compare(ref, got) >= len(ref["tokens"]) - 1
 
 
+def test_dummy_qwen3_tp2_symm_mem_sums_match_tp1_with_graphs(tmp_path):
+    """--tp-all-reduce symm_mem: the decode and mixed steps' sums go through symmetric memory, inside the graphs."""
+    ref = _run(dict(DUMMY, tensor_parallel_size=1), tmp_path / "tp1.pt")
+    got = _run(dict(DUMMY, tensor_parallel_size=2, tp_all_reduce="symm_mem"), tmp_path / "tp2.pt")
+    _assert_graphs_ran(got)
+    assert all(n > 0 for n in got["fast_sums"]), got["fast_sums"]
+    assert _compare(ref, got) >= len(ref["tokens"]) - 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_tiny_models_tp2_match_tp1_with_graphs(arch, tiny_model_dirs, tmp_path):
     cfg = dict(model=str(tiny_model_dirs[arch]), device="cuda", dtype="float32", num_gpu_blocks=512,

@@ -38,7 +38,8 @@ def run(core: EngineCore, out_path: str) -> None:
     outs = run_to_end(core)
     torch.save({"tokens": dict(outs), "logits": {k: [(n, x.cpu()) for n, x in v] for k, v in captured.items()},
                 "step_counts": core.executor.collective_rpc("step_counts"),
-                "pools": core.executor.collective_rpc("kv_pool_info")}, out_path)
+                "pools": core.executor.collective_rpc("kv_pool_info"),
+                "fast_sums": core.executor.collective_rpc("fast_sums")}, out_path)
     core.check_whole()
 
 
