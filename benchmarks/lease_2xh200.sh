@@ -16,7 +16,8 @@
 #   verify_pd  the 1P1D handover and TTFT (benchmarks/router/pd_handover.py) with every GPU visible, with each
 #              instance seeing only its own (--isolate-gpus), and with an fp8 KV cache
 #   tp_tests   the TP GPU tests (TP=2 vs TP=1 with graphs, a rank killed, prefill TP=1 -> decode TP=2 over cuda_ipc)
-#              with their tracebacks; decode step times at TP=1 and TP=2 (benchmarks/engine/bench_tp.py)
+#              with their tracebacks
+#   tp_bench   decode step times at TP=1 and TP=2, NCCL and symmetric-memory sums (benchmarks/engine/bench_tp.py)
 #   warm_check pdserve with and without the start-up warm-up (one GPU each, at once), each measured twice in a row
 #   tp_sbs     vLLM -tp 2, then pdserve -tp 2, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16), each measured by vLLM's
 #              client and then by pdserve's
@@ -55,13 +56,16 @@ case $STAGE in
     # one file at a time; SIGINT at the limit makes pytest print the failures it has (SIGTERM prints nothing)
     for t in tests/disagg/test_pd_tp_gpu.py tests/parallel/test_tp_gpu.py; do
       echo "== $t"
-      timeout -s INT -k 20 ${TEST_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+      timeout -s INT -k 20 ${TEST_LIMIT:-270} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
         --durations=5 "$t" 2>&1 | tee -a "$W/gpu_tests_tp.txt" | tail -40
     done
-    echo "== TP step times"
-    timeout 200 python3 benchmarks/engine/bench_tp.py --model qwen3-8b --load-format dummy --out "$W/tp_qwen3-8b.json" \
-      > "$W/bench_tp.txt" 2>&1; grep -v " INFO " "$W/bench_tp.txt" | tail -14
     tar czf "$OUT/tp_tests.tgz" -C "$OUT" tp_tests ;;
+  tp_bench)
+    echo "== TP step times: TP=1, TP=2 with NCCL sums, TP=2 with symmetric-memory sums"
+    timeout 500 python3 benchmarks/engine/bench_tp.py --model qwen3-8b --load-format dummy --all-reduce nccl,symm_mem \
+      --iters 20 --timeout 200 --out "$W/tp_qwen3-8b.json" > "$W/bench_tp.txt" 2>&1
+    grep -v " INFO " "$W/bench_tp.txt" | tail -16
+    tar czf "$OUT/tp_bench.tgz" -C "$OUT" tp_bench ;;
   warm_check)
     # the start-up warm-up's effect: pdserve --warmup on GPU 0 and --no-warmup on GPU 1 at once, dummy Qwen3-8B
     # (.vllm-stage/model: its config and tokenizer), each measured twice in a row by pdserve's client (1024/1024
