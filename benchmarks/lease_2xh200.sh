@@ -7,7 +7,8 @@
 # Stages:
 #   engine     async scheduling on vs off (greedy tokens compared, steady decode ms/step at batch 1 and 256); the
 #              async-scheduling and fp8 attention GPU tests
-#   sbs        vLLM and pdserve side by side, one GPU each at once, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16)
+#   sbs        vLLM and pdserve side by side, one GPU each at once, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16), each
+#              server measured by vLLM's client and pdserve's in two alternating rounds
 #   moe        the same with dummy Qwen3-30B-A3B and --kv-cache-dtype fp8 on both
 #   pd         pdserve 1P1D (`serve --prefill 1 --decode 1`) and vLLM 1P1D NIXL, 1024/1024 c256 and 8192/16
 #   transfer   benchmarks/transfer/run_2xh200.sh with NIXL and Mooncake installed; the PD GPU tests
@@ -46,7 +47,10 @@ case $STAGE in
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_async_scheduling.py \
       tests/ops/test_attention_decode.py tests/ops/test_fp8_kv.py 2>&1 | tee "$W/gpu_tests.txt" | tail -4 ;;
   sbs)
-    WORKLOADS="1024:1024:512:256 8192:16:16:1" OUT=$W STAGE=.vllm-stage timeout 560 bash $SBS single 2>&1 | tail -25 ;;
+    WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="vllm pdserve" CLIENT_ROUNDS=2 OUT=$W STAGE=.vllm-stage \
+      VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 bash $SBS single 2>&1 | tail -40
+    for f in "$W"/*.log; do gzip -f "$f"; done
+    tar czf "$OUT/sbs.tgz" -C "$OUT" sbs ;;
   moe)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" MODEL=.vllm-stage/model-moe VLLM_ARGS="--kv-cache-dtype fp8 --attention-backend FLASH_ATTN" \
       PDSERVE_ARGS="--kv-cache-dtype fp8" OUT=$W STAGE=.vllm-stage VLLM_USE_FLASHINFER_SAMPLER=0 \

@@ -19,6 +19,8 @@ from pathlib import Path
 RESULT = re.compile(r"^(vllm|pdserve)_(\w+?)_(\d+)x(\d+)_c(\d+)\.json$")
 SERVER = re.compile(r"^(vllm|pdserve)_(\w+)_server\.json$")
 CLIENT = re.compile(r"^((?:vllm|pdserve)_\w+?_\d+x\d+_c\d+)_pdclient\.json$")  # pdserve's client, same server and workload
+# any client's file of any round: <run>[_r<k>][_pdclient].json
+ROUND = re.compile(r"^((?:vllm|pdserve)_\w+?_\d+x\d+_c\d+)(?:_r(\d+))?(_pdclient)?\.json$")
 CLIENT_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
                   "request_throughput")
 METRICS = ("output_throughput", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_itl_ms",
@@ -99,7 +101,38 @@ def compare(folder: Path) -> dict:
                         "pdserve_client": {k: p.get(k) for k in CLIENT_METRICS},
                         "ratio": {k: _ratio(p.get(k), v.get(k)) for k in CLIENT_METRICS}})
     return {"benchmark": "vs_vllm", "date": dt.datetime.now(dt.timezone.utc).isoformat(), "commit": _commit(),
-            "gpus": _gpus(), "command": sys.argv, "workloads": rows, "servers": server_rows, "clients": clients}
+            "gpus": _gpus(), "command": sys.argv, "workloads": rows, "servers": server_rows, "clients": clients,
+            "client_rounds": client_rounds(folder)}
+
+
+def client_rounds(folder: Path) -> list[dict]:
+    """Runs measured by both clients in several alternating rounds (side_by_side.sh CLIENT_ROUNDS): per metric, each
+    client's values in round order, the ratio of pdserve's client's mean to vLLM's client's, and each client's drift
+    between its own rounds (max / min - 1), which says how much of the clients' difference the server's own
+    run-to-run change could explain."""
+    got: dict[str, dict[str, dict[int, dict]]] = {}
+    for f in sorted(folder.iterdir()):
+        m = ROUND.match(f.name)
+        if m:
+            run, k, pd = m.group(1), int(m.group(2) or 1), bool(m.group(3))
+            got.setdefault(run, {}).setdefault("pdserve" if pd else "vllm", {})[k] = json.loads(f.read_text())
+    out = []
+    for run, by in sorted(got.items()):
+        v, p = by.get("vllm", {}), by.get("pdserve", {})
+        if len(v) < 2 or len(p) < 2:
+            continue
+        row: dict = {"run": run, "rounds": max(len(v), len(p)), "metrics": {}}
+        for k in CLIENT_METRICS:
+            a = [v[i].get(k) for i in sorted(v) if isinstance(v[i].get(k), (int, float))]
+            b = [p[i].get(k) for i in sorted(p) if isinstance(p[i].get(k), (int, float))]
+            if not a or not b:
+                continue
+            row["metrics"][k] = {"vllm_client": a, "pdserve_client": b,
+                                 "ratio_of_means": _ratio(sum(b) / len(b), sum(a) / len(a)),
+                                 "drift_vllm_client": max(a) / min(a) - 1 if min(a) > 0 else None,
+                                 "drift_pdserve_client": max(b) / min(b) - 1 if min(b) > 0 else None}
+        out.append(row)
+    return out
 
 
 def table(c: dict) -> str:
@@ -127,6 +160,15 @@ def table(c: dict) -> str:
                 a, b, q = r["vllm_client"].get(k), r["pdserve_client"].get(k), r["ratio"].get(k)
                 if isinstance(a, (int, float)) and isinstance(b, (int, float)):
                     out.append(f"| {r['run']} | {k} | {a:.2f} | {b:.2f} | {q:.3f} |")
+    if c.get("client_rounds"):
+        out += ["", "| server and workload | metric | vLLM's client by round | pdserve's client by round | "
+                "ratio of means | drift vLLM's / pdserve's |", "|---|---|---|---|---|---|"]
+        for r in c["client_rounds"]:
+            for k, m in r["metrics"].items():
+                a = ", ".join(f"{x:.2f}" for x in m["vllm_client"])
+                b = ", ".join(f"{x:.2f}" for x in m["pdserve_client"])
+                out.append(f"| {r['run']} | {k} | {a} | {b} | {m['ratio_of_means']:.3f} | "
+                           f"{100 * m['drift_vllm_client']:.1f} % / {100 * m['drift_pdserve_client']:.1f} % |")
     return "\n".join(out)
 
 

@@ -9,7 +9,9 @@
 #       pd-vllm (1P1D NixlConnector), pd-pdserve (`pdserve serve --prefill 1 --decode 1`),
 #       colo-vllm / colo-pdserve (two colocated instances behind a proxy / `pdserve serve --both 2`).
 # Knobs: CLIENTS ("vllm pdserve": each workload measured by vLLM's client, then by `pdserve bench serve` into
-# <name>_<in>x<out>_c<conc>_pdclient.json), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
+# <name>_<in>x<out>_c<conc>_pdclient.json), CLIENT_ROUNDS (k > 1: the clients alternate k times, rounds after the
+# first written as <name>_<in>x<out>_c<conc>_r<k>[_pdclient].json, so run-to-run drift is measured beside the clients'
+# difference), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
 # ("in:out:prompts:concurrency ...", default "1024:1024:512:256 8192:16:16:1 32768:16:8:1").
 # Each server's start-up time (launch -> first completion answered) and KV capacity (tokens, from its log) are
 # written to $OUT/<name>_server.json; each workload to $OUT/<name>_<in>x<out>_c<conc>.json (vLLM's format).
@@ -96,23 +98,27 @@ gpus_idle() {  # up to 60 s for every GPU's memory to be given back (the next se
   done
   echo "GPU memory still in use after 60 s:"; nvidia-smi --query-gpu=index,memory.used --format=csv
 }
-bench() {  # NAME PORT: every workload, vLLM's client
-  local w i o n c f
+bench() {  # NAME PORT: every workload, vLLM's client; with CLIENTS="vllm pdserve" also pdserve's, CLIENT_ROUNDS times
+  local w i o n c f r rf
   for w in $WORKLOADS; do
     IFS=: read i o n c <<< "$w"; f=$1_${i}x${o}_c$c
-    timeout 600 $V bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME --tokenizer $M \
-      --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
-      --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
-      --save-result --result-dir $OUT --result-filename $f.json > $OUT/$f.txt 2>&1
-    python3 benchmarks/vs_vllm/compare.py --line $OUT/$f.json
-    if [[ " ${CLIENTS:-vllm} " == *" pdserve "* ]]; then  # the same workload again, measured by pdserve's client
-      timeout 600 env -u PYTHONPATH pdserve bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME \
-        --tokenizer $M --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n \
-        --max-concurrency $c --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
-        --num-warmups 2 --disable-tqdm --no-plots --save-result --result-dir $OUT --result-filename ${f}_pdclient.json \
-        > $OUT/${f}_pdclient.txt 2>&1
-      python3 benchmarks/vs_vllm/compare.py --line $OUT/${f}_pdclient.json
-    fi
+    for r in $(seq ${CLIENT_ROUNDS:-1}); do
+      rf=$f; [ $r -gt 1 ] && rf=${f}_r$r  # rounds after the first: <name>_r<k>[_pdclient].json, in ABAB order
+      timeout 600 $V bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME --tokenizer $M \
+        --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
+        --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
+        --save-result --result-dir $OUT --result-filename $rf.json > $OUT/$rf.txt 2>&1
+      python3 benchmarks/vs_vllm/compare.py --line $OUT/$rf.json
+      if [[ " ${CLIENTS:-vllm} " == *" pdserve "* ]]; then  # the same workload again, measured by pdserve's client
+        timeout 600 env -u PYTHONPATH pdserve bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME \
+          --tokenizer $M --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n \
+          --max-concurrency $c --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+          --num-warmups 2 --disable-tqdm --no-plots --save-result --result-dir $OUT --result-filename ${rf}_pdclient.json \
+          > $OUT/${rf}_pdclient.txt 2>&1
+        rm -f $OUT/${rf}_pdclient.pdserve.json  # the per-request record (15 MB at 512 requests); the summary stays
+        python3 benchmarks/vs_vllm/compare.py --line $OUT/${rf}_pdclient.json
+      fi
+    done
   done
 }
 single() {
