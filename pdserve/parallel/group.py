@@ -110,16 +110,21 @@ def init_group(rank: int, size: int, device: torch.device, store_port: int, time
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     group = TPGroup(rank, size, dist.group.WORLD)
-    probe = torch.ones(1, device=device)
-    group.all_reduce(probe)
-    if float(probe.item()) != size:
-        raise RuntimeError(f"tensor-parallel group check failed: all-reduce of ones gave {probe.item()}, not {size}")
-    if all_reduce == "symm_mem":
-        from pdserve.parallel.symm_allreduce import make_symm_all_reduce
+    try:  # a group that fails its checks is left again: this process may start another engine
+        probe = torch.ones(1, device=device)
+        group.all_reduce(probe)
+        if float(probe.item()) != size:
+            raise RuntimeError(f"tensor-parallel group check failed: all-reduce of ones gave {probe.item()}, "
+                               f"not {size}")
+        if all_reduce == "symm_mem":
+            from pdserve.parallel.symm_allreduce import make_symm_all_reduce
 
-        group.fast = make_symm_all_reduce(group.pg, device, dtype)
-    elif all_reduce != "nccl":
-        raise ValueError(f"unknown tensor-parallel all-reduce {all_reduce!r} (nccl | symm_mem)")
+            group.fast = make_symm_all_reduce(group.pg, device, dtype)
+        elif all_reduce != "nccl":
+            raise ValueError(f"unknown tensor-parallel all-reduce {all_reduce!r} (nccl | symm_mem)")
+    except BaseException:
+        destroy_group(group)
+        raise
     return group
 
 

@@ -40,6 +40,9 @@ def test_tp_all_reduce_flag():
 def test_symm_mem_sums_on_cpu_fail_the_start_with_a_clear_error(tiny_model_dirs):
     from pdserve.engine.engine_core import EngineCore
 
+    cfg = dict(model=str(tiny_model_dirs["qwen3"]), device="cpu", dtype="float32", num_gpu_blocks=16, block_size=4,
+               tensor_parallel_size=2)
     with pytest.raises(Exception, match="symm_mem needs CUDA"):
-        EngineCore(EngineConfig(model=str(tiny_model_dirs["qwen3"]), device="cpu", dtype="float32", num_gpu_blocks=16,
-                                block_size=4, tensor_parallel_size=2, tp_all_reduce="symm_mem"))
+        EngineCore(EngineConfig(**cfg, tp_all_reduce="symm_mem"))
+    core = EngineCore(EngineConfig(**cfg))  # the failed start left no process group behind
+    core.close()
