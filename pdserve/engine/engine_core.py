@@ -144,7 +144,7 @@ class EngineCore:
         self.async_scheduling = False
         self.set_async_scheduling(config.async_scheduling)
         self.warmup = None  # what the start-up warm-up ran
-        if config.warmup if config.warmup is not None else self.device.type == "cuda":
+        if (self.device.type == "cuda") if config.warmup is None else config.warmup:
             with self.executor.closing_on_error():
                 self.warmup = warm_up(self)
         log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each), role %s",

@@ -4,9 +4,9 @@ not pay for compiling kernels.
 Triton compiles a kernel the first time it meets a new specialization (another constexpr tile, an integer argument
 that is 1 or a multiple of 16), and the fused MoE kernel takes another tile per token-count bucket. CUDA graph
 capture compiles what decode batches and small mixed steps launch, but the prefill paths above it (long chunks,
-chunked prefill reading a paged prefix, many sequences in one step) compiled inside the first requests served: on
-2xH200 (TP=2, dummy Qwen3-8B, 1024/1024 at concurrency 256) the first run after start-up had a mean TTFT of 3.3 s
-and the same run repeated on the same server 1.4 s (benchmarks/lease_s5/tp_sbs).
+chunked prefill reading a paged prefix, many sequences in one step) compiled inside the first requests served. That
+is the likeliest reason why, on 2xH200 (TP=2, dummy Qwen3-8B, 1024/1024 at concurrency 256), the first run after
+start-up had a mean TTFT of 3.3 s and the same run repeated on the same server 1.4 s (benchmarks/lease_s5/tp_sbs).
 
 The requests, each group submitted at once and run to its end (`warmup_plan`):
   - one prompt per power-of-two length from one block up to `max_num_batched_tokens` (every MoE bucket, every

@@ -2,8 +2,8 @@
 partial into a buffer every rank of the group has mapped, and one kernel per rank reads the peers' buffers over
 NVLink and writes the sum (`torch.ops.symm_mem.one_shot_all_reduce_out`). No NCCL kernel and no multicast (the lent
 machines keep NVLink multicast off), and it can be captured in a CUDA graph. Decode steps make 2 * layers + 1 small
-all-reduces (8 KiB per row of a Qwen3-8B step); NCCL's latency per call is what made a TP=2 decode step at batch 1
-only 0.84x of TP=1's on 2xH200 (benchmarks/lease_s5/tp_tests).
+all-reduces (8 KiB per row of a Qwen3-8B step); NCCL's latency per call is the likeliest reason why a TP=2 decode
+step at batch 1 took 0.84x of TP=1's time on 2xH200 instead of about half (benchmarks/lease_s5/tp_tests).
 
 Tensors larger than the buffer, of another dtype, or not 16-byte sized go to NCCL, as does everything on CPU.
 Off by default until a 2-GPU run has measured it against NCCL (benchmarks/engine/bench_tp.py --all-reduce).
