@@ -77,7 +77,9 @@ case $STAGE in
     M=.vllm-stage/model; S=""; B=""
     for g in 0 1; do
       flag=$([ $g = 0 ] && echo --warmup || echo --no-warmup)
-      CUDA_VISIBLE_DEVICES=$g pdserve serve --model $M --load-format dummy --max-model-len 4096 $flag \
+      # a Triton cache each: the warmed server's compiled kernels must not serve the other's first requests
+      CUDA_VISIBLE_DEVICES=$g TRITON_CACHE_DIR=/tmp/triton_cache_$g pdserve serve --model $M --load-format dummy \
+        --max-model-len 4096 $flag \
         --served-model-name qwen3-dummy --port 820$g > "$W/server_$g.log" 2>&1 & S="$S $!"
     done
     for g in 0 1; do
