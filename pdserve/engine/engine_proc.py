@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -127,6 +128,10 @@ def end_process(cleanup: Callable[[], None] | None = None, timeout_s: float = CL
             cleanup()
     except BaseException:
         log.exception("closing the engine failed")
+    try:  # what a normal exit of a multiprocessing child runs first (its semaphores are unlinked, queues flushed)
+        multiprocessing.util._exit_function()
+    except Exception:
+        log.exception("multiprocessing's exit hooks failed")
     _flush()
     os._exit(code)
 
