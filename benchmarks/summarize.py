@@ -111,19 +111,7 @@ def vs_vllm() -> None:
           f"`bench serve` (`benchmarks/vs_vllm/side_by_side.sh single`), dummy Qwen3-8B bf16, {c['date'][:10]}; "
           "the tree was commit a1b214a (the file's `commit` field, read from the device copy's stale git metadata, "
           "is wrong). pdserve ran with async scheduling (its CUDA default).\n")
-    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
-          "mean TPOT vLLM / pdserve ms |")
-    print("|---|---|---|---|---|---|")
-    for w in c["workloads"]:
-        v, p = w["vllm"], w["pdserve"]
-        print(f"| {w['workload']} | {_fmt(v['output_throughput'])} | {_fmt(p['output_throughput'])} | "
-              f"{w['ratio']['output_throughput']:.2f} | {_fmt(v['mean_ttft_ms'])} / {_fmt(p['mean_ttft_ms'])} | "
-              f"{v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} |")
-    for srv in c["servers"]:
-        v, p = srv["vllm"], srv["pdserve"]
-        print(f"\nStart-up (launch to first completion answered): vLLM {v['startup_s']:.1f} s, pdserve "
-              f"{p['startup_s']:.1f} s. KV capacity at --gpu-memory-utilization 0.9: vLLM {v['kv_tokens']:,} tokens, "
-              f"pdserve {p['kv_tokens']:,} tokens ({p['kv_tokens'] / v['kv_tokens']:.3f}x).")
+    _side_by_side(c)
     a = load("engine/results_2xh200/async_check.json")
     print(f"\nAsync scheduling on vs off, same engine and requests (`benchmarks/engine/async_check.py`, H200, tree "
           "of commit 88625d9, 512-token prompts, 64 output tokens): greedy tokens identical for "
@@ -214,19 +202,7 @@ def session5() -> None:
     c = load(f"{base}/tp_sbs/comparison.json")
     print("TP=2 side by side (`benchmarks/lease_2xh200.sh tp_sbs`: vLLM 0.22 `-tp 2`, then pdserve `-tp 2`, on the same "
           "two H200s one after the other; dummy Qwen3-8B bf16; vLLM's `bench serve` first on each server):\n")
-    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
-          "mean TPOT vLLM / pdserve ms |")
-    print("|---|---|---|---|---|---|")
-    for w in c["workloads"]:
-        v, p = w["vllm"], w["pdserve"]
-        print(f"| {w['workload']} | {_fmt(v['output_throughput'])} | {_fmt(p['output_throughput'])} | "
-              f"{w['ratio']['output_throughput']:.2f} | {_fmt(v['mean_ttft_ms'])} / {_fmt(p['mean_ttft_ms'])} | "
-              f"{v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} |")
-    for srv in c["servers"]:
-        v, p = srv["vllm"], srv["pdserve"]
-        print(f"\nStart-up (launch to first completion answered): vLLM {v['startup_s']:.1f} s, pdserve "
-              f"{p['startup_s']:.1f} s. KV capacity: vLLM {v['kv_tokens']:,} tokens, pdserve {p['kv_tokens']:,} "
-              f"({p['kv_tokens'] / v['kv_tokens']:.3f}x).")
+    _side_by_side(c)
     print("\nThe same server and workload measured by vLLM's client, then at once by pdserve's (`pdserve bench serve`, "
           "same dataset arguments):\n")
     print("| server, workload | out tok/s (pdserve's / vLLM's client) | mean TTFT | mean TPOT |\n|---|---|---|---|")
@@ -289,6 +265,23 @@ def faults() -> None:
         print(f"- {names[s]}: {t['sent']} sent, {t['completed']} completed, {t['clean_errors']} clean errors "
               f"({', '.join(f'{n} {w}' for w, n in sorted(kinds.items(), key=lambda x: -x[1])) or 'none'}), "
               f"{t['lost']} lost; pools whole after every repetition: {'yes' if t['pools_whole'] else 'NO'}")
+
+
+def _side_by_side(c: dict) -> None:
+    """A side_by_side comparison (compare.py's JSON): the workload table, then each server pair's start-up and KV."""
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
+          "mean TPOT vLLM / pdserve ms |")
+    print("|---|---|---|---|---|---|")
+    for w in c["workloads"]:
+        v, p = w["vllm"], w["pdserve"]
+        print(f"| {w['workload']} | {_fmt(v['output_throughput'])} | {_fmt(p['output_throughput'])} | "
+              f"{w['ratio']['output_throughput']:.2f} | {_fmt(v['mean_ttft_ms'])} / {_fmt(p['mean_ttft_ms'])} | "
+              f"{v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} |")
+    for srv in c["servers"]:
+        v, p = srv["vllm"], srv["pdserve"]
+        print(f"\nStart-up (launch to first completion answered): vLLM {v['startup_s']:.1f} s, pdserve "
+              f"{p['startup_s']:.1f} s. KV capacity at --gpu-memory-utilization 0.9: vLLM {v['kv_tokens']:,} tokens, "
+              f"pdserve {p['kv_tokens']:,} tokens ({p['kv_tokens'] / v['kv_tokens']:.3f}x).")
 
 
 def _loads(reps: list[dict]) -> str:
