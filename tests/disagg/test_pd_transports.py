@@ -28,7 +28,15 @@ import aiohttp
 import pytest
 
 from tests.kv.test_kv_optin import MOONCAKE
-from tests.router.test_router_real import _start, assert_pools_whole, load, run, start_router, stop
+from tests.router.test_router_real import (
+    _start,
+    abort_before_first_token,
+    assert_pools_whole,
+    load,
+    run,
+    start_router,
+    stop,
+)
 from tests.server.live_server import pd_headers
 
 pytestmark = pytest.mark.slow
@@ -186,13 +194,7 @@ def test_aborts_mid_handover_leave_pools_whole(deployment, expected):
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            for delay in (0.0, 0.05, 0.2, 0.5, 1.0):  # before any token arrived: the order or the push in flight
-                try:
-                    await s.post(url + "/v1/completions", json={"prompt": f"{delay} " + long_prompt,
-                                                                "max_tokens": 20, "stream": True},
-                                 timeout=aiohttp.ClientTimeout(total=delay + 0.001))
-                except asyncio.TimeoutError:
-                    pass
+            await abort_before_first_token(s, url, long_prompt, (0.0, 0.05, 0.2, 0.5, 1.0), 20)
             resp = await s.post(url + "/v1/completions", json={"prompt": "x " + long_prompt, "max_tokens": 50,
                                                                "stream": True})
             await resp.content.readuntil(b"\n\n")  # mid-stream

@@ -174,6 +174,19 @@ async def load(session: aiohttp.ClientSession, url: str) -> dict:
         return await resp.json()
 
 
+async def abort_before_first_token(session: aiohttp.ClientSession, url: str, prompt: str, delays: tuple[float, ...],
+                                   max_tokens: int) -> None:
+    """One streamed request per delay, dropped by the client after it (before any token: the order or the push in
+    flight); each prompt starts with its delay, so no two share a prefix."""
+    for delay in delays:
+        try:
+            await session.post(url + "/v1/completions", json={"prompt": f"{delay} " + prompt, "max_tokens": max_tokens,
+                                                              "stream": True},
+                               timeout=aiohttp.ClientTimeout(total=delay + 0.001))
+        except asyncio.TimeoutError:
+            pass
+
+
 async def assert_pools_whole(session: aiohttp.ClientSession, urls: list[str], timeout: float = 15.0) -> None:
     """Every instance idle with all KV blocks free (cached blocks nobody holds count as free)."""
     deadline = time.monotonic() + timeout
@@ -247,13 +260,7 @@ def test_aborts_mid_stream_and_mid_handover_leave_pools_whole(cluster, expected)
                                                                    "max_tokens": 200, "stream": True})
                 await resp.content.readuntil(b"\n\n")
                 resp.close()
-            for delay in (0.0, 0.02, 0.05, 0.1, 0.2):  # mid-handover: before any token arrived
-                try:
-                    await s.post(url + "/v1/completions", json={"prompt": f"{delay} " + long_prompt,
-                                                                "max_tokens": 50, "stream": True},
-                                 timeout=aiohttp.ClientTimeout(total=delay + 0.001))
-                except asyncio.TimeoutError:
-                    pass
+            await abort_before_first_token(s, url, long_prompt, (0.0, 0.02, 0.05, 0.1, 0.2), 50)  # mid-handover
             await assert_pools_whole(s, [cluster.urls[n] for n in ("p0", "p1", "d0", "d1")], timeout=30)
             # and the deployment still answers correctly
             assert await complete(s, url, PROMPTS[2], stream=True) == expected[PROMPTS[2]]
