@@ -24,6 +24,7 @@ from pdserve.engine.async_step import InFlight, async_supported, can_schedule_ah
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, KVPool, make_connector
+from pdserve.engine.memory_profile import StepPeak, measure_step_peak, pool_budget
 from pdserve.engine.messages import (
     CoreOutput,
     ExportFinished,
@@ -112,13 +113,14 @@ class EngineCore:
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         bb = block_bytes(self.hf_config, config.block_size, kv_dtype, config.tensor_parallel_size)  # one rank's
         with self.executor.closing_on_error():
-            num_blocks = config.num_gpu_blocks or self._size_pool(bb)
             model_max = int(getattr(self.hf_config, "max_position_embeddings", 8192))
             self.max_model_len = config.max_model_len or (model_max if self.device.type == "cuda"
                                                           else min(model_max, 8192))
             if self.max_model_len > model_max:
                 raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of {model_max} "
                                  f"positions")
+            self.step_peak: StepPeak | None = None  # the KV sizing probe's measurement (CUDA)
+            num_blocks = config.num_gpu_blocks or self._size_pool(bb, kv_dtype)
             self.block_bytes = bb
             # the same block ids index every rank's pool; the block accounting below stays here, on rank 0
             self.runner = self.executor.init_runner(num_blocks, config.block_size, config.attention_backend, kv_dtype)
@@ -151,18 +153,21 @@ class EngineCore:
                  time.time() - t0, config.model, self.device, self.dtype, num_blocks, config.block_size, bb / 2**20,
                  kvt.role)
 
-    def _size_pool(self, bb: int) -> int:
+    def _size_pool(self, bb: int, kv_dtype: torch.dtype) -> int:
+        """Blocks of the KV pool: from cpu_kv_cache_gb on CPU; on CUDA, what gpu_memory_utilization leaves after the
+        weights and the measured peak of the largest step (pdserve.engine.memory_profile)."""
         if self.device.type == "cpu":
             return max(16, int(self.config.cpu_kv_cache_gb * 2**30) // bb)
+        cfg = self.config
+        self.step_peak = measure_step_peak(self.executor, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                           self.max_model_len, cfg.block_size, cfg.attention_backend, kv_dtype,
+                                           self.hf_config.vocab_size, self.eos_token_ids)
         free, total = self.executor.mem_get_info()  # the tightest rank's
-        used = total - free
-        cfg = self.hf_config
-        act = self.config.max_num_batched_tokens * (cfg.hidden_size * 12 + cfg.intermediate_size * 4) * 4
-        act += self.config.max_num_seqs * cfg.vocab_size * 4 * 3
-        budget = total * self.config.gpu_memory_utilization - used - act - (512 << 20)
+        budget = pool_budget(total, free, cfg.gpu_memory_utilization, self.step_peak.peak_bytes)
         if budget < bb * 16:
-            raise ValueError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after weights; "
-                             f"raise --gpu-memory-utilization or use a smaller model")
+            raise ValueError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the "
+                             f"weights and the largest step's {self.step_peak.peak_bytes / 2**30:.2f} GiB; raise "
+                             f"--gpu-memory-utilization, lower --max-num-batched-tokens or use a smaller model")
         return int(budget // bb)
 
     # ---- requests

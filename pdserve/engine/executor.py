@@ -245,13 +245,19 @@ class Executor:
         return min(f for f, _ in infos), min(t for _, t in infos)
 
     def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,
-                    kv_dtype: torch.dtype) -> ModelRunner:
-        """Every rank's KV pool (its KV heads, `num_blocks` blocks) and runner; rank 0's runner is returned."""
-        self.collective_rpc("init_runner", num_blocks, block_size, attention_backend, kv_dtype)
+                    kv_dtype: torch.dtype, probe: bool = False) -> ModelRunner:
+        """Every rank's KV pool (its KV heads, `num_blocks` blocks) and runner; rank 0's runner is returned. A
+        `probe` pool (KV sizing) is a plain tensor, dropped again by `release_runner`."""
+        self.collective_rpc("init_runner", num_blocks, block_size, attention_backend, kv_dtype, probe)
         self.runner = self.driver.runner
         if self.size > 1:
             self.runner.step_sink = self._send_step
         return self.runner
+
+    def release_runner(self) -> None:
+        """Every rank drops its runner and pool and returns their memory to the device."""
+        self.runner = None
+        self.collective_rpc("release_runner")
 
     def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int, emulate: bool = False) -> None:
         self.collective_rpc("capture_graphs", max_batch, max_model_len, max_tokens, emulate,

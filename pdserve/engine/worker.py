@@ -19,6 +19,7 @@ ends the worker even while it is blocked inside a collective).
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import pickle
@@ -140,6 +141,7 @@ class Worker:
         self.extras: dict = {}
         self.report = report
         self.after_layer: Callable[[int], None] | None = None
+        self._mark = 0  # bytes allocated at mark_memory
 
     def call(self, method: str | Callable, args: tuple, kwargs: dict):
         fn = getattr(self, method) if isinstance(method, str) else functools.partial(method, self)
@@ -160,14 +162,38 @@ class Worker:
         return torch.cuda.mem_get_info(self.device)
 
     def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,
-                    kv_dtype: torch.dtype) -> dict:
+                    kv_dtype: torch.dtype, probe: bool = False) -> dict:
+        """This rank's pool and runner; a `probe` pool (pdserve.engine.memory_profile) is a plain torch tensor."""
         kv = self.config.kv_transfer
         self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, num_blocks, block_size,
                                   attention_backend, kv_dtype, self.tp.size,
-                                  kv.pool_alloc if kv.disaggregated else "torch")
+                                  kv.pool_alloc if kv.disaggregated and not probe else "torch")
         if self.tp.size > 1:
             self.runner.tp_broadcast = self.tp.broadcast_from_first
         return self.kv_pool_info()
+
+    def release_runner(self) -> None:
+        """Drop this rank's runner and its pool (the KV sizing probe's), and give their memory back to the device."""
+        self.runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def mark_memory(self) -> None:
+        """Start measuring a step's peak: the device's peak statistic restarts at what is allocated now."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._mark = torch.cuda.memory_allocated(self.device)
+
+    def memory_peak(self) -> int:
+        """The most allocated since `mark_memory`, above what was allocated then (bytes; 0 on CPU, where the
+        pool is sized from cpu_kv_cache_gb)."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self._mark
 
     def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int, emulate: bool = False) -> None:
         self.runner.capture_graphs(max_batch, max_model_len, max_tokens, emulate=emulate)

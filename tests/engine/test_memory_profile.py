@@ -1,0 +1,160 @@
+"""KV sizing from a measured step (pdserve/engine/memory_profile.py), on CPU: the probe step is the largest one the
+scheduler can plan (every token of the budget, every sequence slot, all sampled), it runs on every rank and leaves
+no runner or pool behind, and the executor serves as before afterwards. The peak itself is a CUDA statistic
+(0 on CPU); the budget arithmetic is checked on its own."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.executor import Executor
+from pdserve.engine.memory_profile import (
+    POOL_MARGIN_BYTES,
+    measure_step_peak,
+    pool_budget,
+    probe_blocks,
+    probe_prompt_lens,
+)
+from pdserve.engine.runner import kv_cache_torch_dtype
+from pdserve.model.loader import load_config, resolve_model
+from pdserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("tokens,seqs,max_len", [(8192, 256, 40960), (8192, 256, 1000), (96, 8, 40), (64, 256, 512),
+                                                 (10, 4, 2)])
+def test_probe_prompts_fill_a_step(tokens, seqs, max_len):
+    lens = probe_prompt_lens(tokens, seqs, max_len)
+    assert len(lens) == min(seqs, tokens)  # every sequence slot a step has
+    assert all(1 <= n <= max(1, max_len - 1) for n in lens)  # each prompt can be answered
+    # every token of the budget, unless the model's length caps what that many sequences can hold
+    assert sum(lens) == min(tokens, len(lens) * max(1, max_len - 1))
+
+
+def test_budget_leaves_the_peak_and_the_margin():
+    gib = 2**30
+    assert pool_budget(total=100 * gib, free=80 * gib, utilization=0.9, peak_bytes=3 * gib) == \
+        int(90 * gib - 20 * gib - 3 * gib - POOL_MARGIN_BYTES)
+
+
+def _executor(path, tp: int) -> tuple[Executor, object, EngineConfig]:
+    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=64,
+                       max_num_batched_tokens=48, max_num_seqs=6, max_model_len=32, tensor_parallel_size=tp)
+    hf, source = load_config(resolve_model(str(path)))
+    return Executor(cfg, hf, source, torch.device("cpu"), torch.float32), hf, cfg
+
+
+def _no_runner(worker) -> bool:
+    return worker.runner is None
+
+
+def _pool_blocks(worker) -> int:
+    return worker.runner.kv_cache.shape[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_probe_step_runs_on_every_rank_and_leaves_nothing(tiny_model_dirs, tp):
+    ex, hf, cfg = _executor(tiny_model_dirs["qwen3"], tp)
+    try:
+        seen: dict = {}
+        execute = ex.execute
+
+        def recording(batch, after_layer=None):
+            seen["pool"] = weakref.ref(ex.runner.kv_cache)
+            seen["blocks"] = ex.runner.kv_cache.shape[0] - 1  # less the scratch block
+            reqs, result = execute(batch, after_layer)
+            seen["sampled"] = len(reqs)
+            seen["tokens"] = len(result.token_ids)
+            seen["logprobs"] = sum(lp is not None for lp in result.logprobs)
+            return reqs, result
+
+        ex.execute = recording
+        peak = measure_step_peak(ex, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len,
+                                 cfg.block_size, "auto", kv_cache_torch_dtype("auto", torch.float32),
+                                 hf.vocab_size)
+        ex.execute = execute
+        lens = probe_prompt_lens(48, 6, 32)
+        assert (peak.tokens, peak.seqs) == (sum(lens), len(lens)) == (48, 6)
+        assert peak.peak_bytes == 0  # a CUDA statistic
+        assert seen["sampled"] == seen["tokens"] == seen["logprobs"] == 6  # all sampled, with logprobs
+        assert seen["blocks"] == probe_blocks(lens, cfg.block_size)
+        gc.collect()
+        assert seen["pool"]() is None  # the probe pool is gone
+        assert ex.runner is None and ex.collective_rpc(_no_runner) == [True] * tp
+
+        # the executor serves as before: a real pool, a request run to its end
+        ex.init_runner(64, cfg.block_size, "auto", torch.float32)
+        assert ex.collective_rpc(_pool_blocks) == [65] * tp
+    finally:
+        ex.close()
+
+
+def test_engine_after_a_probe_answers_as_before(tiny_model_dirs, monkeypatch):
+    """An engine whose executor ran the probe step before its pool was made gives the same greedy tokens as one
+    whose executor did not (the probe's pool and KV leave no trace)."""
+    real_init = Executor.__init__
+
+    def answer(probe: bool) -> list[int]:
+        def init(self, config, hf_config, *a, **k):
+            real_init(self, config, hf_config, *a, **k)
+            if probe:
+                measure_step_peak(self, 48, 6, 64, 4, "auto", torch.float32, hf_config.vocab_size)
+
+        monkeypatch.setattr(Executor, "__init__", init)
+        core = EngineCore(EngineConfig(model=str(tiny_model_dirs["llama"]), device="cpu", dtype="float32",
+                                       block_size=4, num_gpu_blocks=64, max_num_batched_tokens=48, max_num_seqs=6,
+                                       max_model_len=64))
+        try:
+            core.add_request("a", [5, 3, 9, 2, 7, 1, 8], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                          ignore_eos=True))
+            out: list[int] = []
+            while core.has_work():
+                for o in core.step():
+                    out += o.new_token_ids
+            core.check_whole()
+            return out
+        finally:
+            core.close()
+
+    assert answer(True) == answer(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("util", [0.3, 0.6])
+def test_the_largest_step_fits_beside_the_sized_pool(util):
+    """On CUDA: the pool sized from the measured step leaves room for that step. After the engine is made, the
+    probe's step (every token of the budget, every sequence sampled) runs on the full pool, and the GPU's memory in
+    use (caching allocator included) stays within gpu_memory_utilization of it."""
+    used, allowed, blocks = _largest_step_within(util)
+    assert blocks > 0 and used <= allowed, f"{used / 2**30:.2f} GiB in use, {allowed / 2**30:.2f} GiB allowed"
+
+
+def _largest_step_within(util: float) -> tuple[int, int, int]:
+    core = EngineCore(EngineConfig(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
+                                   gpu_memory_utilization=util, max_num_batched_tokens=4096, max_num_seqs=128,
+                                   max_model_len=8192, enforce_eager=True, warmup=False))
+    try:
+        assert core.step_peak is not None and core.step_peak.peak_bytes > 0
+        lens = probe_prompt_lens(4096, 128, core.max_model_len)
+        g = torch.Generator().manual_seed(0)
+        for i, n in enumerate(lens):
+            core.add_request(f"r{i}", torch.randint(0, 151000, (n,), generator=g).tolist(),
+                             SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=50, logprobs=20,
+                                            presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True))
+        core.step()  # every prompt in one step: the probe's shape
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        while core.has_work():
+            core.step()
+        core.check_whole()
+        return total - free, int(total * util), core.kv.pool.num_blocks
+    finally:
+        core.close()
