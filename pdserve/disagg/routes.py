@@ -26,6 +26,7 @@ from pdserve.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.protocol import error_body
 from pdserve.sampling_params import InvalidParameter, SamplingParams
 from pdserve.signing import verify_request
+from pdserve.validation import ids_in_range
 
 MAX_DEST_BLOCKS = 1 << 20
 
@@ -44,8 +45,8 @@ def parse_order(body: object) -> tuple[str, list[int], SamplingParams, KVDestina
     if not isinstance(body, dict):
         raise TypeError("the order must be a JSON object")
     ids = body["prompt_token_ids"]
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise TypeError("prompt_token_ids must be a list of integers")
+    if not isinstance(ids, list) or not ids_in_range(ids, None):
+        raise TypeError("prompt_token_ids must be a list of non-negative integers")
     sampling = body["sampling"]
     if not isinstance(sampling, dict):
         raise TypeError("sampling must be an object")
@@ -59,8 +60,7 @@ def parse_order(body: object) -> tuple[str, list[int], SamplingParams, KVDestina
     if not isinstance(d, dict):
         raise TypeError("dest must be an object")
     blocks = d["block_ids"]
-    if not isinstance(blocks, list) or len(blocks) > MAX_DEST_BLOCKS or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
+    if not isinstance(blocks, list) or len(blocks) > MAX_DEST_BLOCKS or not ids_in_range(blocks, None):
         raise TypeError("dest.block_ids must be a list of block numbers")
     lay = d.get("layout")
     layout = KVLayout(str(lay["dtype"]), int(lay["block_size"]), int(lay["num_layers"]), int(lay["num_kv_heads"]),

@@ -19,7 +19,7 @@ class RouteRequest:
     """What policies may look at: the prompt's chained chunk hashes and its estimated token count."""
 
     est_tokens: int
-    hashes: list[bytes] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
     tokens_per_chunk: float = 16.0
 
     def overlap_tokens(self, inst: Instance) -> float:

@@ -8,7 +8,6 @@ set lookup per chunk finds the longest shared prefix, exactly like the engine's 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from array import array
@@ -44,13 +43,17 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
     return json.dumps(prompt, separators=(",", ":"))
 
 
-def chunk_hashes(text: str | bytes, chunk_chars: int) -> list[bytes]:
-    """Chained hashes of the full `chunk_chars`-sized chunks of `text` (a partial tail chunk is not cached)."""
+def chunk_hashes(text: str | bytes, chunk_chars: int) -> list[int]:
+    """Chained hashes of the full `chunk_chars`-sized chunks of `text` (a partial tail chunk is not cached).
+
+    Python's own hash: SipHash over bytes with this process's random key (no one outside can aim collisions at
+    it), and the router's prefix sets live in this process only. A 32k-token prompt's 2,048 chunks cost ~0.5 ms,
+    where a chain of blake2b digests cost ~4 ms on the development VM."""
     data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
-    out: list[bytes] = []
-    prev = b""
+    out: list[int] = []
+    prev = 0x5BD1E995
     for start in range(0, len(data) - chunk_chars + 1, chunk_chars):
-        prev = hashlib.blake2b(prev + data[start : start + chunk_chars], digest_size=16).digest()
+        prev = hash((prev, data[start : start + chunk_chars]))
         out.append(prev)
     return out
 
@@ -72,7 +75,7 @@ class PromptKey:
     and the chained hashes of its chunks, each chunk worth `tokens_per_chunk` tokens."""
 
     est_tokens: int
-    hashes: list[bytes]
+    hashes: list[int]
     tokens_per_chunk: float
 
 
@@ -95,12 +98,12 @@ class PrefixIndex:
         if capacity <= 0:
             raise ValueError("PrefixIndex capacity must be positive")
         self.capacity = capacity
-        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._lru: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def overlap(self, hashes: list[bytes]) -> int:
+    def overlap(self, hashes: list[int]) -> int:
         n = 0
         for h in hashes:
             if h not in self._lru:
@@ -108,7 +111,7 @@ class PrefixIndex:
             n += 1
         return n
 
-    def insert(self, hashes: list[bytes]) -> None:
+    def insert(self, hashes: list[int]) -> None:
         for h in hashes:
             if h in self._lru:
                 self._lru.move_to_end(h)
