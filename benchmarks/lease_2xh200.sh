@@ -22,6 +22,8 @@
 #   warm_check pdserve with and without the start-up warm-up (one GPU each, at once), each measured twice in a row
 #   tp_sbs     vLLM -tp 2, then pdserve -tp 2, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16), each measured by vLLM's
 #              client and then by pdserve's
+#   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, tuned on both GPUs at once and merged
+#   attn_sweep the decode attention tile sweep (bf16 and fp8 pools, 64- to 256-key tiles)
 #   moeclients dummy Qwen3-30B-A3B with --kv-cache-dtype fp8 side by side (vLLM with FLASH_ATTN), each server measured
 #              by vLLM's client and then by pdserve's (`pdserve bench serve`), back to back
 set -uo pipefail
@@ -96,7 +98,7 @@ case $STAGE in
     done
     wait $B
     for f in "$W"/gpu*_run*.json; do python3 benchmarks/vs_vllm/compare.py --line "$f"; done
-    grep -h "warm-up\|engine ready" "$W"/server_*.log
+    grep -h "warm-up\|engine ready\|KV sizing" "$W"/server_*.log
     kill $S 2>/dev/null; sleep 3; gzip -f "$W"/*.log
     tar czf "$OUT/warm_check.tgz" -C "$OUT" warm_check ;;
   tp_sbs)
@@ -142,6 +144,38 @@ case $STAGE in
     echo "== PD GPU tests"
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv tests/disagg tests/parallel 2>&1 \
       | tee "$W/gpu_tests_pd.txt" | grep -v "^\.*$" | tail -15 ;;
+  moe_tune)
+    # the fused MoE tiles of dummy Qwen3-30B-A3B's experts (E=128, N=768, K=2048, top-8, bf16): small token buckets
+    # on GPU 0 and large ones on GPU 1 at once, each into its own file, merged into the table pdserve looks up
+    # (the merged file lands under $OUT: copy it to pdserve/ops/configs/fused_moe/)
+    CUDA_VISIBLE_DEVICES=0 timeout 540 python3 benchmarks/moe/tune_fused_moe.py --tokens 1 2 4 8 16 24 32 48 64 96 \
+      128 192 --max-minutes 7.5 --out "$W/part0.json" > "$W/tune0.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 540 python3 benchmarks/moe/tune_fused_moe.py --tokens 4096 3072 2048 1536 1024 \
+      768 512 384 256 --max-minutes 7.5 --out "$W/part1.json" > "$W/tune1.txt" 2>&1 &
+    wait
+    tail -n 14 "$W"/tune0.txt "$W"/tune1.txt
+    python3 - "$W" <<'PY'
+import json, sys
+from pathlib import Path
+from pdserve.ops.fused_moe_config import config_file_name
+import torch
+w = Path(sys.argv[1])
+parts = [json.loads(p.read_text()) for p in sorted(w.glob("part*.json"))]
+table = {**parts[0], "configs": {}, "tuning": {}}
+for p in parts:
+    table["configs"].update(p["configs"]); table["tuning"].update(p["tuning"])
+table["configs"] = dict(sorted(table["configs"].items(), key=lambda kv: int(kv[0])))
+table["tuning"] = dict(sorted(table["tuning"].items(), key=lambda kv: int(kv[0])))
+k = table["key"]
+name = config_file_name(k["E"], k["N"], k["K"], getattr(torch, k["dtype"]), k["device"])
+(w / name).write_text(json.dumps(table, indent=1))
+print("merged", len(table["configs"]), "buckets ->", name)
+PY
+    tar czf "$OUT/moe_tune.tgz" -C "$OUT" moe_tune ;;
+  attn_sweep)
+    # the split-K decode kernel's tiles (now with 256-key tiles) for bf16 and fp8 pools, GPU 0
+    timeout 500 python3 benchmarks/attention/sweep_decode.py --out "$W/decode_sweep.json" 2>&1 | tail -12
+    tar czf "$OUT/attn_sweep.tgz" -C "$OUT" attn_sweep ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 echo "stage $STAGE took $(( $(date +%s) - t0 )) s"

@@ -23,7 +23,7 @@ from pdserve.ops.attention.common import as_storage, is_fp8
 from pdserve.ops.attention.decode import decode_tile, paged_decode
 
 SHAPES = [(1, 8192), (32, 4096), (128, 2048), (256, 1024), (256, 4096)]
-TILES = [(32, 4, 2)] + [(n, w, s) for n, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))]
+TILES = [(32, 4, 2)] + [(n, w, s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))]
 
 
 def main(argv=None) -> int:

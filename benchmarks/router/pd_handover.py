@@ -195,6 +195,15 @@ async def measure(args: argparse.Namespace, dep: Deployment) -> dict[str, Any]:
             timings = [s["pd_timings"] for s in samples["pd_direct"] if isinstance(s.get("pd_timings"), dict)]
             for phase in ("queue_s", "prefill_s", "handover_s", "first_token_s"):
                 summary[phase] = percentiles([t[phase] for t in timings if isinstance(t.get(phase), (int, float))])
+            # what is not compute or KV movement: the order's way from the decode instance's arrival to the prefill
+            # engine (first_token - queue - prefill - handover), and the first token's way out to the client
+            phases = ("queue_s", "prefill_s", "handover_s", "first_token_s")
+            whole = [(s, s["pd_timings"]) for s in samples["pd_direct"] if isinstance(s.get("pd_timings"), dict)
+                     and all(isinstance(s["pd_timings"].get(k), (int, float)) for k in phases)]
+            summary["order_path_s"] = percentiles([t["first_token_s"] - t["queue_s"] - t["prefill_s"] - t["handover_s"]
+                                                   for _, t in whole])
+            summary["first_token_out_s"] = percentiles([s["ttft_s"] - t["first_token_s"] for s, t in whole
+                                                        if s["ttft_s"]])
             summary["fallbacks"] = sum(1 for t in timings if t.get("fallback"))
             transports: dict[str, int] = {}
             for t in timings:

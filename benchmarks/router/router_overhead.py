@@ -4,6 +4,7 @@ instance directly, and streamed-chunk throughput, against an instant fake decode
 The fake answers at once, so every millisecond measured is HTTP + router work. Client, router and fake run in
 three processes (as in a deployment). Runs anywhere:
   python benchmarks/router/router_overhead.py --requests 300 --concurrency 1 8 64 --out results.json
+  python benchmarks/router/router_overhead.py --requests 50 --concurrency 1 --prompt-tokens 32768  # long prompts
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -52,10 +54,19 @@ def pct(xs: list[float], q: float) -> float:
     return stats.percentile(xs, 100 * q)
 
 
-async def one(session: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[float, float, int]:
+def make_prompt(prompt_tokens: int, seed: int = 0) -> str | list[int]:
+    """A 50-word text prompt, or `prompt_tokens` random token ids (what a benchmark client sends for long prompts)."""
+    if not prompt_tokens:
+        return "hello " * 50
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 150000) for _ in range(prompt_tokens)]
+
+
+async def one(session: aiohttp.ClientSession, url: str, max_tokens: int,
+              prompt: str | list[int]) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     ttft, chunks = None, 0
-    body = {"prompt": "hello " * 50, "max_tokens": max_tokens, "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
     async with session.post(url + "/v1/completions", json=body) as resp:
         async for line in resp.content:
             if line.startswith(b"data: {"):
@@ -65,12 +76,12 @@ async def one(session: aiohttp.ClientSession, url: str, max_tokens: int) -> tupl
     return ttft or 0.0, time.perf_counter() - t0, chunks
 
 
-async def drive(url: str, n: int, concurrency: int, max_tokens: int) -> dict:
+async def drive(url: str, n: int, concurrency: int, max_tokens: int, prompt: str | list[int]) -> dict:
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def bounded():
             async with sem:
-                return await one(session, url, max_tokens)
+                return await one(session, url, max_tokens, prompt)
 
         await asyncio.gather(*(bounded() for _ in range(min(20, n))))  # warm connections
         t0 = time.perf_counter()
@@ -96,8 +107,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         await wait_healthy(fake_url)
         await wait_healthy(router_url)
         for c in args.concurrency:
-            direct = await drive(fake_url, args.requests, c, args.max_tokens)
-            routed = await drive(router_url, args.requests, c, args.max_tokens)
+            prompt = make_prompt(args.prompt_tokens)
+            direct = await drive(fake_url, args.requests, c, args.max_tokens, prompt)
+            routed = await drive(router_url, args.requests, c, args.max_tokens, prompt)
             results[str(c)] = {"direct": direct, "router": routed,
                                "added_ttft_p50_ms": routed["ttft_p50_ms"] - direct["ttft_p50_ms"]}
             print(f"concurrency {c}: TTFT p50 direct {direct['ttft_p50_ms']:.2f} ms, via router "
@@ -115,6 +127,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="send this many random token ids as the prompt (0: a 50-word text prompt)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     results = asyncio.run(main_async(args))
