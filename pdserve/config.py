@@ -54,6 +54,9 @@ class KVTransferConfig:
     lease_s: float = 30.0  # longest a block may be held or reserved for a peer
     fallback: str = "recompute"  # decode side, when the handover fails: recompute the prefill locally, or fail
     layerwise: str = "auto"  # prefill side: push each layer's KV as soon as it is computed (auto: per peer, over tcp)
+    # prefill side: a long prompt's chunks before its last push their full blocks while the next chunk computes
+    # (pairs that go layer by layer push everything during the last chunk instead)
+    push_ahead: bool = True
     pool_alloc: str = "auto"  # KV_POOL_ALLOCS: the pool's memory on CUDA (auto: VMM where the GPU supports it)
     protocol: str = "rdma"  # KV_PROTOCOLS: what the mooncake transport moves bytes over
     devices: str = ""  # RDMA devices the mooncake transport may use, comma-separated ("": every one it finds)

@@ -5,7 +5,9 @@ The engine asks and hands work; this side only moves bytes, through one KV agent
 (`pdserve.disagg.rank_kv.RankKV`, driven with the executor's collective_rpc): `on_added` has every rank dial the
 decode ranks it sends to while the prompt computes, `layer_hook` (over slow transports) arms every rank to send each
 layer's runs as soon as that layer's attention wrote them, `start_export` has every rank push the rest and notify,
-`take_finished_exports` reports a push's end once every rank's share ended (the scheduler then frees the blocks),
+`push_ahead` has every rank send the full blocks of a long prompt's chunks before its last while the next chunk
+computes (so only the last chunk's blocks move after the prefill), `take_finished_exports` reports a push's end once
+every rank's share ended (the scheduler then frees the blocks),
 `cancel_export` stops a push whose lease ran out on every rank.
 
 Each rank's agent fixes the transport per decode rank it sends to when it dials it (`rank_kv.PeerLink`), names it on
@@ -26,11 +28,13 @@ from pdserve.disagg.agent import transfer_counts, transport_spec
 from pdserve.disagg.heads import MAX_TP, head_ranges
 from pdserve.disagg.rank_kv import (
     RankPushed,
+    kv_abandon,
     kv_arm_layers,
     kv_cancel,
     kv_close,
     kv_dial,
     kv_push,
+    kv_push_ahead,
     kv_start,
     layerwise_for,
 )
@@ -80,6 +84,7 @@ class PrefillExporter(KVConnector):
         self._pushes: dict[str, list[RankPushed]] = {}  # request -> the ranks' ends of its push so far
         self._failed: list[ExportResult] = []  # pushes that never started
         self.num_layerwise = 0
+        self.num_ahead = 0  # exports whose blocks went (in part) ahead of the prompt's last chunk
         # (transport, decode agent address, ok | failed) -> pairs pushed; engine thread only (take_finished_exports)
         self.transfers: dict[tuple[str, str, str], int] = {}
 
@@ -117,6 +122,32 @@ class PrefillExporter(KVConnector):
         if hook is None and any(armed):
             return _layer_by_layer  # rank 0 sends nothing itself, but the step must run layer by layer everywhere
         return hook
+
+    # ---- ahead of the push: the full blocks of a long prompt's chunks before its last
+    def push_ahead(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
+        if not self.config.push_ahead or self.layerwise == "on":  # ("on": every pair goes layer by layer)
+            return []
+        bs = self.pool.block_size
+        items, out = [], []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            ex = req.kv_export
+            end = req.num_computed_tokens + n
+            if ex is None or end >= req.num_tokens:  # the last chunk: pushed after it (or layer by layer in it)
+                continue
+            dest = ex.dest
+            hi = min(end // bs - dest.start_block, len(dest.block_ids))  # full destination blocks computed
+            if hi <= req.kv_pushed_blocks:
+                continue
+            self.num_ahead += req.kv_pushed_blocks == 0
+            items.append((req.request_id, dest, req.block_ids[dest.start_block:dest.start_block + hi]))
+            out.append((req, hi))
+        if items:
+            self.ranks.collective_rpc(kv_push_ahead, items, self.layerwise)
+        return out
+
+    def abandon_export(self, request_id: str) -> None:
+        self._pushes[request_id] = []
+        self.ranks.collective_rpc(kv_abandon, request_id)
 
     # ---- the push, after the first token was sampled
     def start_export(self, ex: ExportStart) -> None:
@@ -166,7 +197,8 @@ class PrefillExporter(KVConnector):
         self.ranks.collective_rpc(kv_cancel, request_id)
 
     def stats(self) -> dict:
-        return {"layerwise_exports": self.num_layerwise, "pushes_in_flight": len(self._pushes),
+        return {"layerwise_exports": self.num_layerwise, "ahead_exports": self.num_ahead,
+                "pushes_in_flight": len(self._pushes),
                 "transfers": transfer_counts(self.transfers)}
 
     def close(self) -> None:

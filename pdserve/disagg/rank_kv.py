@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -101,6 +101,15 @@ class RankPushed:
     pairs: tuple[PairPushed, ...] = ()
 
 
+@dataclass
+class Ahead:
+    """Prefill side, one rank: a request's destination blocks [0, covered) written ahead of its last chunk, and
+    those writes (run index in the rank's plan, future)."""
+
+    covered: int = 0
+    futs: list[tuple[int, concurrent.futures.Future]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class PeerLink:
     """A connected decode rank's agent, as this rank's agent sees it: its name and the transport every push to it
@@ -152,6 +161,7 @@ class RankKV:
         self._connects: dict[str, concurrent.futures.Future] = {}  # decode agent address -> dial (PeerLink)
         self._peers: dict[str, PeerLink] = {}  # decode agent address -> link (replaced whole on the agent thread)
         self._layer_futs: dict[str, list[tuple[HeadRun, concurrent.futures.Future]]] = {}
+        self._ahead: dict[str, Ahead] = {}  # request -> its blocks pushed ahead of its last chunk
         self._pushes: dict[str, concurrent.futures.Future] = {}
         self.agent.on_peer_lost(self._on_peer_lost)
         self.agent.on_notification(self._on_notification)
@@ -273,6 +283,50 @@ class RankKV:
 
         return after_layer
 
+    # ---- ahead of the push: chunks before a prompt's last
+    def push_ahead(self, items: list[tuple[str, KVDestination, list[int]]], mode: str) -> None:
+        """Write each request's destination blocks that this rank has not yet pushed, up to `len(src_blocks)`
+        (computed by the step just queued on this device: the writes wait for it), with no notification: the push
+        after the prefill sends the rest and then notifies. Only where every peer of this rank's runs is connected
+        over a transport that does not go layer by layer (those pairs take everything during the last chunk)."""
+        ev = None
+        for rid, dest, src_blocks in items:
+            ahead = self._ahead.get(rid, Ahead())
+            lo, hi = ahead.covered, len(src_blocks)
+            runs = self.plan(dest)
+            links = [self._connected(dest.ranks[r.dst].agent) for r in runs]
+            if hi <= lo or not runs or None in links or any(layerwise_for(mode, k.transport) for k in links):
+                continue
+            if ev is None and self.pool.device.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record()
+            self._ahead[rid] = ahead  # before any write starts: every write of it is waited for
+            for i, (run, link) in enumerate(zip(runs, links)):
+                src, dst = self._offsets(run, dest, src_blocks[lo:hi], dest.block_ids[lo:hi])
+                rr = self.agent.peer_region_id(link.name, dest.ranks[run.dst].region)
+                xl = XferList.build(self.region_id, src, rr, dst, (run.hi - run.lo) * self.head_bytes)
+                ahead.futs.append((i, self.agent.submit(self.agent.agent.write(
+                    link.name, xl, None, wait_event=ev, key=dest.request_id, timeout=self.config.lease_s,
+                    transport=link.transport))))
+            ahead.covered = hi
+
+    def abandon(self, request_id: str) -> None:
+        """The request's export ended before its push: report this rank's end once its writes pushed ahead ended
+        (at once when it has none)."""
+        ahead = self._ahead.pop(request_id, None)
+        why = "the request ended before its KV push (aborted or preempted)"
+        if ahead is None or not ahead.futs:
+            self.report(RankPushed(self.rank, request_id, why))
+            return
+        fut = self.agent.submit(_settle(ahead, self.config.lease_s))
+        self._pushes[request_id] = fut
+
+        def done(f: concurrent.futures.Future) -> None:  # agent thread
+            self._pushes.pop(request_id, None)
+            self.report(RankPushed(self.rank, request_id, why))
+
+        fut.add_done_callback(done)
+
     # ---- the push, after the first token was sampled
     def push(self, request_id: str, dest: KVDestination, src_blocks: list[int], notif: dict,
              deadline: float | None = None) -> None:
@@ -281,6 +335,7 @@ class RankKV:
         rank 0 reports a `RankPushed` when all of this rank's pairs ended."""
         runs = self.plan(dest)
         layer_futs = self._layer_futs.pop(request_id, None)
+        ahead = self._ahead.pop(request_id, None)
         if not runs:
             self.report(RankPushed(self.rank, request_id, None, 0.0, 0, "none"))
             return
@@ -291,32 +346,49 @@ class RankKV:
         notifs = [{**{k: v for k, v in base.items() if k not in first},
                    **(first if (self.rank, run.dst) == (0, 0) else {})} for run in runs]
         expected = self.pool.num_layers * len(runs)  # one write per layer and run
-        if layer_futs is not None and len(layer_futs) == expected:
+        if layer_futs is not None and len(layer_futs) == expected and ahead is None:
             coro = self._finish_layerwise(request_id, dest, runs, layer_futs, notifs, timeout)
         else:
             if layer_futs:  # partly pushed (the step did not run layer by layer): the blocks go whole as well
                 log.debug("rank %d: %s pushed whole (%d of %d layer writes)", self.rank, request_id,
                           len(layer_futs), expected)
-            coro = self._push(request_id, dest, runs, src_blocks, notifs, timeout)
+            coro = self._push(request_id, dest, runs, src_blocks, notifs, timeout, ahead)
         fut = self.agent.submit(coro)
         self._pushes[request_id] = fut
         peers = [dest.ranks[run.dst].agent for run in runs]
         fut.add_done_callback(lambda f, rid=request_id, peers=peers: self._on_push_done(rid, peers, f))
 
     async def _push(self, request_id: str, dest: KVDestination, runs: list[HeadRun], src_blocks: list[int],
-                    notifs: list[dict], timeout: float) -> RankPushed:
-        """Each run of every block (one contiguous run per block), under the decode side's grant, over the pair's
-        transport, then notify. Every pair ends (each write bounded by `timeout`) before the rank's share does."""
-        async def one(run: HeadRun, notif: dict) -> tuple[PairPushed, int]:
+                    notifs: list[dict], timeout: float, ahead: Ahead | None = None) -> RankPushed:
+        """Each run of every block (one contiguous run per block) not pushed ahead, under the decode side's grant,
+        over the pair's transport, then notify, once the pair's writes pushed ahead landed too. Every pair ends
+        (each write bounded by `timeout`) before the rank's share does."""
+        t0 = time.perf_counter()
+        covered, failed, ahead_bytes = 0, {}, 0
+        if ahead is not None:
+            covered = ahead.covered
+            results = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for _, f in ahead.futs),
+                                                            return_exceptions=True), timeout)
+            for (i, _), r in zip(ahead.futs, results):
+                if isinstance(r, BaseException):
+                    failed.setdefault(i, f"{type(r).__name__}: {r}")
+                else:
+                    ahead_bytes += r.nbytes
+        rest_src, rest_dst = src_blocks[covered:], dest.block_ids[covered:]
+
+        async def one(i: int, run: HeadRun, notif: dict) -> tuple[PairPushed, int]:
             d = dest.ranks[run.dst]
             transport = self._transport_to(d.agent)
+            if i in failed:  # a write pushed ahead failed: the pair failed
+                return PairPushed(d.agent, transport, failed[i]), 0
             try:
                 link = await self._peer_for(d.agent)
                 transport = link.transport
-                if not src_blocks:  # everything was a prefix hit on the decode side: only the notification travels
-                    await self.agent.agent.notify(link.name, {**notif, "transport": "none"}, dest.request_id)
-                    return PairPushed(d.agent, "none"), 0
-                src, dst = self._offsets(run, dest, src_blocks, dest.block_ids)
+                if not rest_src:  # a prefix hit on the decode side, or all pushed ahead: only the notification
+                    moved = transport if covered else "none"
+                    await self.agent.agent.notify(link.name, {**notif, "transport": moved}, dest.request_id)
+                    return PairPushed(d.agent, moved), 0
+                src, dst = self._offsets(run, dest, rest_src, rest_dst)
                 rr = self.agent.peer_region_id(link.name, d.region)
                 xl = XferList.build(self.region_id, src, rr, dst, (run.hi - run.lo) * self.head_bytes)
                 r = await self.agent.agent.write(link.name, xl, {**notif, "transport": transport},
@@ -325,10 +397,9 @@ class RankKV:
             except Exception as e:  # a KVTransferError, or a bug: the pair's end is reported, never lost
                 return PairPushed(d.agent, transport, f"{type(e).__name__}: {e}"), 0
 
-        t0 = time.perf_counter()
-        ends = await asyncio.gather(*(one(r, n) for r, n in zip(runs, notifs)))
-        return self._pushed(request_id, [p for p, _ in ends], time.perf_counter() - t0, sum(n for _, n in ends),
-                            False)
+        ends = await asyncio.gather(*(one(i, r, n) for i, (r, n) in enumerate(zip(runs, notifs))))
+        return self._pushed(request_id, [p for p, _ in ends], time.perf_counter() - t0,
+                            ahead_bytes + sum(n for _, n in ends), False)
 
     async def _finish_layerwise(self, request_id: str, dest: KVDestination, runs: list[HeadRun], futs: list,
                                 notifs: list[dict], timeout: float) -> RankPushed:
@@ -378,6 +449,7 @@ class RankKV:
 
     def cancel(self, request_id: str) -> None:
         self._layer_futs.pop(request_id, None)
+        self._ahead.pop(request_id, None)
         fut = self._pushes.get(request_id)
         if fut is not None:
             fut.cancel()
@@ -390,6 +462,12 @@ class RankKV:
             self.agent.close()
         except Exception:  # closing on the way out: nothing left to tell
             log.debug("agent close failed", exc_info=True)
+
+
+async def _settle(ahead: Ahead, timeout: float) -> None:
+    """Until every write pushed ahead ended (landed or failed), at most `timeout`."""
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for _, f in ahead.futs), return_exceptions=True),
+                           timeout)
 
 
 # ---- the notification of one pair, validated at the edge
@@ -505,6 +583,18 @@ def kv_push(worker, request_id: str, dest: KVDestination, src_blocks: list[int],
         log.exception("rank %d: the push of %s could not start", worker.rank, request_id)
         kv.report(RankPushed(worker.rank, request_id, f"KV push could not start on rank {worker.rank}: "
                                                       f"{type(e).__name__}: {e}"))
+
+
+def kv_push_ahead(worker, items: list, mode: str) -> None:
+    """Never raises: a write that cannot start here leaves its blocks to the push after the prefill."""
+    try:
+        _kv(worker).push_ahead(items, mode)
+    except Exception:
+        log.exception("rank %d: pushing ahead failed; the push after the prefill sends those blocks", worker.rank)
+
+
+def kv_abandon(worker, request_id: str) -> None:
+    _kv(worker).abandon(request_id)
 
 
 def kv_cancel(worker, request_id: str) -> None:

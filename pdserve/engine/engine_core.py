@@ -201,6 +201,7 @@ class EngineCore:
         req = self.scheduler.abort(request_id)
         if req is None:
             return False
+        self._wind_down_abandoned()
         if self.connector is not None:
             self.connector.forget(request_id)
             if req.kv_export is not None and req.is_finished:  # aborted before its push: nothing will write
@@ -258,6 +259,7 @@ class EngineCore:
             self.async_counts["waited"] += 1
             prev = None
         batch = self.scheduler.schedule()
+        self._wind_down_abandoned()
         outputs += failed_outputs(batch)
         launched = self._launch(batch) if batch else None
         if launched is not None and prev is not None:
@@ -275,6 +277,9 @@ class EngineCore:
     def _launch(self, batch) -> InFlight:
         hook = self.connector.layer_hook(batch) if self.connector is not None else None
         handle = self.executor.launch(batch, hook)
+        if self.connector is not None:  # chunks before a prompt's last: their full blocks go out now
+            for req, n in self.connector.push_ahead(batch):
+                self.scheduler.pushed_ahead(req, n)
         self.num_steps += 1
         self.scheduler.launched(batch, handle.reqs)
         step = InFlight(handle, needs_history(handle.reqs))
@@ -294,6 +299,12 @@ class EngineCore:
             self.connector.start_export(ex)
             self.handover.exports += 1
         return new
+
+    def _wind_down_abandoned(self) -> None:
+        """Exports that ended before their push (aborted or preempted) while writes pushed ahead may still read their
+        blocks: every rank reports when its writes ended, and `end_export` frees the blocks then."""
+        for rid in self.scheduler.take_abandoned():
+            self.connector.abandon_export(rid)
 
     def _drop_in_flight(self) -> None:
         """After a failed step: forget what was in flight (the engine loop ends the requests)."""

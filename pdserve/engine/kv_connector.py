@@ -114,6 +114,16 @@ class KVConnector:
         """A per-layer callback for this step (layer-by-layer push), or None."""
         return None
 
+    def push_ahead(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
+        """After a step was launched: push the full blocks that the step's chunks before a prompt's last completed
+        (the writes wait for the step on the device). Returns each such request with its destination blocks pushed
+        so far."""
+        return []
+
+    def abandon_export(self, request_id: str) -> None:
+        """An export ended before its push (aborted or preempted) while writes pushed ahead may still read its
+        blocks: report its end (take_finished_exports, with an error) once every rank's writes ended."""
+
     def start_export(self, ex: ExportStart) -> None:
         raise TypeError(f"a {self.role or 'colocated'} instance exports no KV")
 

@@ -49,6 +49,7 @@ class Request:
     kv_deadline: float | None = None  # lease of the reservation (decode) or of the push (prefill)
     t_reserved: float | None = None  # decode side: when its blocks were reserved
     export_aborted: bool = False  # prefill side: aborted during the push; freed when the push stops
+    kv_pushed_blocks: int = 0  # prefill side: destination blocks pushed ahead of the prompt's last chunk
 
     @property
     def kv_export(self) -> ExportParams | None:

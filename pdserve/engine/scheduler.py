@@ -77,6 +77,7 @@ class Scheduler:
         self._to_reserve: deque[Request] = deque()  # remote requests without blocks yet, in arrival order
         self._admitted: deque[Request] = deque()  # remote requests whose KV landed, waiting for a batch slot
         self.exporting: dict[str, Request] = {}  # prefill side: blocks held while pushed
+        self._abandoned: list[str] = []  # prefill side: exports ended before their push (take_abandoned)
         self.num_preemptions = 0
         self.defer_frees = False  # a launched step is not collected yet: ended requests' blocks are retired
 
@@ -120,7 +121,11 @@ class Scheduler:
                 continue
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()  # newest first
-                self._preempt(victim)
+                if victim.kv_pushed_blocks:  # writes pushed ahead may still read its blocks: its export ends
+                    self.running.append(victim)
+                    self._abandon(victim)
+                else:
+                    self._preempt(victim)
                 batch.preempted.append(victim)
                 preempted_any = True
                 if victim is req:
@@ -253,6 +258,9 @@ class Scheduler:
         if req.status == RequestStatus.EXPORTING:
             req.export_aborted = True  # freed when the push has stopped touching the blocks
             return req
+        if req.kv_pushed_blocks and req.status in (RequestStatus.RUNNING, RequestStatus.WAITING):
+            self._abandon(req)  # writes pushed ahead may still read its blocks
+            return req
         if req.status == RequestStatus.WAITING_FOR_REMOTE_KV and req.t_reserved is not None:
             self.remote.pop(request_id, None)
             self.kv.quarantine_request(req, time.time() + self.lease_s)
@@ -375,6 +383,31 @@ class Scheduler:
         req.status = RequestStatus.EXPORTING
         req.kv_deadline = now + self.lease_s
         self.exporting[req.request_id] = req
+
+    def pushed_ahead(self, req: Request, num_blocks: int) -> None:
+        """Prefill side: the request's first `num_blocks` destination blocks are being pushed ahead of its last
+        chunk. From now on its blocks are freed only once those writes ended: an abort or a preemption before its
+        push ends its export instead (`_abandon`)."""
+        req.kv_pushed_blocks = num_blocks
+
+    def _abandon(self, req: Request) -> None:
+        """An export request with writes pushed ahead must stop (aborted, or preempted mid-prefill): it leaves the
+        batch as an aborted export whose blocks stay held until every rank's writes ended (`end_export`); the
+        engine has the connector wind them down (`take_abandoned`), and the decode side hears of it then."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.EXPORTING
+        req.export_aborted = True
+        req.kv_deadline = time.time() + self.lease_s
+        self.exporting[req.request_id] = req
+        self._abandoned.append(req.request_id)
+
+    def take_abandoned(self) -> list[str]:
+        """Exports `_abandon` ended since the last call: their pushed-ahead writes are to be wound down."""
+        out, self._abandoned = self._abandoned, []
+        return out
 
     def end_export(self, request_id: str) -> Request | None:
         """The push ended (landed, failed or cancelled): nothing reads these blocks any more."""

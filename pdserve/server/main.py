@@ -136,6 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
     k.add_argument("--kv-layerwise", default=_default(K, "layerwise"), choices=KV_LAYERWISE,
                    help="prefill role: push each layer's KV while later layers compute (auto: per decode peer, when "
                         "its transport is tcp)")
+    k.add_argument("--kv-push-ahead", action=argparse.BooleanOptionalAction, default=_default(K, "push_ahead"),
+                   help="prefill role: push each chunk's finished KV blocks of a long prompt while its next chunk "
+                        "computes, so only the last chunk's blocks move after the prefill")
     k.add_argument("--kv-pool-alloc", default=_default(K, "pool_alloc"), choices=KV_POOL_ALLOCS,
                    help="the KV pool's GPU memory: vmm (CUDA VMM, shareable over cuda_ipc whatever GPUs each process "
                         "sees), torch, or auto (vmm for prefill/decode roles where the GPU supports it)")
@@ -149,7 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
 
 # flag dest -> KVTransferConfig field, for the flags whose names differ from the fields
 KV_FLAGS = {"role": "role", "kv_transport": "transport", "kv_host": "host", "kv_port": "port", "kv_lease": "lease_s",
-            "kv_fallback": "fallback", "kv_layerwise": "layerwise", "kv_pool_alloc": "pool_alloc",
+            "kv_fallback": "fallback", "kv_layerwise": "layerwise", "kv_push_ahead": "push_ahead",
+            "kv_pool_alloc": "pool_alloc",
             "kv_protocol": "protocol", "kv_devices": "devices"}
 # flag dest -> ServerConfig field
 SERVER_FLAGS = {"host": "host", "port": "port", "request_timeout": "request_timeout_s",

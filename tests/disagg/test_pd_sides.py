@@ -70,15 +70,17 @@ def cluster(model_dir):
     made: list = []
 
     def make(lease_s: float = 30.0, fallback: str = "recompute", decode_block_size: int = 4,
-             decode_transport: str = "auto") -> tuple[Node, Node, Node, Fabric]:
+             decode_transport: str = "auto", prefill_budget: int = 8192,
+             push_ahead: bool = True) -> tuple[Node, Node, Node, Fabric]:
         fabric = Fabric()
 
-        def cfg(role: str, block_size: int = 4, transport: str = "auto") -> EngineConfig:
-            kv = KVTransferConfig(role=role, layerwise="off", lease_s=lease_s, fallback=fallback, transport=transport)
+        def cfg(role: str, block_size: int = 4, transport: str = "auto", budget: int = 8192) -> EngineConfig:
+            kv = KVTransferConfig(role=role, layerwise="off", lease_s=lease_s, fallback=fallback, transport=transport,
+                                  push_ahead=push_ahead)
             return EngineConfig(model=str(model_dir), device="cpu", num_gpu_blocks=48, block_size=block_size,
-                                kv_transfer=kv)
+                                max_num_batched_tokens=budget, kv_transfer=kv)
 
-        p = Node(EngineCore(cfg("prefill"), kv_agent=fabric.agent("prefill")))
+        p = Node(EngineCore(cfg("prefill", budget=prefill_budget), kv_agent=fabric.agent("prefill")))
         d = Node(EngineCore(cfg("decode", decode_block_size, decode_transport), kv_agent=fabric.agent("decode")))
         colo = Node(EngineCore(cfg("both")))
         made.append(fabric)
@@ -293,4 +295,64 @@ def test_a_decode_peer_lost_since_is_dialled_again(cluster):
         assert d.tokens[f"r{i}"] == want and p.event(ExportFinished, f"p-r{i}").error is None
     assert agent.connects == 2  # once at first, once after the loss
     assert [(t["transport"], t["outcome"], t["count"]) for t in p.core.stats()["pd"]["transfers"]] == [("tcp", "ok", 3)]
+    whole(p, d)
+
+
+def dialled(p: Node) -> None:
+    """Wait for the prefill rank's dial of the decode agent (started when the export request was added), so the
+    first chunk's blocks can already go ahead."""
+    rank = p.core.executor.driver.extras["kv"]
+    for f in list(rank._connects.values()):
+        f.result(5)
+
+
+@pytest.mark.parametrize("push_ahead", [True, False], ids=["ahead", "after"])
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_a_chunked_prompt_pushes_its_blocks_ahead_and_gives_the_colocated_tokens(cluster, params, push_ahead):
+    """A 23-token prompt prefilled in chunks of 8, 8 and 7 tokens: blocks 0-1 go out after the first chunk and
+    2-3 after the second, while the next chunk computes; only blocks 4-5 move after the prefill."""
+    p, d, colo, fabric = cluster(prefill_budget=8, push_ahead=push_ahead)
+    want = colocated(colo, "c", PROMPT, params)
+    d.core.add_request("r", PROMPT, params, IMPORT)
+    until(lambda: d.event(KVReserved, "r") is not None, d)
+    p.core.add_request("p-r", PROMPT, dataclasses.replace(params, max_tokens=1),
+                       ExportParams(d.event(KVReserved, "r").dest))
+    dialled(p)
+    until(lambda: "r" in d.finished and p.event(ExportFinished, "p-r") is not None, p, d)
+    assert d.tokens["r"] == want
+    done = p.event(ExportFinished, "p-r")
+    assert done.error is None and done.nbytes == 6 * p.core.block_bytes  # every block once, ahead or after
+    assert fabric.pushes == (3 if push_ahead else 1)
+    whole(p, d)
+
+
+def test_an_abort_mid_prefill_frees_blocks_only_after_the_writes_pushed_ahead(cluster):
+    """Aborted after its first chunk's blocks went ahead (their write still in flight): the prefill side holds
+    the blocks and reports the export's end only once that write ended; the decode side hears of it then."""
+    p, d, colo, fabric = cluster(prefill_budget=8)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    d.core.add_request("r", PROMPT, params, IMPORT)
+    until(lambda: d.event(KVReserved, "r") is not None, d)
+    p.core.add_request("p-r", PROMPT, dataclasses.replace(params, max_tokens=1),
+                       ExportParams(d.event(KVReserved, "r").dest))
+    dialled(p)
+    fabric.hold()
+    p.step()  # the first chunk: its two full blocks go ahead, and wait in the fabric
+    req = p.core.scheduler.requests["p-r"]
+    assert req.kv_pushed_blocks == 2
+    held = p.core.kv.pool.num_free
+    assert p.core.abort_request("p-r") and d.core.abort_request("r")
+    for _ in range(3):
+        p.step()
+        d.step()
+    assert p.core.kv.pool.num_free == held  # the write may still read these blocks
+    assert p.event(ExportFinished, "p-r") is None  # ... so the decode side is not told yet
+    assert p.core.scheduler.exporting["p-r"].export_aborted
+    fabric.release()
+    until(lambda: p.event(ExportFinished, "p-r") is not None, p, d)
+    assert "ended before its KV push" in p.event(ExportFinished, "p-r").error
+    assert fabric.agents["fake-decode:1"].refused == 1  # the abort withdrew the grant: nothing written
+    d.core.remote_prefill_done("r")  # what the decode driver does when the prefill instance answers
     whole(p, d)

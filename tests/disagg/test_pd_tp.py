@@ -163,6 +163,30 @@ def test_tp_handover_gives_the_colocated_tokens(pairs, arch, p_tp, d_tp):
     whole(p, d, rids=[f"{arch}-{p_tp}{d_tp}-{i}" for i in range(4)])
 
 
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_tp_push_ahead_gives_the_colocated_tokens(pairs, p_tp, d_tp):
+    """A 29-token prompt prefilled in 8-token chunks: every prefill rank pushes its heads of the blocks each chunk
+    completed while the next chunk computes (the decode ranks get their heads of all 8 blocks, once), and the
+    decode side answers as the colocated engine."""
+    p, d, colo = pairs.get("llama", p_tp, d_tp)
+    prompt = [11 + (i * 41) % 225 for i in range(29)]  # none of its blocks is cached on the decode side yet
+    want = colocated(colo, f"c-ahead-{p_tp}{d_tp}", prompt, SEEDED)
+    p.core.connector.layerwise = "off"
+    budget, p.core.scheduler.max_num_batched_tokens = p.core.scheduler.max_num_batched_tokens, 8
+    rid = f"ahead-{p_tp}{d_tp}"
+    try:
+        before = p.core.stats()["pd"]["ahead_exports"]
+        ev = handover(p, d, rid, prompt, SEEDED)
+        until(lambda: rid in d.finished and p.event(ExportFinished, "p-" + rid) is not None, p, d)
+    finally:
+        p.core.scheduler.max_num_batched_tokens = budget
+    assert d.tokens[rid] == want
+    done = p.event(ExportFinished, "p-" + rid)
+    assert done.error is None and len(ev.dest.block_ids) == 8 and done.nbytes == 8 * d.core.block_bytes * d_tp
+    assert p.core.stats()["pd"]["ahead_exports"] == before + 1
+    whole(p, d, rids=[rid])
+
+
 @pytest.mark.parametrize("transport", [pytest.param("nccl", id="nccl-gloo"),
                                        pytest.param("mooncake", id="mooncake-tcp", marks=MOONCAKE)])
 def test_tp_handover_over_the_opt_in_transports(pairs, transport):

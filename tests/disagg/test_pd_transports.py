@@ -2,7 +2,8 @@
 model, CPU) whose KV moves over Mooncake (protocol tcp) or over nccl (Gloo on host memory).
 
 Per transport: 1P1D and 2P2D give the colocated answer token for token, streaming and not (one prefill instance
-pushes layer by layer, so both push shapes run over each transport); the transport each handover took shows in the
+pushes layer by layer, the other pushes each chunk's blocks ahead of the prompt's end, so every push shape runs over
+each transport); the transport each handover took shows in the
 instances' /metrics (per peer) and the router's; aborts mid-handover and a prefill instance killed mid-handover leave
 every pool whole. Across transports: a prefill instance on tcp ordered by a decode instance on either is refused
 before it computes anything, with an error naming both transports, and the decode instance recomputes
@@ -84,12 +85,14 @@ class Deployment:
                                         pytest.param("nccl", id="nccl-gloo")])
 def deployment(request):
     """One transport at a time (an instance holds ~2 GB: two transports' worth at once thrash a small machine):
-    p1 pushes layer by layer; d1 fails requests whose handover fails (d0 recomputes them); `tcp_p` is a prefill
-    instance on tcp (the mismatch test). Routers: r1 = 1P1D (p1 -> d0), r2 = 2P2D, r3 =
+    p1 pushes layer by layer; p0 prefills in 16-token chunks, so the full blocks of a prompt's chunks before its last
+    are pushed ahead (--kv-push-ahead, on by default) while the next chunk computes; d1 fails requests whose handover fails (d0 recomputes them); `tcp_p` is a prefill
+    instance on tcp (the mismatch test). Routers: r1 = 1P1D (p1 -> d0), r4 = 1P1D (p0 -> d0), r2 = 2P2D, r3 =
     p0, p1 -> d0 (the kill test: a decode instance that recomputes what a dead prefill instance left)."""
     t = request.param
     d = Deployment(t)
-    specs = {"p0": ("prefill", t), "p1": ("prefill", t, "--kv-layerwise", "on"), "d0": ("decode", t),
+    specs = {"p0": ("prefill", t, "--max-num-batched-tokens", "16"), "p1": ("prefill", t, "--kv-layerwise", "on"),
+             "d0": ("decode", t),
              "d1": ("decode", t, "--kv-fallback", "fail")}
     specs["tcp_p"] = ("prefill", "tcp")
     try:
@@ -102,6 +105,7 @@ def deployment(request):
         d.procs["r2"], u["r2"] = start_router("--prefill", u["p0"], u["p1"], "--decode", u["d0"], u["d1"],
                                               "--decode-policy", "round_robin")
         d.procs["r3"], u["r3"] = start_router("--prefill", u["p0"], u["p1"], "--decode", u["d0"])
+        d.procs["r4"], u["r4"] = start_router("--prefill", u["p0"], "--decode", u["d0"])  # 1P1D, chunked prefill
         # decode instances on the deployment's transport ordering a prefill instance on tcp
         d.procs["mis"], u["mis"] = start_router("--prefill", u["tcp_p"], "--decode", u["d0"])
         d.procs["mis_fail"], u["mis_fail"] = start_router("--prefill", u["tcp_p"], "--decode", u["d1"])
@@ -160,7 +164,7 @@ def test_1p1d_and_2p2d_equal_colocated_and_say_their_transport(deployment, expec
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            for router in ("r1", "r2"):
+            for router in ("r4", "r1", "r2"):  # r4 first: d0's prefix cache holds none of the prompts yet
                 for stream in (False, True):
                     for p in PROMPTS:
                         got = await complete(s, d.url(router), p, stream)
@@ -170,6 +174,9 @@ def test_1p1d_and_2p2d_equal_colocated_and_say_their_transport(deployment, expec
             # 1P1D alone sent p1 six orders; all but the first (racing the connection) went layer by layer
             assert p1["pd"]["layerwise_exports"] >= 4 and p1["pd"]["export_failures"] == 0, p1["pd"]
             assert p0["pd"]["layerwise_exports"] == 0, p0["pd"]  # auto: whole pushes over mooncake and nccl
+            # r4 alone sent p0 its first orders, the prompts in 16-token chunks: the two prompts longer than a chunk
+            # pushed blocks ahead (later orders of the same prompts leave only their last block to move)
+            assert p0["pd"]["ahead_exports"] >= 2 and p0["pd"]["export_failures"] == 0, p0["pd"]
             assert d0["pd"]["fallbacks"] == 0, d0["pd"]
             # which transport carried what, per peer: the prefill side counts pushes, the decode side arrivals
             dec = await metrics(s, d.url("d0"))

@@ -228,3 +228,44 @@ def test_sharing_waits_only_for_identical_prompts_and_survives_preemption_of_the
         run_step(s)
     assert lead.is_finished and sib.is_finished and other.is_finished
     whole(s)
+
+
+def test_an_export_with_blocks_pushed_ahead_is_abandoned_not_preempted_or_freed():
+    """Prefill side: once a request's blocks were pushed ahead of its last chunk, neither an abort nor a preemption
+    frees them (a write may still read them): its export ends as an aborted one, blocks held until `end_export`."""
+    dest = KVDestination("r", tuple(range(6)), (KVRankDest("peer", 0, 2),))
+    # an abort
+    s = make(num_blocks=16)
+    r = req("x", n=22, max_tokens=1, kv=ExportParams(dest))
+    s.add(r)
+    s.max_num_batched_tokens = 8
+    s.launched(s.schedule(), [])  # the first chunk: 8 tokens, two full blocks
+    s.pushed_ahead(r, 2)
+    blocks = list(r.block_ids)
+    assert s.abort("x") is r and r.status == RequestStatus.EXPORTING and r.export_aborted and r.block_ids == blocks
+    assert s.take_abandoned() == ["x"] and s.take_abandoned() == []
+    assert s.end_export("x") is r and r.finish_reason == "abort"
+    whole(s)
+    # a preemption: the newer request, mid-prefill with blocks pushed ahead, is the victim
+    s = make(num_blocks=6)
+    s.max_num_batched_tokens = 8
+    old = req("old", n=8, max_tokens=20, first=500)
+    s.add(old)
+    run_step(s)  # old: prefilled (2 blocks), decoding
+    r = req("x", n=22, max_tokens=1, kv=ExportParams(dest))
+    s.add(r)
+    batch = s.schedule()
+    assert r in batch.requests
+    s.launched(batch, [old])
+    s.collected([old], [7], [None], time.time())
+    s.pushed_ahead(r, 1)
+    for _ in range(12):  # old needs a block the pool no longer has: r would be preempted
+        run_step(s)
+        if s.exporting:
+            break
+    assert r.status == RequestStatus.EXPORTING and r.export_aborted and r.block_ids
+    assert s.take_abandoned() == ["x"] and s.num_preemptions == 0
+    s.end_export("x")
+    while s.requests:
+        run_step(s)
+    whole(s)
