@@ -22,6 +22,7 @@
 #   warm_check pdserve with and without the start-up warm-up (one GPU each, at once), each measured twice in a row
 #   tp_sbs     vLLM -tp 2, then pdserve -tp 2, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16), each measured by vLLM's
 #              client and then by pdserve's
+#   pd_ahead   1P1D handover and TTFT at 8k and 32k with --kv-push-ahead on and off
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, tuned on both GPUs at once and merged
 #   attn_sweep the decode attention tile sweep (bf16 and fp8 pools, 64- to 256-key tiles)
 #   moeclients dummy Qwen3-30B-A3B with --kv-cache-dtype fp8 side by side (vLLM with FLASH_ATTN), each server measured
@@ -144,6 +145,17 @@ case $STAGE in
     echo "== PD GPU tests"
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv tests/disagg tests/parallel 2>&1 \
       | tee "$W/gpu_tests_pd.txt" | grep -v "^\.*$" | tail -15 ;;
+  pd_ahead)
+    # push-ahead on (the default) and off: 1P1D handover and TTFT at 8k and 32k tokens (8k-token chunks: a 32k
+    # prompt's first three chunks go ahead)
+    H="python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024"
+    for mode in ahead after; do
+      args=$([ $mode = after ] && echo "--instance-args=--no-kv-push-ahead" || echo "")
+      echo "== push $mode"
+      timeout 280 $H --prompt-lens 8192 32768 --num-requests 6 $args --out "$W/pd_$mode.json" > "$W/pd_$mode.txt" 2>&1
+      tail -5 "$W/pd_$mode.txt"
+    done
+    tar czf "$OUT/pd_ahead.tgz" -C "$OUT" pd_ahead ;;
   moe_tune)
     # the fused MoE tiles of dummy Qwen3-30B-A3B's experts (E=128, N=768, K=2048, top-8, bf16): small token buckets
     # on GPU 0 and large ones on GPU 1 at once, each into its own file, merged into the table pdserve looks up

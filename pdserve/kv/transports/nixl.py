@@ -211,8 +211,8 @@ class NixlTransport(Transport):
 
     async def transfer(self, op: str, peer: Peer, xfers: XferList, notif: bytes | None, xfer_id: int,
                        deadline: float, wait_event: Any = None, key: str | None = None) -> bool:
-        if wait_event is not None:
-            wait_event.synchronize()
+        if wait_event is not None:  # off the agent's loop: a push ahead waits for a whole prefill step
+            await asyncio.get_running_loop().run_in_executor(None, wait_event.synchronize)
         nx = self._nixl
         pairs = [(lr, rr) for lr in distinct(xfers.local_region) for rr in distinct(xfers.remote_region)]
         reqs: list[tuple[Any, list[Any]]] = []
