@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 
 from pdserve import stats
+from pdserve.bench.record import new_record
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = ROOT / "tests" / "router" / "fake_instance.py"  # the fake instance lives with the router tests
@@ -134,6 +135,7 @@ def main() -> int:
     results = asyncio.run(main_async(args))
     if args.out:
         doc = {"benchmark": "router_overhead", "command": [sys.executable, *sys.argv], "args": vars(args),
+               "git_commit": new_record("router_overhead", vars(args))["git_commit"],
                "host": {"python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()},
                "results": results}
         Path(args.out).write_text(json.dumps(doc, indent=2))
