@@ -3,6 +3,7 @@ exactly what a whole-block push does: the decode instance's greedy continuation 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 import urllib.request
@@ -21,33 +22,51 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+COMMON = ("--max-model-len", "512", "--num-gpu-blocks", "96", "--kv-transport", "tcp")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """One decode instance and a prefill instance per push mode, started at once (loading the model dominates)."""
+    specs = {"on": ("--role", "prefill", "--kv-layerwise", "on"), "off": ("--role", "prefill", "--kv-layerwise", "off"),
+             "decode": ("--role", "decode")}
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+        futs = {k: pool.submit(LiveServer, *v, *COMMON) for k, v in specs.items()}
+        made = {}
+        try:
+            for k, f in futs.items():
+                made[k] = f.result()
+        except BaseException:
+            for f in futs.values():
+                if f.done() and f.exception() is None:
+                    f.result().stop()
+            raise
+    yield made
+    for srv in made.values():
+        srv.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["on", "off"])
-def test_layerwise_and_whole_pushes_give_the_local_answer(mode):
-    common = ("--max-model-len", "512", "--num-gpu-blocks", "96", "--kv-transport", "tcp")
-    p = LiveServer("--role", "prefill", "--kv-layerwise", mode, *common)
-    d = LiveServer("--role", "decode", *common)
-    try:
-        for prompt in PROMPTS:
-            body = {"model": d.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-            local = post(d.url, body)["choices"][0]["text"]
-            for _ in range(2):  # the first may race the connection set-up and go whole; the second is layer-wise
-                out = post(d.url, {**body, "pd": {"prefill_urls": [p.url], "request_id": "x"}})
-                assert out["choices"][0]["text"] == local
-                assert out["pd_timings"]["fallback"] is None
-        stats = p.get_json("/load")["pd"]
-        assert stats["exports"] == 2 * len(PROMPTS) and stats["export_failures"] == 0
-        if mode == "on":
-            assert stats["layerwise_exports"] >= len(PROMPTS)
-        else:
-            assert stats["layerwise_exports"] == 0
-        deadline = time.monotonic() + 15
-        while True:
-            loads = [s.get_json("/load") for s in (p, d)]
-            if all(ld["num_free_blocks"] == ld["num_total_blocks"] and ld["num_running"] == 0 for ld in loads):
-                break
-            assert time.monotonic() < deadline, loads
-            time.sleep(0.2)
-    finally:
-        p.stop()
-        d.stop()
+def test_layerwise_and_whole_pushes_give_the_local_answer(servers, mode):
+    p, d = servers[mode], servers["decode"]
+    for i, prompt in enumerate(PROMPTS):
+        body = {"model": d.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        local = post(d.url, body)["choices"][0]["text"]
+        for k in range(2):  # the first may race the connection set-up and go whole; the second is layer-wise
+            out = post(d.url, {**body, "pd": {"prefill_urls": [p.url], "request_id": f"x-{mode}-{i}-{k}"}})
+            assert out["choices"][0]["text"] == local
+            assert out["pd_timings"]["fallback"] is None
+    stats = p.get_json("/load")["pd"]
+    assert stats["exports"] == 2 * len(PROMPTS) and stats["export_failures"] == 0
+    if mode == "on":
+        assert stats["layerwise_exports"] >= len(PROMPTS)
+    else:
+        assert stats["layerwise_exports"] == 0
+    deadline = time.monotonic() + 15
+    while True:
+        loads = [s.get_json("/load") for s in (p, d)]
+        if all(ld["num_free_blocks"] == ld["num_total_blocks"] and ld["num_running"] == 0 for ld in loads):
+            break
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.2)
