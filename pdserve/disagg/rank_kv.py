@@ -318,7 +318,7 @@ class RankKV:
         if ahead is None or not ahead.futs:
             self.report(RankPushed(self.rank, request_id, why))
             return
-        fut = self.agent.submit(_settle(ahead, self.config.lease_s))
+        fut = self.agent.submit(_ended(ahead.futs, self.config.lease_s))
         self._pushes[request_id] = fut
 
         def done(f: concurrent.futures.Future) -> None:  # agent thread
@@ -367,8 +367,7 @@ class RankKV:
         covered, failed, ahead_bytes = 0, {}, 0
         if ahead is not None:
             covered = ahead.covered
-            results = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for _, f in ahead.futs),
-                                                            return_exceptions=True), timeout)
+            results = await _ended(ahead.futs, timeout)
             for (i, _), r in zip(ahead.futs, results):
                 if isinstance(r, BaseException):
                     failed.setdefault(i, f"{type(r).__name__}: {r}")
@@ -406,8 +405,7 @@ class RankKV:
         """Every layer of every run landed (within `timeout`): only now do the decode ranks hear of it."""
         t0 = time.perf_counter()
         peers = [dest.ranks[run.dst].agent for run in runs]
-        results = await asyncio.wait_for(
-            asyncio.gather(*(asyncio.wrap_future(f) for _, f in futs), return_exceptions=True), timeout)
+        results = await _ended(futs, timeout)
         failed: dict[int, str] = {}  # run index -> its first failed layer write
         for (run, _), r in zip(futs, results):
             if isinstance(r, BaseException):
@@ -464,10 +462,10 @@ class RankKV:
             log.debug("agent close failed", exc_info=True)
 
 
-async def _settle(ahead: Ahead, timeout: float) -> None:
-    """Until every write pushed ahead ended (landed or failed), at most `timeout`."""
-    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for _, f in ahead.futs), return_exceptions=True),
-                           timeout)
+async def _ended(futs: list[tuple[object, concurrent.futures.Future]], timeout: float) -> list:
+    """Each (key, write) pair's result or exception once every write ended, landed or failed (at most `timeout`)."""
+    return await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for _, f in futs), return_exceptions=True),
+                                  timeout)
 
 
 # ---- the notification of one pair, validated at the edge
