@@ -24,8 +24,14 @@ the wall time outside the device's wait (`EngineCore.step` minus the time spent 
       --out $OUT/profile.json
   python benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --decode "" --prefill "" \
       --mixed "" --loop 1x1024,256x1024 --out $OUT/async.json
-  CPU smoke run (numbers meaningless): --model qwen3-0.6b --device cpu --decode 2x64 --prefill 64 --mixed 2x64+32 \
-      --loop 2x64 --loop-steps 5
+
+Prompt bursts (--burst NxL): N prompts of L tokens added at once, as a concurrency-N client's first wave, stepped
+through `EngineCore.step` until every one has its first token: the prompt tokens per second the engine sustains
+while its running requests decode (what sets TTFT at high concurrency), beside the per-step cases (prefill:8x1024
+is eight whole prompts in one step; mixed:128x512+8x1008 is 128 decodes beside eight prompts).
+
+  CPU smoke run (numbers meaningless): --model qwen3-0.6b --device cpu --decode 2x64 --prefill 64 --mixed 2x64+32,2x64+2x16 \
+      --loop 2x64 --loop-steps 5 --burst 4x16
 """
 
 from __future__ import annotations
@@ -108,12 +114,18 @@ def parse_cases(decode: str = "", prefill: str = "", mixed: str = "") -> list[tu
         b, ctx = (int(x) for x in spec.split("x"))
         cases.append((f"decode:{spec}", [(ctx, 1, True)] * b))
     for spec in filter(None, prefill.split(",")):
-        cases.append((f"prefill:{spec}", [(0, int(spec), True)]))
+        cases.append((f"prefill:{spec}", _prompts(spec, True)))
     for spec in filter(None, mixed.split(",")):
         dec, chunk = spec.split("+")
         b, ctx = (int(x) for x in dec.split("x"))
-        cases.append((f"mixed:{spec}", [(ctx, 1, True)] * b + [(0, int(chunk), False)]))
+        cases.append((f"mixed:{spec}", [(ctx, 1, True)] * b + _prompts(chunk, "x" in chunk)))
     return cases
+
+
+def _prompts(spec: str, sampled: bool) -> list[tuple[int, int, bool]]:
+    """"L": one prompt (chunk) of L tokens; "NxL": N of them in one step (whole prompts: each sampled)."""
+    n, _, length = spec.rpartition("x")
+    return [(0, int(length), sampled)] * int(n or 1)
 
 
 def build_batch(core: EngineCore, name: str, seqs: list[tuple[int, int, bool]], rng: random.Random):
@@ -155,6 +167,35 @@ def time_case(core: EngineCore, batch: ScheduledBatch, iters: int, warmup: int) 
     times.sort()
     return {"step_ms_median": statistics.median(times), "step_ms_p90": times[-(-9 * len(times) // 10) - 1],
             "step_ms_min": times[0], "path": path}
+
+
+def time_burst(core: EngineCore, n: int, length: int, rng: random.Random) -> dict:
+    """`n` prompts of `length` tokens added at once (a concurrency-n client's first wave): the wall time through
+    `EngineCore.step` until every one has its first token, and each step's time and tokens."""
+    vocab = core.hf_config.vocab_size
+    params = SamplingParams(max_tokens=core.max_model_len - length, temperature=0.0, ignore_eos=True)
+    rids = [f"burst-{n}x{length}-{i}" for i in range(n)]
+    sync(core.device)
+    t0 = time.perf_counter()
+    for rid in rids:
+        core.add_request(rid, [rng.randrange(vocab) for _ in range(length)], params)
+    first: dict[str, float] = {}
+    steps = []
+    while len(first) < n:
+        t = time.perf_counter()
+        out = core.step()
+        now = time.perf_counter()
+        steps.append((now - t) * 1e3)
+        for o in out:
+            first.setdefault(o.request_id, now - t0)
+    wall = time.perf_counter() - t0
+    for rid in rids:
+        core.abort_request(rid)
+    while core.has_work():
+        core.step()
+    ttft = sorted(first.values())
+    return {"case": f"burst:{n}x{length}", "wall_s": wall, "steps": len(steps), "prefill_tok_s": n * length / wall,
+            "ttft_mean_s": sum(ttft) / n, "ttft_p90_s": ttft[-(-9 * n // 10) - 1], "step_ms": steps}
 
 
 def profile_case(core: EngineCore, batch: ScheduledBatch, steps: int, top: int) -> dict:
@@ -254,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="batch x context of steady decode loops through the engine, with and without async "
                          "scheduling, comma-separated (empty: none)")
     ap.add_argument("--loop-steps", type=int, default=100)
-    ap.add_argument("--profile", default=None, help="a case name (e.g. decode:256x1024): profile it instead")
+    ap.add_argument("--burst", default="", help="NxL: N prompts of L tokens at once, timed until every first token")
+    ap.add_argument("--profile", default=None,
+                    help="case names (e.g. decode:256x1024;prefill:8x1024), ';'-separated: profile them instead")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--out", default="steps.json")
@@ -277,23 +320,27 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     cases = parse_cases(args.decode, args.prefill, args.mixed)
     if args.profile:
-        kind, _, spec = args.profile.partition(":")
-        if kind not in ("decode", "prefill", "mixed"):
-            ap.error("--profile takes decode:BxCTX, prefill:N or mixed:BxCTX+N")
-        cases = parse_cases(**{kind: spec})
-        name, seqs = cases[0]
-        batch = build_batch(core, name, seqs, rng)
-        if batch is None:
-            print(f"{name}: does not fit the KV pool", file=sys.stderr)
-            return 1
-        rec["profile"] = {"case": name, "graphs": profile_case(core, batch, args.profile_steps, args.top)}
-        print_profile(f"{name} ({'graphs' if runner.decode_sizes or runner.mixed_sizes else 'eager'})",
-                      rec["profile"]["graphs"])
-        if args.compare_eager and (runner.decode_sizes or runner.mixed_sizes):
-            runner.use_graphs = False
-            rec["profile"]["eager"] = profile_case(core, batch, args.profile_steps, args.top)
-            runner.use_graphs = True
-            print_profile(f"{name} (eager)", rec["profile"]["eager"])
+        rec["profiles"] = []
+        for case in args.profile.split(";"):
+            kind, _, spec = case.partition(":")
+            if kind not in ("decode", "prefill", "mixed"):
+                ap.error("--profile takes decode:BxCTX, prefill:[Nx]L or mixed:BxCTX+[Nx]L, ';'-separated")
+            name, seqs = parse_cases(**{kind: spec})[0]
+            batch = build_batch(core, name, seqs, rng)
+            if batch is None:
+                print(f"{name}: does not fit the KV pool", file=sys.stderr)
+                return 1
+            prof = {"case": name, "graphs": profile_case(core, batch, args.profile_steps, args.top)}
+            print_profile(f"{name} ({'graphs' if runner.decode_sizes or runner.mixed_sizes else 'eager'})",
+                          prof["graphs"])
+            if args.compare_eager and (runner.decode_sizes or runner.mixed_sizes):
+                runner.use_graphs = False
+                prof["eager"] = profile_case(core, batch, args.profile_steps, args.top)
+                runner.use_graphs = True
+                print_profile(f"{name} (eager)", prof["eager"])
+            for req in batch.requests:
+                core.kv.free(req)
+            rec["profiles"].append(prof)
         save_json(rec, args.out)
         return 0
 
@@ -333,6 +380,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['case']} async {'on ' if async_on else 'off'}: {r['step_ms']:.2f} ms/step (host "
                   f"{r['host_ms']:.2f} ms, waiting for tokens {r['collect_wait_ms']:.2f} ms; "
                   f"{r['overlapped_steps']} of {r['steps']} steps overlapped)", flush=True)
+    rec["bursts"] = bursts = []
+    for spec in filter(None, args.burst.split(",")):
+        n, length = (int(x) for x in spec.split("x"))
+        r = time_burst(core, n, length, rng)
+        bursts.append(r)
+        st = sorted(r["step_ms"])
+        print(f"{r['case']}: every first token after {r['wall_s']:.2f} s ({r['prefill_tok_s']:.0f} prompt tokens/s, "
+              f"{r['steps']} steps, step ms median {st[len(st) // 2]:.1f} max {st[-1]:.1f}; TTFT mean "
+              f"{r['ttft_mean_s']:.2f} s p90 {r['ttft_p90_s']:.2f} s)", flush=True)
     save_json(rec, args.out)
     print("\n| step | tokens | ms (median) | p90 | path | floor ms | bound | floor/measured | eager ms | "
           "piecewise ms |")

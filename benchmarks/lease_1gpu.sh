@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# A one-GPU lease (nvidia-h200; the 2-GPU kinds withheld): one stage per device call, written before the lease (a
+# machine goes back 30 s after a call ends). Staged files as in lease_2xh200.sh (.vllm-stage/{p0..p5,deps,model,
+# model-moe,anchors}).
+#   OUT=$OUT bash benchmarks/lease_1gpu.sh STAGE
+# Stages:
+#   check      the GPU tests of the engine's newest paths (the KV pool sized from a measured step, async scheduling,
+#              decode attention, fp8 KV); then one pdserve server as the side-by-side starts it (dummy Qwen3-8B,
+#              --gpu-memory-utilization 0.9): its KV sizing lines, KV tokens and start-up; then the decode attention
+#              tile sweep with what is left of the call
+#   install    vLLM 0.22 from the staged parts into /tmp/site (kept while the machine stays warm)
+#   sbs        vLLM, then pdserve, on the one GPU (SINGLE_GPU=1), dummy Qwen3-8B bf16, vLLM's client: 1024/1024 c256,
+#              8192/16 and 32768/16 one at a time
+#   steps      engine steps against their floors (bench_steps.py: decode at batch 1 and 256, prefill of one 8k prompt
+#              and of eight 1k prompts, mixed steps), a burst of 256 1k prompts through EngineCore.step (the c256
+#              client's first wave), the async decode loop; then a kernel profile of the prefill, mixed and batch-1 steps
+#   serve_tl   pdserve serve driven by pdserve's client at 1024/1024 c256, then 1024/16 c256 (a burst of prompts with
+#              little decoding), each with serve_timeline.py recording the CPU of the server's processes and the
+#              engine's queue; the client's per-request TTFTs split into the first wave and the rest; the kernels the
+#              server compiled after its warm-up; the GPU test that a burst after the warm-up compiles nothing
+#   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
+#              chunks use first (the tuner stops starting buckets after --max-minutes)
+set -uo pipefail
+STAGE=${1:?stage}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+W="$OUT/$STAGE"; mkdir -p "$W"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$W/pip.txt" 2>&1 || echo "editable install failed"
+nvidia-smi -L | tee "$W/gpus.txt"
+t0=$(date +%s)
+M=.vllm-stage/model
+case $STAGE in
+  check)
+    timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=6 \
+      tests/engine/test_memory_profile.py tests/engine/test_async_scheduling.py tests/ops/test_attention_decode.py \
+      tests/ops/test_fp8_kv.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | tail -25
+    echo "== pdserve serve, dummy Qwen3-8B, --gpu-memory-utilization 0.9, --max-model-len 40960"
+    T0=$(date +%s.%N)
+    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 200); do
+      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
+      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
+    done
+    python3 -c "import time,sys; print(f'first completion answered {time.time()-float(sys.argv[1]):.1f} s after launch')" $T0 \
+      | tee "$W/startup.txt"
+    grep -h "KV sizing\|KV cache\|blocks\|warm-up\|engine ready\|Error\|error" "$W/server.log" | grep -v " 200 " | head -20
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$W/mem.txt"
+    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
+    left=$(( 540 - ($(date +%s) - t0) ))
+    echo "== decode attention tile sweep (${left} s left)"
+    [ $left -gt 60 ] && timeout $left python3 benchmarks/attention/sweep_decode.py --out "$W/decode_sweep.json" 2>&1 | tail -12
+    tar czf "$OUT/check.tgz" -C "$OUT" check ;;
+  install)
+    OUT=/tmp/sbs_install STAGE=.vllm-stage bash benchmarks/vs_vllm/side_by_side.sh
+    PYTHONPATH=/tmp/site python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1 ;;
+  sbs)
+    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:4:1"} CLIENTS=vllm SINGLE_GPU=1 OUT=$W STAGE=.vllm-stage \
+      VLLM_USE_FLASHINFER_SAMPLER=0 timeout 570 bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -30
+    for f in "$W"/*.log; do gzip -f "$f"; done
+    tar czf "$OUT/sbs.tgz" -C "$OUT" sbs ;;
+  steps)
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9"
+    timeout 300 $B --decode 1x1024,1x8192,256x1024 --prefill 8192,8x1024 \
+      --mixed 256x1024+512,128x512+8x1008,256x1024+7x1024 --no-compare-eager --burst 256x1024 \
+      --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -v " INFO " "$W/steps.txt" | tail -24; grep -h "KV sizing" "$W/steps.txt"
+    timeout 200 $B --profile "prefill:8x1024;mixed:128x512+8x1008;decode:1x8192" --no-compare-eager --top 22 \
+      --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | tail -80
+    tar czf "$OUT/steps.tgz" -C "$OUT" steps ;;
+  serve_tl)
+    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 200); do
+      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break; sleep 1
+    done
+    for run in 1024x1024 1024x16; do
+      o=${run#*x}
+      python3 benchmarks/server/serve_timeline.py --url http://127.0.0.1:8200 --pid $S --out "$W/timeline_$run.json" \
+        > "$W/timeline_$run.txt" 2>&1 & T=$!
+      timeout 200 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy --tokenizer $M \
+        --dataset-name random --random-input-len 1024 --random-output-len $o --num-prompts 512 --max-concurrency 256 \
+        --ignore-eos --num-warmups 2 --disable-tqdm --no-plots --save-result --result-dir "$W" \
+        --result-filename "c256_$run.json" > "$W/c256_$run.txt" 2>&1
+      kill -INT $T; wait $T
+      echo "== $run"; cat "$W/timeline_$run.txt"
+      python3 benchmarks/vs_vllm/compare.py --line "$W/c256_$run.json"
+      python3 benchmarks/server/serve_timeline.py --waves "$W/c256_$run.pdserve.json"
+    done
+    echo "== kernels compiled while serving (pdserve.ops.jit_watch)"
+    grep -c "compiled a kernel while serving" "$W/server.log"; grep "compiled a kernel while serving" "$W/server.log" | cut -c1-300 | head -12
+    curl -s localhost:8200/load; echo
+    kill $S; wait $S 2>/dev/null; gzip -f "$W"/*.log "$W"/*.pdserve.json "$W"/timeline_*.json
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 | tail -8
+    tar czf "$OUT/serve_tl.tgz" -C "$OUT" serve_tl ;;
+  moe_tune)
+    timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
+      16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
+    tail -n 25 "$W/tune.txt"
+    tar czf "$OUT/moe_tune.tgz" -C "$OUT" moe_tune ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+echo "stage $STAGE took $(( $(date +%s) - t0 )) s"
