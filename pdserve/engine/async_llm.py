@@ -7,7 +7,8 @@ decode side (`remote_prefill_failed`, `remote_prefill_done`), and two subscripti
 `add_event_listener` (the engine's PD events) and `add_output_hook` (see or annotate each output before its stream
 gets it). Nothing else reaches into it.
 
-Every message arrives through one pipe read by a blocking reader thread and handed to the event loop (no polling).
+Every message arrives through one pipe read by a blocking reader thread and handed to the event loop (no polling);
+every message to the engine leaves through a writer thread (pipe_writer.py), so a full pipe never blocks the loop.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.output_processor import RequestState
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.pipe_writer import PipeWriter
 from pdserve.errors import EngineDead, PromptTooLong, QueueFull
 from pdserve.sampling_params import SamplingParams
 from pdserve.validation import check_prompt_len
@@ -76,6 +78,7 @@ class AsyncLLM:
         self.info: dict = {}
         self._proc: mp.Process | None = None
         self._conn = None
+        self._writer: PipeWriter | None = None
         self._streams: dict[str, _Stream] = {}
         self._exports: dict[str, asyncio.Future] = {}
         self._stats: dict = {}
@@ -128,6 +131,9 @@ class AsyncLLM:
         # larger than the pipe's buffer (hundreds of streams' outputs) would then arrive torn
         self._reader = threading.Thread(target=self._read_pipe, name="pdserve-engine-reader", daemon=True)
         self._reader.start()
+        loop = self._loop
+        self._writer = PipeWriter(parent, lambda e: loop.is_closed() or loop.call_soon_threadsafe(
+            self._on_dead, f"the engine process stopped ({type(e).__name__})"))
 
     # ---- subscriptions
     def add_event_listener(self, callback: Callable[[PDEvent], None]) -> None:
@@ -219,13 +225,11 @@ class AsyncLLM:
                 fut.set_exception(EngineDead(why))
 
     def _send(self, msg) -> None:
+        """Queue `msg` for the engine process (the writer thread sends it; a broken pipe ends every stream through
+        _on_dead)."""
         if self._dead:
             raise EngineDead(self._dead)
-        try:
-            self._conn.send(msg)
-        except (BrokenPipeError, OSError) as e:
-            self._on_dead(f"the engine process stopped ({type(e).__name__})")
-            raise EngineDead(self._dead) from e
+        self._writer.put(msg)
 
     # ---- requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -328,12 +332,11 @@ class AsyncLLM:
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         if self._proc is None:
             return
-        if not self._dead:
-            self._dead = "shut down"
-            try:
-                self._conn.send(Shutdown())
-            except Exception:
-                pass
+        if not self._dead and self._writer is not None:
+            self._writer.put(Shutdown())
+        self._dead = self._dead or "shut down"
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.close, timeout_s)
         await asyncio.to_thread(self._proc.join, timeout_s)
         if self._proc.is_alive():
             self._proc.kill()
