@@ -42,6 +42,7 @@ from pdserve.engine.warmup import warm_up
 from pdserve.kv.nvtx import mark, nvtx_range
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
 from pdserve.model.parallel import kv_head_range
+from pdserve.ops.jit_watch import WATCH
 from pdserve.sampling_params import SamplingParams
 from pdserve.stats import median
 from pdserve.validation import check_prompt_len, check_request_token_ids
@@ -149,6 +150,7 @@ class EngineCore:
         if (self.device.type == "cuda") if config.warmup is None else config.warmup:
             with self.executor.closing_on_error():
                 self.warmup = warm_up(self)
+        self.executor.collective_rpc("arm_jit_watch")  # kernels compiled from here on are logged and counted
         log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each), role %s",
                  time.time() - t0, config.model, self.device, self.dtype, num_blocks, config.block_size, bb / 2**20,
                  kvt.role)
@@ -164,6 +166,10 @@ class EngineCore:
                                            self.hf_config.vocab_size, self.eos_token_ids)
         free, total = self.executor.mem_get_info()  # the tightest rank's
         budget = pool_budget(total, free, cfg.gpu_memory_utilization, self.step_peak.peak_bytes)
+        tensors, used = max(self.executor.collective_rpc("memory_in_use"), key=lambda r: r[1])
+        log.info("KV sizing: %.2f GiB of %.2f GiB in use before the pool (%.2f GiB of tensors, %.2f GiB outside "
+                 "them); the pool gets %.2f GiB at gpu_memory_utilization %.2f", used / 2**30, total / 2**30,
+                 tensors / 2**30, (used - tensors) / 2**30, max(budget, 0) / 2**30, cfg.gpu_memory_utilization)
         if budget < bb * 16:
             raise ValueError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the "
                              f"weights and the largest step's {self.step_peak.peak_bytes / 2**30:.2f} GiB; raise "
@@ -392,6 +398,8 @@ class EngineCore:
             "num_steps": self.num_steps,
             "async_steps_overlapped": self.async_counts["overlapped"],
         }
+        if WATCH.armed:
+            out.update(WATCH.stats())
         if self.connector is not None:
             out["pd"] = {**self.handover.as_dict(), **self.connector.stats(),
                          "quarantine_blocks": self.kv.num_quarantined_blocks}

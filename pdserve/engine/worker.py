@@ -39,6 +39,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_inputs import StepPlan
 from pdserve.model.loader import ModelSource, build_model
 from pdserve.model.parallel import kv_head_range
+from pdserve.ops.jit_watch import WATCH
 from pdserve.parallel.group import TPGroup, init_group, tp_context
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,19 @@ class Worker:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # what loading left cached but unused (temporaries of the weights' init) is free
         return torch.cuda.mem_get_info(self.device)
+
+    def arm_jit_watch(self) -> None:
+        """Count and log the kernels Triton compiles from now on in this rank's process (pdserve.ops.jit_watch)."""
+        if self.device.type == "cuda" and WATCH.install():
+            WATCH.arm()
+
+    def memory_in_use(self) -> tuple[int, int]:
+        """(bytes PyTorch's tensors hold, bytes in use on this rank's GPU in all); (0, 0) on CPU. The difference is
+        what lives outside PyTorch's tensors: the CUDA context, cuBLAS and NCCL workspaces, cached free blocks."""
+        if self.device.type != "cuda":
+            return 0, 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        return torch.cuda.memory_allocated(self.device), total - free
 
     def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,
                     kv_dtype: torch.dtype, probe: bool = False) -> dict:
