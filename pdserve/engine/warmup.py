@@ -13,7 +13,8 @@ The requests, each group submitted at once and run to its end (`warmup_plan`):
     single-sequence prefill tile);
   - a prompt longer than a step's token budget, chunked over steps that read its paged prefix, beside short
     prompts of odd lengths that finish their prefill first and decode in the long one's mixed steps, some of them
-    sampled (temperature, top-p/top-k, penalties, logprobs) rather than greedy.
+    sampled (temperature, top-p/top-k, penalties, logprobs) rather than greedy; three such groups, with 7, 12 and
+    40 short prompts (MIXED_ROWS: each count of decode rows takes another decode-kernel variant).
 
 Afterwards the pool is whole, its blocks leave the prefix cache, and the counters a server reports are zero.
 """
@@ -35,6 +36,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHORT_LENGTHS = (1, 7, 17, 33, 100, 257, 1000)  # odd lengths: none a multiple of 16 but 1, mixed with the long one
+# Decode rows beside the long prompt's chunks, one group each: the decode kernel's tile and split count follow the
+# rows of a step (decode.decode_tile, decode_splits): fewer than 8 rows take the small-row tile; from 8 rows the
+# many-row tile, with several splits while rows x KV heads leave SMs idle (12 rows) and one split beyond (40 rows),
+# as in the mixed steps of a burst of prompts beside running requests. Each is its own Triton compile.
+MIXED_ROWS = (len(SHORT_LENGTHS), 12, 40)
 MAX_STEPS = 10_000  # a warm-up that has not ended after this many steps is a bug
 
 
@@ -65,10 +71,13 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
         groups.append([WarmupRequest(n, _greedy(2))])
         n *= 2
     long_len = min(2 * max_num_batched_tokens + 17, longest)
-    mixed = [WarmupRequest(long_len, _greedy(out_tokens))]
-    for i, n in enumerate(x for x in SHORT_LENGTHS if x <= longest):
-        mixed.append(WarmupRequest(n, _sampled(out_tokens, i) if i % 2 else _greedy(out_tokens)))
-    groups.append(mixed)
+    shorts = [x for x in SHORT_LENGTHS if x <= longest]
+    for rows in MIXED_ROWS:
+        mixed = [WarmupRequest(long_len, _greedy(out_tokens))]
+        for i in range(rows if shorts else 0):
+            n = shorts[i % len(shorts)]
+            mixed.append(WarmupRequest(n, _sampled(out_tokens, i) if i % 2 else _greedy(out_tokens)))
+        groups.append(mixed)
 
     def blocks(r: WarmupRequest) -> int:
         return -(-(r.prompt_len + r.params.max_tokens) // block_size)

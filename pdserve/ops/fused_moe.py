@@ -59,6 +59,10 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out.to(x.dtype)
 
 
+# The token pairs and row blocks change with every step's token count; as specialized integers (1, a multiple of
+# 16, neither) each class would be compiled again, per tile config, inside the requests served.
+VARYING_GEMM = ["num_pairs", "NUM_PID_M"]
+
 if triton is not None:
 
     @triton.jit
@@ -71,7 +75,7 @@ if triton is not None:
         pid_n = (pid % per_group) // group_m
         return pid_m, pid_n
 
-    @triton.jit
+    @triton.jit(do_not_specialize=VARYING_GEMM)
     def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, num_rows_ptr,
                         num_pairs, top_k, H, INTER, NUM_PID_M,
                         stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
@@ -116,7 +120,7 @@ if triton is not None:
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=VARYING_GEMM)
     def _down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ptr, num_rows_ptr,
                      num_pairs, INTER, H, NUM_PID_M,
                      stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,

@@ -50,14 +50,14 @@ def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < num_pairs
         e = tl.load(ids_ptr + offs, mask=mask, other=0)
         tl.atomic_add(counts_ptr + e, 1, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["max_blocks"])
     def _offsets_kernel(counts_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr, num_experts, max_blocks,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
         e = tl.arange(0, BLOCK_E)
@@ -77,7 +77,7 @@ if triton is not None:
             owner = tl.where(b < total_blocks, owner, -1)
             tl.store(expert_ids_ptr + b, owner, mask=b < max_blocks)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < num_pairs

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.warmup import SHORT_LENGTHS, warmup_plan
+from pdserve.engine.warmup import MIXED_ROWS, SHORT_LENGTHS, warmup_plan
 from pdserve.sampling_params import SamplingParams
 
 
@@ -16,10 +16,13 @@ def test_plan_covers_step_sizes_and_a_chunked_prompt():
     plan = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6)
     singles = [g[0].prompt_len for g in plan if len(g) == 1]
     assert singles == [16 * 2**i for i in range(10)]  # 16 .. 8192
-    mixed = plan[-1]
-    assert mixed[0].prompt_len == 2 * 8192 + 17  # three steps, the later two on a paged prefix
-    assert [r.prompt_len for r in mixed[1:]] == list(SHORT_LENGTHS)
-    assert any(r.params.temperature > 0 and r.params.logprobs for r in mixed)  # sampled, not only greedy
+    groups = plan[-len(MIXED_ROWS):]
+    for rows, mixed in zip(MIXED_ROWS, groups):
+        assert mixed[0].prompt_len == 2 * 8192 + 17  # three steps, the later two on a paged prefix
+        assert len(mixed) == 1 + rows and {r.prompt_len for r in mixed[1:]} <= set(SHORT_LENGTHS)
+        assert any(r.params.temperature > 0 and r.params.logprobs for r in mixed)  # sampled, not only greedy
+    assert [r.prompt_len for r in groups[0][1:]] == list(SHORT_LENGTHS)
+    assert min(MIXED_ROWS) < 8 <= sorted(MIXED_ROWS)[1] <= 32 < max(MIXED_ROWS)  # both tiles, split and not
 
 
 @pytest.mark.parametrize("max_model_len,capacity", [(64, 10**6), (40960, 600), (40960, 40)])
@@ -61,3 +64,30 @@ def test_warmed_engine_is_whole_clean_and_answers_the_same(tiny_model_dirs):
     assert _answers(warm) == _answers(_core(path, False))
     cold = _core(path, None)  # default on CPU: off
     assert cold.warmup is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_burst_after_the_warm_up_compiles_nothing():
+    """On CUDA: after the warm-up, a first wave of prompts beside running requests (mixed steps of many decode rows
+    and prefill chunks, then decoding) runs on kernels already compiled (pdserve.ops.jit_watch counts any other)."""
+    import torch
+
+    from pdserve.ops.jit_watch import WATCH
+
+    core = EngineCore(EngineConfig(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
+                                   gpu_memory_utilization=0.5, max_num_batched_tokens=2048, max_num_seqs=128,
+                                   max_model_len=4096))
+    try:
+        assert WATCH.armed
+        before = WATCH.compiled_after_arm
+        g = torch.Generator().manual_seed(0)
+        for i in range(96):  # 1000-token prompts: two per step, the earlier ones decoding beside them
+            ids = torch.randint(0, 151000, (1000 + i % 3,), generator=g).tolist()
+            core.add_request(f"burst-{i}", ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        while core.has_work():
+            core.step()
+        core.check_whole()
+        assert WATCH.compiled_after_arm == before, f"{WATCH.compiled_after_arm - before} kernels compiled in the burst"
+    finally:
+        core.close()

@@ -50,7 +50,9 @@ def test_padded_metadata_matches_unpadded():
     pad = {"num_tokens": 256, "num_seqs": 10, "num_tiles": 8, "max_seq_len": 2048}
     p = make_problem(*MIXED, hq=4, hk=2, d=32, bs=16, seed=9, pad=pad)
     out, _ = _both(p, torch.float32, 0.2)
-    assert torch.isfinite(out).all()  # padded token rows are finite too (zeros)
+    # the real rows match (in _both) and are finite; padded token rows are left unwritten (torch.empty: whatever the
+    # allocator held), as the runner discards them; asserting them finite made this test depend on that memory
+    assert torch.isfinite(out[: p.meta.query_start_loc[-1]]).all()
 
 
 def test_hand_built_metadata_works():

@@ -18,8 +18,15 @@ import triton.language as tl
 from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.tl_math import tanh
 
+# Integer arguments that change from step to step. Triton compiles a kernel again for every new specialization of an
+# integer argument (equal to 1, a multiple of 16, neither), so each of these would cost a compile the first time a
+# step's shape lands in another class: the block table's width (the longest sequence of the step, in blocks) and the
+# number of splits the merge reads. Neither is an address the kernel could vectorize on.
+VARYING_DECODE = ["s_btb"]
+VARYING_MERGE = ["num_splits"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=VARYING_DECODE)
 def _decode_kernel(
     Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL,
     s_qt, s_qh, s_ot, s_oh,
@@ -99,7 +106,7 @@ def _decode_kernel(
         tl.store(PartL + pm, l_i, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_MERGE)
 def _merge_kernel(
     PartO, PartM, PartL, QSL, VS, Out,
     s_pb, s_ph, s_ps, s_ot, s_oh, num_splits,

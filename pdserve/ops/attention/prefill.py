@@ -22,6 +22,10 @@ from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.metadata import PREFILL_TILE
 from pdserve.ops.attention.tl_math import tanh
 
+# The block table's width changes with the step's longest sequence: not specialized on (decode.VARYING_DECODE says
+# why).
+VARYING_PREFILL = ["s_btb"]
+
 
 @triton.jit
 def _attend_range(
@@ -70,7 +74,7 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_PREFILL)
 def _prefill_kernel(
     Q, KV, Out, BT, SL, QSL, TILES, KS, VS,
     s_qt, s_qh, s_ot, s_oh,
