@@ -236,6 +236,50 @@ def session5() -> None:
           "(pdserve's run of it did not fit the device time left).")
 
 
+def session7() -> None:
+    """The session-7 lease (one H200): side by side twice, the engine's steps and burst, the server's burst by wave."""
+    base = "lease_s7"
+    print("Side by side (`benchmarks/lease_1gpu.sh sbs`: vLLM 0.22, then pdserve, on one H200; dummy Qwen3-8B bf16; "
+          "vLLM's `bench serve`):\n")
+    _side_by_side(load(f"{base}/sbs/comparison.json"))
+    c2 = load(f"{base}/sbs2/comparison.json")
+    w = {x["workload"]: x for x in c2["workloads"]}["1024x1024_c256"]
+    print(f"\nAgain on a fresh machine of the same kind with the pipe writer (e0b640e): 1024/1024 c256 "
+          f"{_fmt(w['vllm']['output_throughput'])} vs {_fmt(w['pdserve']['output_throughput'])} tok/s "
+          f"({w['ratio']['output_throughput']:.2f}), mean TTFT {_fmt(w['vllm']['mean_ttft_ms'])} vs "
+          f"{_fmt(w['pdserve']['mean_ttft_ms'])} ms.")
+    v = load(f"{base}/sbs/vllm_single_1024x1024_c256.json")
+    pd = load(f"{base}/sbs/pdserve_single_1024x1024_c256.json")
+    print("\nThe 1024/1024 c256 run in detail (vLLM / pdserve): " + ", ".join(
+        f"{k} {_fmt(v[k])} / {_fmt(pd[k])}" for k in ("p50_itl_ms", "p90_itl_ms", "max_output_tokens_per_s",
+                                                       "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms")) + ".")
+    st = load(f"{base}/steps/steps.json")
+    print("\nEngine steps against their floors (`bench_steps.py`, same run's ceilings: HBM "
+          f"{st['ceilings']['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {st['ceilings']['bf16_matmul_tflops']:.0f} "
+          "TFLOP/s):\n")
+    print("| step | ms | floor ms | floor / measured | path |\n|---|---|---|---|---|")
+    for r in st["results"]:
+        print(f"| {r['case']} | {r['step_ms_median']:.2f} | {r['floor_ms']:.2f} | {r['fraction_of_floor']:.1%} | "
+              f"{r['path']} |")
+    for b in st["bursts"]:
+        print(f"\n{b['case']} through `EngineCore.step`: every first token after {b['wall_s']:.2f} s "
+              f"({b['prefill_tok_s']:,.0f} prompt tokens/s, {b['steps']} steps), TTFT mean {b['ttft_mean_s']:.2f} s, "
+              f"p90 {b['ttft_p90_s']:.2f} s.")
+    print("\nThe same burst through the server (`lease_1gpu.sh serve_tl`, `pdserve bench serve`, TTFT by wave):\n")
+    print("| run | wave | requests | TTFT mean s | p90 s | max s |\n|---|---|---|---|---|---|")
+    import sys as _sys
+    _sys.path.insert(0, str(B / "server"))
+    from serve_timeline import request_rows
+    for run in ("1024x1024", "1024x16"):
+        rows = sorted((r for r in request_rows(load(f"{base}/serve_tl/c256_{run}.requests.json"))
+                       if r.get("ttft") is not None), key=lambda r: r["start"])
+        for name, part in (("first 256", rows[:256]), ("the rest", rows[256:])):
+            t = sorted(r["ttft"] for r in part)
+            if t:
+                print(f"| {run} | {name} | {len(t)} | {sum(t) / len(t):.2f} | {t[int(0.9 * len(t))]:.2f} | "
+                      f"{t[-1]:.2f} |")
+
+
 def faults() -> None:
     k = load("faults/results_cpu/kill_table.json")
     st = k["settings"]
@@ -297,6 +341,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session7()
+    print()
     session5()
     print()
     session4()
