@@ -63,7 +63,7 @@ class PipeWriter:
                 continue  # the engine is gone: what was queued after the failure is dropped
             try:
                 self.conn.send_bytes(msg)
-            except (OSError, EOFError, ValueError) as e:  # broken pipe, closed connection
+            except Exception as e:  # broken pipe, closed connection; anything else must not end the thread silently
                 self._failed = True
                 try:
                     self.on_error(e)
