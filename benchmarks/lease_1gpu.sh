@@ -4,6 +4,7 @@
 # model-moe,anchors}).
 #   OUT=$OUT bash benchmarks/lease_1gpu.sh STAGE
 # Stages:
+#   warm_test  the GPU test that a burst after the warm-up compiles no kernel (run with a staging call: ~40 s)
 #   check      the GPU tests of the engine's newest paths (the KV pool sized from a measured step, async scheduling,
 #              decode attention, fp8 KV); then one pdserve server as the side-by-side starts it (dummy Qwen3-8B,
 #              --gpu-memory-utilization 0.9): its KV sizing lines, KV tokens and start-up; then the decode attention
@@ -29,6 +30,9 @@ nvidia-smi -L | tee "$W/gpus.txt"
 t0=$(date +%s)
 M=.vllm-stage/model
 case $STAGE in
+  warm_test)  # the GPU test that a burst after the warm-up compiles nothing (pdserve.ops.jit_watch names any)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 \
+      | grep -v "^\.*$" | cut -c1-700 | tail -${JIT_LINES:-12} ;;
   check)
     timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=6 \
       tests/engine/test_memory_profile.py tests/engine/test_async_scheduling.py tests/ops/test_attention_decode.py \
@@ -57,6 +61,7 @@ case $STAGE in
   sbs)
     WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:4:1"} CLIENTS=vllm SINGLE_GPU=1 OUT=$W STAGE=.vllm-stage \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 570 bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -30
+    echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
     for f in "$W"/*.log; do gzip -f "$f"; done
     tar czf "$OUT/sbs.tgz" -C "$OUT" sbs ;;
   steps)
@@ -90,10 +95,10 @@ case $STAGE in
       python3 benchmarks/server/serve_timeline.py --waves "$W/c256_$run.pdserve.json"
     done
     echo "== kernels compiled while serving (pdserve.ops.jit_watch)"
-    grep -c "compiled a kernel while serving" "$W/server.log"; grep "compiled a kernel while serving" "$W/server.log" | cut -c1-300 | head -12
+    grep -c "compiled a kernel while serving" "$W/server.log"; grep "compiled a kernel while serving" "$W/server.log" | cut -c25-700 | head -${JIT_LINES:-12}
     curl -s localhost:8200/load; echo
     kill $S; wait $S 2>/dev/null; gzip -f "$W"/*.log "$W"/*.pdserve.json "$W"/timeline_*.json
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 | tail -8
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 | grep -v "^\.*$" | cut -c1-700 | tail -${JIT_LINES:-12}
     tar czf "$OUT/serve_tl.tgz" -C "$OUT" serve_tl ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \

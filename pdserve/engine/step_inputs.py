@@ -24,6 +24,11 @@ from pdserve.ops.attention import prefill_tile_table
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
 _SIZE = {torch.int64: 8, torch.int32: 4}
+# Every region starts on 16 bytes: Triton specializes a pointer argument on whether its address is a multiple of 16,
+# so regions that landed on 8 or 16 by the sizes before them made each kernel reading them compile again whenever a
+# step's sizes flipped it (an H200 server compiled the attention kernels 19 times in its first 1024/1024 c256 run,
+# 16 s in all, inside the first wave: benchmarks/lease_s8).
+ALIGN = 16
 
 
 class Staging:
@@ -67,7 +72,7 @@ class Staging:
         for d in shape:
             n *= d
         size = n * _SIZE[dtype]
-        off = (self._off + 7) & ~7
+        off = (self._off + ALIGN - 1) & ~(ALIGN - 1)
         end = off + size
         if end > self.capacity:
             raise ValueError("step inputs outgrew the staging buffer (size computed too small)")
@@ -201,9 +206,9 @@ class RowMirror:
 
 def layout_bytes(n_ids: int, n_slots: int, n_rows: int, width: int, n_sample: int, n_tiles: int = 0,
                  n_patch: int = 0) -> int:
-    """Upper bound of the bytes `fill` takes (9 regions, each aligned to 8 bytes)."""
+    """Upper bound of the bytes `fill` takes (9 regions, each aligned to ALIGN bytes)."""
     return (8 * (2 * n_ids + n_slots + n_sample + 2 * n_patch) + 4 * (n_rows + (n_rows + 1) + n_rows * width
-                                                                       + 2 * n_tiles) + 8 * 9)
+                                                                       + 2 * n_tiles) + ALIGN * 9)
 
 
 @dataclass

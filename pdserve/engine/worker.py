@@ -143,6 +143,8 @@ class Worker:
         self.report = report
         self.after_layer: Callable[[int], None] | None = None
         self._mark = 0  # bytes allocated at mark_memory
+        if device.type == "cuda":
+            WATCH.install()  # from here on: each kernel's specializations, so a later compile names what was new
 
     def call(self, method: str | Callable, args: tuple, kwargs: dict):
         fn = getattr(self, method) if isinstance(method, str) else functools.partial(method, self)
@@ -165,7 +167,7 @@ class Worker:
     def arm_jit_watch(self) -> None:
         """Count and log the kernels Triton compiles from now on in this rank's process (pdserve.ops.jit_watch)."""
         if self.device.type == "cuda" and WATCH.install():
-            WATCH.arm()
+            WATCH.arm()  # installed at __init__: the warm-up's compiles are the comparison's base
 
     def memory_in_use(self) -> tuple[int, int]:
         """(bytes PyTorch's tensors hold, bytes in use on this rank's GPU in all); (0, 0) on CPU. The difference is

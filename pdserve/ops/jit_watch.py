@@ -9,7 +9,10 @@ server no pauses (benchmarks/lease_s7). Which kernels were compiled there was no
 One watcher per process (Triton's hooks are process-wide): `install()` chains onto `triton.knobs.runtime`'s
 jit_cache_hook (called when a kernel's specialization is not in the process's cache: a compile, or a load from
 Triton's disk cache) and jit_post_compile_hook; `arm()` after the warm-up; from then on each new specialization is
-counted and logged with its time to compile.
+counted and logged with its time to compile, and with what set it apart from the nearest specialization of the same
+kernel compiled before (an argument's type, value class or alignment, a constexpr, the warps/stages): which argument
+of which call site the warm-up missed. Triton's own `repr` of a specialization is not used: in 3.6 it zips the
+parameter names with the characters of the key string.
 """
 
 from __future__ import annotations
@@ -21,6 +24,35 @@ import time
 log = logging.getLogger(__name__)
 
 MAX_LOGGED = 50  # specializations logged one by one; the count goes on
+MAX_SEEN = 64  # specializations remembered per kernel for the comparison
+
+
+def describe(compile: dict) -> dict[str, str]:
+    """One specialization as {parameter: type, constexpr value and attributes}, plus "options" (warps, stages),
+    from the `compile` argument of Triton's hooks (signature, constants by path, attributes by path)."""
+    sig = dict(compile.get("signature") or {})
+    names = list(sig)
+    out = {name: str(t) for name, t in sig.items()}
+    for path, value in (compile.get("constants") or {}).items():
+        if path and path[0] < len(names):
+            out[names[path[0]]] = f"={value!r}"
+    configs = compile.get("configs") or [{}]
+    for path, attrs in (configs[0] or {}).items():
+        if path and path[0] < len(names):
+            out[names[path[0]]] += "/" + ",".join(f"{a[0]}={a[1]}" for a in attrs)
+    out["options"] = f"warps={compile.get('num_warps')},stages={compile.get('num_stages')}"
+    return out
+
+
+def difference(new: dict[str, str], seen: list[dict[str, str]]) -> str:
+    """What sets `new` apart from the closest of `seen` ("first of its kernel" when none)."""
+    if not seen:
+        return "first of its kernel"
+    def diffs(old):
+        return [k for k in sorted(set(new) | set(old)) if new.get(k) != old.get(k)]
+    best = min((diffs(old) for old in seen), key=len)
+    old = min(seen, key=lambda o: len(diffs(o)))
+    return "; ".join(f"{k}: {old.get(k)} -> {new.get(k)}" for k in best) or "same as one compiled before"
 
 
 class JitWatch:
@@ -28,7 +60,8 @@ class JitWatch:
         self.armed = False
         self.compiled_after_arm = 0
         self.seconds_after_arm = 0.0
-        self._started: dict[object, float] = {}
+        self._started: dict[object, tuple[float, str]] = {}
+        self._seen: dict[str, list[dict[str, str]]] = {}  # kernel name -> specializations missed so far
         self._lock = threading.Lock()
         self._prev_cache = self._prev_post = None
         self.installed = False
@@ -54,9 +87,17 @@ class JitWatch:
             self.seconds_after_arm = 0.0
 
     def on_miss(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
-        if self.armed:
-            with self._lock:
-                self._started[key] = time.monotonic()
+        name = getattr(fn, "name", None) or str(repr).split("[", 1)[0]
+        try:
+            desc = describe(compile or {})
+        except Exception:  # a Triton whose hook arguments look otherwise: count the compile, skip the comparison
+            desc = {}
+        with self._lock:
+            seen = self._seen.setdefault(name, [])
+            if self.armed:
+                self._started[key] = (time.monotonic(), f"{name} ({difference(desc, seen) if desc else 'unknown'})")
+            if desc and len(seen) < MAX_SEEN:
+                seen.append(desc)
         if self._prev_cache is not None:  # a truthy answer tells Triton to skip the compile: pass it on as is
             return self._prev_cache(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                     already_compiled=already_compiled)
@@ -64,14 +105,15 @@ class JitWatch:
 
     def on_compiled(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
         with self._lock:
-            t0 = self._started.pop(key, None)
-            if t0 is not None:
+            started = self._started.pop(key, None)
+            if started is not None:
+                t0, what = started
                 dt = time.monotonic() - t0
                 self.compiled_after_arm += 1
                 self.seconds_after_arm += dt
                 n = self.compiled_after_arm
-        if t0 is not None and n <= MAX_LOGGED:
-            log.warning("compiled a kernel while serving (%.2f s; the warm-up did not cover it): %s", dt, repr)
+        if started is not None and n <= MAX_LOGGED:
+            log.warning("compiled a kernel while serving (%.2f s; the warm-up did not cover it): %s", dt, what)
         if self._prev_post is not None:
             return self._prev_post(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                    already_compiled=already_compiled)

@@ -70,6 +70,11 @@ def test_fill_matches_the_per_token_loop(seed, decode_only):
             row = inp.block_tables[i].tolist()
             assert row[: len(r.block_ids)] == r.block_ids and set(row[len(r.block_ids):]) <= {-1}
         assert inp.ids.dtype == torch.int64 and inp.block_tables.dtype == torch.int32
+        base = staging._hosts[staging._slot].data_ptr()  # every region on 16 bytes (Triton specializes on it)
+        for t in (inp.ids, inp.positions, inp.slots, inp.seq_lens_t, inp.qsl_t, inp.block_tables, inp.sample_idx,
+                  inp.prefill_tiles):
+            if t is not None:
+                assert (t.data_ptr() - base) % 16 == 0  # Triton's tt.divisibility
 
 
 def test_graph_padding_points_at_the_scratch_block():

@@ -24,9 +24,17 @@ from pdserve.ops.attention.tl_math import tanh
 # number of splits the merge reads. Neither is an address the kernel could vectorize on.
 VARYING_DECODE = ["s_btb"]
 VARYING_MERGE = ["num_splits"]
+# Step metadata (block tables, lengths, query offsets, the fp8 scales or their stand-ins): read an int at a time, so
+# a 16-byte-aligned address buys nothing, and a specialization on it is one more compile whenever a caller's
+# regions land otherwise (pdserve.engine.step_inputs aligns its regions; other callers need not).
+METADATA_PTRS = ["BT", "SL", "QSL", "KS", "VS"]
+# The merge reads up to MERGE_SPLITS partials per (row, head) in one tile whatever the step's split count (a
+# BLOCK_S that followed the split count made each power of two another compile: 2..64, times mixed or not; the
+# masked lanes load nothing).
+MERGE_SPLITS = 64
 
 
-@triton.jit(do_not_specialize=VARYING_DECODE)
+@triton.jit(do_not_specialize=VARYING_DECODE, do_not_specialize_on_alignment=METADATA_PTRS)
 def _decode_kernel(
     Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL,
     s_qt, s_qh, s_ot, s_oh,
@@ -106,7 +114,7 @@ def _decode_kernel(
         tl.store(PartL + pm, l_i, mask=gmask)
 
 
-@triton.jit(do_not_specialize=VARYING_MERGE)
+@triton.jit(do_not_specialize=VARYING_MERGE, do_not_specialize_on_alignment=["QSL", "VS"])
 def _merge_kernel(
     PartO, PartM, PartL, QSL, VS, Out,
     s_pb, s_ph, s_ps, s_ot, s_oh, num_splits,
@@ -171,7 +179,7 @@ def decode_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, sliding_wi
     """Splits per (row, KV head): enough programs for about two waves, at least 256 keys a split, at most 64."""
     span = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
     want = max(1, (2 * num_sms(device)) // max(1, num_rows * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max(span, 1), 256), 64))
+    return max(1, min(want, triton.cdiv(max(span, 1), 256), MERGE_SPLITS))
 
 
 def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -232,6 +240,6 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         _merge_kernel[(b, hq)](
             part_o, part_m, part_l, qsl, vs, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1), splits,
-            D=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)), MIXED=mixed, HAS_VS=has_vs,
+            D=d, BLOCK_D=block_d, BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)), MIXED=mixed, HAS_VS=has_vs,
         )
     return out

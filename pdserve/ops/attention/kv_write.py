@@ -15,7 +15,7 @@ import triton.language as tl
 from pdserve.ops.attention.common import fp8_max, is_fp8
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["SLOTS", "KS", "VS"])  # step metadata: see decode.METADATA_PTRS
 def _write_kv_kernel(
     K, V, KV, SLOTS, KS, VS,
     s_kt, s_kh, s_vt, s_vh,

@@ -25,6 +25,7 @@ from pdserve.ops.attention.tl_math import tanh
 # The block table's width changes with the step's longest sequence: not specialized on (decode.VARYING_DECODE says
 # why).
 VARYING_PREFILL = ["s_btb"]
+PREFILL_METADATA_PTRS = ["BT", "SL", "QSL", "TILES", "KS", "VS"]  # not specialized on alignment (decode.py says why)
 
 
 @triton.jit
@@ -74,7 +75,7 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=VARYING_PREFILL)
+@triton.jit(do_not_specialize=VARYING_PREFILL, do_not_specialize_on_alignment=PREFILL_METADATA_PTRS)
 def _prefill_kernel(
     Q, KV, Out, BT, SL, QSL, TILES, KS, VS,
     s_qt, s_qh, s_ot, s_oh,
