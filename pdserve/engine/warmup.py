@@ -13,8 +13,9 @@ The requests, each group submitted at once and run to its end (`warmup_plan`):
     single-sequence prefill tile);
   - a prompt longer than a step's token budget, chunked over steps that read its paged prefix, beside short
     prompts of odd lengths that finish their prefill first and decode in the long one's mixed steps, some of them
-    sampled (temperature, top-p/top-k, penalties, logprobs) rather than greedy; three such groups, with 7, 12 and
-    40 short prompts (MIXED_ROWS: each count of decode rows takes another decode-kernel variant).
+    sampled (temperature, top-p/top-k, penalties, logprobs) rather than greedy; four such groups, with 3, 7, 12
+    and 40 short prompts (MIXED_ROWS: each count of rows takes another decode-kernel variant);
+  - three short prompts alone (SHORT_ONLY), a 1-token one among them: a mixed step of few rows, all short.
 
 Afterwards the pool is whole, its blocks leave the prefix cache, and the counters a server reports are zero.
 """
@@ -36,11 +37,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHORT_LENGTHS = (1, 7, 17, 33, 100, 257, 1000)  # odd lengths: none a multiple of 16 but 1, mixed with the long one
-# Decode rows beside the long prompt's chunks, one group each: the decode kernel's tile and split count follow the
-# rows of a step (decode.decode_tile, decode_splits): fewer than 8 rows take the small-row tile; from 8 rows the
-# many-row tile, with several splits while rows x KV heads leave SMs idle (12 rows) and one split beyond (40 rows),
-# as in the mixed steps of a burst of prompts beside running requests. Each is its own Triton compile.
-MIXED_ROWS = (len(SHORT_LENGTHS), 12, 40)
+# Short prompts beside the long prompt's chunks, one group each. The decode kernel's variant in a mixed step follows
+# the step's rows, the long one's included (decode.decode_tile, decode_splits): 3 shorts make 4 rows, the small-row
+# tile with several splits (a prompt arriving while a few requests decode); 7 and 12 make 8 and 13, the many-row
+# tile with several splits (rows x KV heads leave SMs idle); 40 make 41, one split. Each is its own Triton compile;
+# on an H200 the mixed small-row variant was the one compile left in a 1024/1024 c256 run (benchmarks/lease_s8).
+MIXED_ROWS = (3, len(SHORT_LENGTHS), 12, 40)
+# A mixed step of few rows all under 256 tokens (the 1-token prompt is a decode row): the small-row tile, one split.
+SHORT_ONLY = (1, 7, 100)
 MAX_STEPS = 10_000  # a warm-up that has not ended after this many steps is a bug
 
 
@@ -78,6 +82,7 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
             n = shorts[i % len(shorts)]
             mixed.append(WarmupRequest(n, _sampled(out_tokens, i) if i % 2 else _greedy(out_tokens)))
         groups.append(mixed)
+    groups.append([WarmupRequest(n, _greedy(out_tokens)) for n in SHORT_ONLY if n <= longest])
 
     def blocks(r: WarmupRequest) -> int:
         return -(-(r.prompt_len + r.params.max_tokens) // block_size)

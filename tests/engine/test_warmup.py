@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.warmup import MIXED_ROWS, SHORT_LENGTHS, warmup_plan
+from pdserve.engine.warmup import MIXED_ROWS, SHORT_LENGTHS, SHORT_ONLY, warmup_plan
 from pdserve.sampling_params import SamplingParams
 
 
@@ -16,13 +16,16 @@ def test_plan_covers_step_sizes_and_a_chunked_prompt():
     plan = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6)
     singles = [g[0].prompt_len for g in plan if len(g) == 1]
     assert singles == [16 * 2**i for i in range(10)]  # 16 .. 8192
-    groups = plan[-len(MIXED_ROWS):]
+    groups = plan[-len(MIXED_ROWS) - 1:-1]
     for rows, mixed in zip(MIXED_ROWS, groups):
         assert mixed[0].prompt_len == 2 * 8192 + 17  # three steps, the later two on a paged prefix
         assert len(mixed) == 1 + rows and {r.prompt_len for r in mixed[1:]} <= set(SHORT_LENGTHS)
         assert any(r.params.temperature > 0 and r.params.logprobs for r in mixed)  # sampled, not only greedy
-    assert [r.prompt_len for r in groups[0][1:]] == list(SHORT_LENGTHS)
-    assert min(MIXED_ROWS) < 8 <= sorted(MIXED_ROWS)[1] <= 32 < max(MIXED_ROWS)  # both tiles, split and not
+    assert [r.prompt_len for r in groups[1][1:]] == list(SHORT_LENGTHS)
+    step_rows = sorted(1 + r for r in MIXED_ROWS)  # the long prompt is a row of each of its steps
+    assert step_rows[0] < 8 <= step_rows[1] < step_rows[2] <= 16 < step_rows[3]  # both tiles, split and not
+    assert [r.prompt_len for r in plan[-1]] == list(SHORT_ONLY)  # few rows, all short: one split
+    assert 1 in SHORT_ONLY and len(SHORT_ONLY) < 8 and max(SHORT_ONLY) <= 256
 
 
 @pytest.mark.parametrize("max_model_len,capacity", [(64, 10**6), (40960, 600), (40960, 40)])
@@ -70,7 +73,8 @@ def test_warmed_engine_is_whole_clean_and_answers_the_same(tiny_model_dirs):
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_a_burst_after_the_warm_up_compiles_nothing():
     """On CUDA: after the warm-up, a first wave of prompts beside running requests (mixed steps of many decode rows
-    and prefill chunks, then decoding) runs on kernels already compiled (pdserve.ops.jit_watch counts any other)."""
+    and prefill chunks, then decoding), a prompt arriving beside a few decoding requests and a few short prompts run
+    on kernels already compiled (pdserve.ops.jit_watch counts any other)."""
     import torch
 
     from pdserve.ops.jit_watch import WATCH
@@ -85,6 +89,18 @@ def test_a_burst_after_the_warm_up_compiles_nothing():
         for i in range(96):  # 1000-token prompts: two per step, the earlier ones decoding beside them
             ids = torch.randint(0, 151000, (1000 + i % 3,), generator=g).tolist()
             core.add_request(f"burst-{i}", ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        while core.has_work():
+            core.step()
+        # a prompt arriving while a few requests decode (mixed steps of few rows), then short prompts only
+        for i in range(3):
+            core.add_request(f"few-{i}", [5 + i] * 300, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            core.step()
+        core.add_request("arrives", list(range(1, 1200)), SamplingParams(max_tokens=4, temperature=0.0))
+        while core.has_work():
+            core.step()
+        for i, n in enumerate((1, 9, 60)):
+            core.add_request(f"short-{i}", [11] * n, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
         while core.has_work():
             core.step()
         core.check_whole()
