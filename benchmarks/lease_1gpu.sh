@@ -19,6 +19,7 @@
 #              little decoding), each with serve_timeline.py recording the CPU of the server's processes and the
 #              engine's queue; the client's per-request TTFTs split into the first wave and the rest; the kernels the
 #              server compiled after its warm-up; the GPU test that a burst after the warm-up compiles nothing
+#   moe        Qwen3-30B-A3B with an fp8 KV cache, vLLM then pdserve on the one GPU, 1024/1024 c256 (~390 s)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -87,7 +88,8 @@ case $STAGE in
         > "$W/timeline_$run.txt" 2>&1 & T=$!
       timeout 200 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy --tokenizer $M \
         --dataset-name random --random-input-len 1024 --random-output-len $o --num-prompts 512 --max-concurrency 256 \
-        --ignore-eos --num-warmups 2 --disable-tqdm --no-plots --save-result --result-dir "$W" \
+        --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
+        --disable-tqdm --no-plots --save-result --result-dir "$W" \
         --result-filename "c256_$run.json" > "$W/c256_$run.txt" 2>&1
       kill -INT $T; wait $T
       echo "== $run"; cat "$W/timeline_$run.txt"
@@ -100,6 +102,14 @@ case $STAGE in
     kill $S; wait $S 2>/dev/null; gzip -f "$W"/*.log "$W"/*.pdserve.json "$W"/timeline_*.json
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 | grep -v "^\.*$" | cut -c1-700 | tail -${JIT_LINES:-12}
     tar czf "$OUT/serve_tl.tgz" -C "$OUT" serve_tl ;;
+  moe)  # Qwen3-30B-A3B (dummy, .vllm-stage/model-moe), fp8 KV on both, vLLM then pdserve on the one GPU
+    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256"} MODEL=.vllm-stage/model-moe \
+      VLLM_ARGS="--kv-cache-dtype fp8 --attention-backend FLASH_ATTN" PDSERVE_ARGS="--kv-cache-dtype fp8" CLIENTS=vllm \
+      SINGLE_GPU=1 OUT=$W STAGE=.vllm-stage VLLM_USE_FLASHINFER_SAMPLER=0 timeout 540 \
+      bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -14
+    echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
+    for f in "$W"/*.log; do gzip -f "$f"; done
+    tar czf "$OUT/moe.tgz" -C "$OUT" moe ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -280,6 +280,58 @@ def session7() -> None:
                       f"{t[-1]:.2f} |")
 
 
+def _compiles(rel: str) -> int:
+    """Kernels a server's log says it compiled after its warm-up (pdserve.ops.jit_watch's warnings)."""
+    import gzip
+    with gzip.open(B / rel, "rt", errors="replace") as f:
+        return sum("compiled a kernel while serving" in line for line in f)
+
+
+def _waves(rel: str) -> list[tuple[str, int, float, float, float]]:
+    import sys as _sys
+    _sys.path.insert(0, str(B / "server"))
+    from serve_timeline import request_rows
+    rows = sorted((r for r in request_rows(load(rel)) if r.get("ttft") is not None), key=lambda r: r["start"])
+    out = []
+    for name, part in (("first 256", rows[:256]), ("the rest", rows[256:])):
+        t = sorted(r["ttft"] for r in part)
+        if t:
+            out.append((name, len(t), sum(t) / len(t), t[int(0.9 * len(t))], t[-1]))
+    return out
+
+
+def session8() -> None:
+    """The session-8 lease (one H200): compiles while serving found and removed; side by side dense and MoE."""
+    base = "lease_s8"
+    print("The same server and load three times (`lease_1gpu.sh serve_tl`: dummy Qwen3-8B, `pdserve bench serve` "
+          "1024/1024 then 1024/16, 512 prompts at concurrency 256), TTFT by wave and the kernels the server logged as "
+          "compiled after its warm-up:\n")
+    print("| code | run | wave | requests | TTFT mean s | p90 s | max s | compiled while serving |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for d, what in (("serve_tl_before", "start of session"), ("serve_tl_named", "merge tile fixed, compiles named"),
+                    ("serve_tl_after", "aligned metadata + warm-up groups")):
+        n = _compiles(f"{base}/{d}/server.log.gz")
+        for run in ("1024x1024", "1024x16"):
+            for name, k, mean, p90, mx in _waves(f"{base}/{d}/c256_{run}.requests.json"):
+                print(f"| {what} | {run} | {name} | {k} | {mean:.2f} | {p90:.2f} | {mx:.2f} | {n} |")
+    print("\nSide by side (`lease_1gpu.sh sbs`: vLLM 0.22, then pdserve, on one H200; dummy Qwen3-8B bf16; vLLM's "
+          "`bench serve`), metadata aligned (before the warm-up groups; "
+          f"{_compiles(f'{base}/sbs/pdserve.log.gz')} kernel compiled while serving):\n")
+    _side_by_side(load(f"{base}/sbs/comparison.json"))
+    print("\nInter-token latency beside TPOT (vLLM / pdserve, ms):\n")
+    print("| workload | mean TPOT | mean ITL | p50 ITL | p90 TTFT | mean end-to-end |\n|---|---|---|---|---|---|")
+    for w in ("1024x1024_c256", "8192x16_c1", "32768x16_c1"):
+        v, pd = load(f"{base}/sbs/vllm_single_{w}.json"), load(f"{base}/sbs/pdserve_single_{w}.json")
+        print(f"| {w} | " + " | ".join(f"{_fmt(v[k]) if v[k] >= 100 else f'{v[k]:.2f}'} / "
+                                       f"{_fmt(pd[k]) if pd[k] >= 100 else f'{pd[k]:.2f}'}"
+                                       for k in ("mean_tpot_ms", "mean_itl_ms", "p50_itl_ms", "p90_ttft_ms",
+                                                 "mean_e2el_ms")) + " |")
+    print("\nQwen3-30B-A3B (dummy weights, bf16, fp8 KV cache) on the same H200 right after "
+          f"({_compiles(f'{base}/moe1/pdserve.log.gz')} kernel compiled while serving; vLLM with "
+          "`--kv-cache-dtype fp8 --attention-backend FLASH_ATTN`):\n")
+    _side_by_side(load(f"{base}/moe1/comparison.json"))
+
+
 def faults() -> None:
     k = load("faults/results_cpu/kill_table.json")
     st = k["settings"]
@@ -341,6 +393,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session8()
+    print()
     session7()
     print()
     session5()

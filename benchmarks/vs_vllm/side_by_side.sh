@@ -107,7 +107,8 @@ bench() {  # NAME PORT: every workload, vLLM's client; with CLIENTS="vllm pdserv
       timeout 600 $V bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME --tokenizer $M \
         --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
         --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
-        --save-result --result-dir $OUT --result-filename $rf.json > $OUT/$rf.txt 2>&1
+        --save-result $([ $c -le 4 ] && echo --save-detailed) --result-dir $OUT --result-filename $rf.json \
+        > $OUT/$rf.txt 2>&1  # per-request ITLs at low concurrency: a mean TPOT below the mean ITL means chunks of several tokens
       python3 benchmarks/vs_vllm/compare.py --line $OUT/$rf.json
       if [[ " ${CLIENTS:-vllm} " == *" pdserve "* ]]; then  # the same workload again, measured by pdserve's client
         timeout 600 env -u PYTHONPATH pdserve bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME \
