@@ -3,6 +3,11 @@ engine's head-major pool layout ([blocks, kv heads, layers, 2, block size, head 
 against the HBM copy rate measured in the same run. Prints the best tile per pool dtype over the shapes (geometric
 mean of the fraction of the floor) and writes every timing as JSON.
 
+Each timing is one CUDA graph of a call per layer of the pool (as a decode step launches them), divided by the
+layers: a Python call at batch 1 costs more than the kernel (session 7's sweep timed 50-125 us per call where the
+engine's graph profile showed 14 us), and cycling layers keeps the KV out of L2 the way a step does. Small batches
+are also timed at other split counts (SPLITS; the engine's choice is decode.decode_splits).
+
   python benchmarks/attention/sweep_decode.py --out $OUT/decode_sweep.json [--hq 32 --hk 8 --head-dim 128]
 """
 
@@ -15,15 +20,38 @@ import math
 
 import numpy as np
 import torch
-import triton.testing
 
 from pdserve.bench.ceilings import hbm_copy_gbps
 from pdserve.bench.record import new_record, save_json
 from pdserve.ops.attention.common import as_storage, is_fp8
 from pdserve.ops.attention.decode import decode_tile, paged_decode
 
-SHAPES = [(1, 8192), (32, 4096), (128, 2048), (256, 1024), (256, 4096)]
+SHAPES = [(1, 1024), (1, 8192), (1, 32768), (4, 8192), (32, 4096), (128, 2048), (256, 1024), (256, 4096)]
 TILES = [(32, 4, 2)] + [(n, w, s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))]
+SPLITS = (0, 16, 64, 128)  # 0: the engine's (decode_splits); others for batches below SPLIT_ROWS
+SPLIT_ROWS = 8
+
+
+def graph_us(calls, reps: int = 10) -> float:
+    """Median microseconds per call of `calls` launched back to back in one CUDA graph."""
+    for c in calls:  # compile and warm outside the capture
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return float(np.median(times))
 
 
 def main(argv=None) -> int:
@@ -32,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hk", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=4, help="layers in the pool (the view's strides skip the others)")
+    ap.add_argument("--layers", type=int, default=12, help="layers in the pool, one call per layer in each timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -49,7 +77,7 @@ def main(argv=None) -> int:
             as_storage(pool).random_(0, 256).bitwise_and_(0x77)
         else:
             pool.normal_()
-        layer = pool[:, :, 1].permute(0, 2, 3, 1, 4)  # [blocks, 2, block size, kv heads, head dim], strided
+        layers = [pool[:, :, i].permute(0, 2, 3, 1, 4) for i in range(args.layers)]  # [blocks, 2, bs, hk, d]
         scale = torch.tensor(1.0, device=dev) if is_fp8(dt) else None
         default = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), 8)  # the many-row tile
         scores: dict[tuple, list[float]] = {t: [] for t in TILES}
@@ -61,23 +89,36 @@ def main(argv=None) -> int:
             q = torch.randn((b, args.hq, args.head_dim), dtype=torch.bfloat16, device=dev)
             kv_bytes = b * ctx * args.hk * args.head_dim * 2 * pool.element_size()
             floor = kv_bytes / (hbm * 1e9) * 1e6
-            ref = paged_decode(q, layer, bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale)
+            engine_tile = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), b)
+            ref = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale)
             for t in TILES:
-                try:
-                    out = paged_decode(q, layer, bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale,
-                                       tile=t)
-                    if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
-                        raise RuntimeError("output differs from the default tile's")
-                    call = functools.partial(paged_decode, q, layer, bt, sl, ctx, args.head_dim ** -0.5,
-                                             k_scale=scale, v_scale=scale, tile=t)
-                    us = 1e3 * triton.testing.do_bench(call, warmup=5, rep=25, return_mode="median")
-                except Exception as e:  # out of resources, compile failure
-                    rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "error": str(e)[:200]})
-                    scores[t].append(1e-3)
-                    continue
-                scores[t].append(floor / us)
-                rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "us": us, "floor_us": floor,
-                                    "of_floor": floor / us, "default": t == default})
+                for sp in (SPLITS if b < SPLIT_ROWS else (0,)):
+                    kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None)
+                    try:
+                        out = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, **kw)
+                        if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
+                            raise RuntimeError("output differs from the default tile's")
+                        us = graph_us([functools.partial(paged_decode, q, lay, bt, sl, ctx, args.head_dim ** -0.5,
+                                                         **kw) for lay in layers])
+                    except Exception as e:  # out of resources, compile failure
+                        rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
+                                            "error": str(e)[:200]})
+                        if not sp:
+                            scores[t].append(1e-3)
+                        continue
+                    if not sp:
+                        scores[t].append(floor / us)
+                    rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp, "us": us,
+                                        "floor_us": floor, "of_floor": floor / us, "default": t == default,
+                                        "engine": t == engine_tile and not sp})
+            mine = [r for r in rec["rows"] if r.get("us") and r["kv"] == name and r["batch"] == b
+                    and r["context"] == ctx]
+            best = min(mine, key=lambda r: r["us"])
+            eng = next((r for r in mine if r["engine"]), None)
+            print(f"{name} b={b} ctx={ctx}: best {best['tile']} splits {best['splits'] or 'engine'} "
+                  f"{best['us']:.1f} us ({100 * best['of_floor']:.0f}% of floor)"
+                  + (f"; the engine's {eng['tile']} {eng['us']:.1f} us ({100 * eng['of_floor']:.0f}%)" if eng else ""),
+                  flush=True)
         ranked = sorted(TILES, key=lambda t: -math.prod(scores[t]) ** (1 / len(scores[t])))
         for t in ranked[:5] + [default]:
             gm = math.prod(scores[t]) ** (1 / len(scores[t]))
@@ -86,6 +127,7 @@ def main(argv=None) -> int:
                   flush=True)
         rec["best"][name] = {"tile": ranked[0], "per_shape": scores[ranked[0]],
                              "default": default, "default_per_shape": scores[default]}
+        del pool, layers, ref  # before the next dtype's pool
     if args.out:
         save_json(rec, args.out)
     return 0
