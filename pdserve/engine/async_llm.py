@@ -38,6 +38,7 @@ from pdserve.engine.messages import (
     RemotePrefillFailed,
     Shutdown,
     StepOutputs,
+    TokenizerIds,
 )
 from pdserve.engine.output_processor import RequestState
 from pdserve.engine.outputs import RequestOutput
@@ -103,17 +104,23 @@ class AsyncLLM:
         self._loop = asyncio.get_running_loop()
         src = await asyncio.to_thread(resolve_model, self.config.model)
         tok_path = self.config.tokenizer or await asyncio.to_thread(tokenizer_path_for, src)
-        self.tokenizer = await asyncio.to_thread(Tokenizer.load, tok_path)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
+        # the engine builds its model while this process loads the tokenizer; the ids follow (TokenizerIds)
         self._proc = ctx.Process(target=run_engine_process, name="pdserve-engine", daemon=True,
-                                 args=(self.config, set(self.tokenizer.eos_token_ids), child))
+                                 args=(self.config, None, child))
         self._proc.start()
         child.close()
         self._conn = parent
+        try:
+            self.tokenizer = await asyncio.to_thread(Tokenizer.load, tok_path)
+        except BaseException:
+            self._proc.kill()
+            raise
+        parent.send(TokenizerIds(frozenset(self.tokenizer.eos_token_ids)))
         deadline = time.monotonic() + self.start_timeout_s
         while True:
-            if await asyncio.to_thread(parent.poll, 0.5):
+            if await asyncio.to_thread(parent.poll, 0.1):
                 msg = parent.recv()
                 if isinstance(msg, EngineReady):
                     self.info = msg.info

@@ -186,6 +186,11 @@ class EngineCore:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return req
 
+    def set_tokenizer_eos(self, eos_token_ids: set[int] | frozenset[int]) -> None:
+        """The tokenizer's end-of-sequence ids, when they arrive after the engine was built (a server loads its
+        tokenizer meanwhile): with the config's, they end every request added from now on."""
+        self.eos_token_ids = eos_ids_from_config(self.hf_config, set(eos_token_ids))
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv: KVParams | None = None) -> Request:
         """A new request; `kv` makes it an export (prefill role) or import (decode role) request."""

@@ -29,6 +29,7 @@ from pdserve.engine.messages import (
     RemotePrefillFailed,
     Shutdown,
     StepOutputs,
+    TokenizerIds,
 )
 from pdserve.engine.parent_watch import exit_with_parent
 
@@ -145,9 +146,22 @@ def _flush() -> None:
             pass
 
 
-def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection) -> None:
+TOKENIZER_IDS_TIMEOUT_S = 300.0  # the server's tokenizer load, after the engine is built
+
+
+def _await_tokenizer_ids(conn: Connection) -> frozenset[int]:
+    if not conn.poll(TOKENIZER_IDS_TIMEOUT_S):
+        raise TimeoutError(f"the server sent no tokenizer ids within {TOKENIZER_IDS_TIMEOUT_S:.0f} s")
+    msg = conn.recv()
+    if not isinstance(msg, TokenizerIds):
+        raise RuntimeError(f"expected the tokenizer's ids first, got {type(msg).__name__}")
+    return msg.eos_token_ids
+
+
+def run_engine_process(config: EngineConfig, eos_ids: set[int] | None, conn: Connection) -> None:
     """The engine process's body; the process ends here (`end_process`), also when the server process is killed
-    (its parent's end ends it: a SIGKILLed server no longer leaves an engine holding its GPU)."""
+    (its parent's end ends it: a SIGKILLed server no longer leaves an engine holding its GPU). `eos_ids` None: the
+    server sends them (TokenizerIds) while the engine is being built; they are taken before EngineReady."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it shuts us down cleanly
     parent = multiprocessing.parent_process()  # the pid recorded at start: right even if the server already died
     if parent is not None:
@@ -157,6 +171,8 @@ def run_engine_process(config: EngineConfig, eos_ids: set[int], conn: Connection
     os.set_blocking(wake_r, False)
     try:
         core = EngineCore(config, eos_token_ids=eos_ids, wake=lambda: os.write(wake_w, b"x"))
+        if eos_ids is None:
+            core.set_tokenizer_eos(_await_tokenizer_ids(conn))
         conn.send(EngineReady({
             "max_model_len": core.max_model_len,
             "num_blocks": core.kv.pool.num_blocks,

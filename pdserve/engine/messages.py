@@ -249,6 +249,13 @@ class StepOutputs:
 
 
 @dataclass(frozen=True)
+class TokenizerIds:
+    """Server -> engine, first message: the tokenizer's end-of-sequence ids. The server loads its tokenizer while
+    the engine process builds the model (each takes seconds on CPU), so the ids follow the start."""
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
 class EngineReady:
     info: dict
 

@@ -123,8 +123,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = current_tp()
         self.vocab_size = vocab_size
         self.start, self.stop, rows = vocab_range(vocab_size, self.tp)
-        self.weight = nn.Parameter(torch.empty(rows, hidden))
-        nn.init.normal_(self.weight)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))  # written by the loader or the dummy init, never
+        # read before: a random init here cost 2.7 s of every CPU start (Gemma 3's 262k x 640 table)
         if self.tp.size > 1:
             set_shard(self.weight, ShardSpec(0, self.start, self.stop, vocab_size))
 
@@ -145,8 +145,7 @@ class ParallelLMHead(nn.Module):
         self.tp = current_tp()
         self.vocab_size = vocab_size
         start, stop, rows = vocab_range(vocab_size, self.tp)
-        self.weight = nn.Parameter(torch.empty(rows, hidden))
-        nn.init.normal_(self.weight, std=0.02)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))  # written by the loader or the dummy init (or tied)
         if self.tp.size > 1:
             set_shard(self.weight, ShardSpec(0, start, stop, vocab_size))
 

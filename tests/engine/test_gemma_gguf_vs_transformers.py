@@ -16,9 +16,16 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_default_gguf_greedy_matches_transformers():
+def test_default_gguf_greedy_matches_transformers(monkeypatch):
     pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
+
+    # transformers parses the file twice (config, then tensors); parsing Gemma's 262k-token vocabulary is most of
+    # a minute each time. The second parse reads the same file: reuse the first reader.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=2)(gguf.GGUFReader))
 
     from pdserve import LLM, SamplingParams
     from pdserve.model.default_model import resolve_model_path

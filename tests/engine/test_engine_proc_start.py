@@ -1,0 +1,52 @@
+"""The engine process's start handshake (pdserve/engine/engine_proc.py): the server's tokenizer ids come first, while
+the engine builds its model; anything else, or nothing within the limit, fails the start with a clear error."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from pdserve.engine import engine_proc
+from pdserve.engine.messages import Shutdown, TokenizerIds
+
+
+def test_the_tokenizer_ids_are_taken_from_the_first_message():
+    a, b = mp.Pipe(duplex=True)
+    a.send(TokenizerIds(frozenset({1, 106})))
+    assert engine_proc._await_tokenizer_ids(b) == frozenset({1, 106})
+
+
+def test_another_first_message_or_none_fails_the_start(monkeypatch):
+    a, b = mp.Pipe(duplex=True)
+    a.send(Shutdown())
+    with pytest.raises(RuntimeError, match="tokenizer's ids first"):
+        engine_proc._await_tokenizer_ids(b)
+    monkeypatch.setattr(engine_proc, "TOKENIZER_IDS_TIMEOUT_S", 0.05)
+    with pytest.raises(TimeoutError, match="no tokenizer ids"):
+        engine_proc._await_tokenizer_ids(b)
+
+
+def test_eos_ids_that_arrive_later_end_requests(tiny_model_dirs):
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig(model=str(tiny_model_dirs["qwen3"]), device="cpu", dtype="float32",
+                                   num_gpu_blocks=32, block_size=4, max_model_len=64, max_num_batched_tokens=32))
+    try:
+        core.add_request("probe", [3, 1, 4], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        first = []
+        while core.has_work():
+            for o in core.step():
+                first += o.new_token_ids
+        core.set_tokenizer_eos({first[0]})  # the greedy first token is now an end of sequence
+        core.add_request("ends", [3, 1, 4], SamplingParams(max_tokens=3, temperature=0.0))
+        out = []
+        while core.has_work():
+            for o in core.step():
+                out += o.new_token_ids
+                finish = o.finish_reason
+        assert out == first[:1] and finish == "stop"
+    finally:
+        core.close()
