@@ -267,17 +267,9 @@ def session7() -> None:
               f"p90 {b['ttft_p90_s']:.2f} s.")
     print("\nThe same burst through the server (`lease_1gpu.sh serve_tl`, `pdserve bench serve`, TTFT by wave):\n")
     print("| run | wave | requests | TTFT mean s | p90 s | max s |\n|---|---|---|---|---|---|")
-    import sys as _sys
-    _sys.path.insert(0, str(B / "server"))
-    from serve_timeline import request_rows
     for run in ("1024x1024", "1024x16"):
-        rows = sorted((r for r in request_rows(load(f"{base}/serve_tl/c256_{run}.requests.json"))
-                       if r.get("ttft") is not None), key=lambda r: r["start"])
-        for name, part in (("first 256", rows[:256]), ("the rest", rows[256:])):
-            t = sorted(r["ttft"] for r in part)
-            if t:
-                print(f"| {run} | {name} | {len(t)} | {sum(t) / len(t):.2f} | {t[int(0.9 * len(t))]:.2f} | "
-                      f"{t[-1]:.2f} |")
+        for name, k, mean, p90, mx in _waves(f"{base}/serve_tl/c256_{run}.requests.json"):
+            print(f"| {run} | {name} | {k} | {mean:.2f} | {p90:.2f} | {mx:.2f} |")
 
 
 def _compiles(rel: str) -> int:
