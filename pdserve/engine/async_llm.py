@@ -117,7 +117,10 @@ class AsyncLLM:
         except BaseException:
             self._proc.kill()
             raise
-        parent.send(TokenizerIds(frozenset(self.tokenizer.eos_token_ids)))
+        try:
+            parent.send(TokenizerIds(frozenset(self.tokenizer.eos_token_ids)))
+        except OSError:  # the engine already ended: its EngineFailed (or its exit) is read below
+            pass
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if await asyncio.to_thread(parent.poll, 0.1):

@@ -50,3 +50,26 @@ def test_eos_ids_that_arrive_later_end_requests(tiny_model_dirs):
         assert out == first[:1] and finish == "stop"
     finally:
         core.close()
+
+
+def test_an_engine_that_fails_to_build_is_reported_by_the_server_side(tiny_model_dirs):
+    """The engine fails while the server still loads the tokenizer: the start fails with the engine's reason."""
+    import asyncio
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine.async_llm import AsyncLLM
+    from pdserve.model.dummy_tokenizer import tokenizer_path_for
+    from pdserve.model.loader import resolve_model
+
+    tok = tokenizer_path_for(resolve_model("qwen3-0.6b"))  # the tiny checkpoint has none: a word-level one
+    llm = AsyncLLM(EngineConfig(model=str(tiny_model_dirs["qwen3"]), tokenizer=tok, device="cpu", dtype="float32",
+                                num_gpu_blocks=32, block_size=4, max_model_len=10**9))
+
+    async def go():
+        try:
+            await llm.start()
+        finally:
+            await llm.shutdown()
+
+    with pytest.raises(RuntimeError, match="the engine failed to start: .*max_model_len"):
+        asyncio.run(go())
