@@ -50,9 +50,8 @@ def difference(new: dict[str, str], seen: list[dict[str, str]]) -> str:
         return "first of its kernel"
     def diffs(old):
         return [k for k in sorted(set(new) | set(old)) if new.get(k) != old.get(k)]
-    best = min((diffs(old) for old in seen), key=len)
     old = min(seen, key=lambda o: len(diffs(o)))
-    return "; ".join(f"{k}: {old.get(k)} -> {new.get(k)}" for k in best) or "same as one compiled before"
+    return "; ".join(f"{k}: {old.get(k)} -> {new.get(k)}" for k in diffs(old)) or "same as one compiled before"
 
 
 class JitWatch:
