@@ -272,11 +272,14 @@ def session7() -> None:
             print(f"| {run} | {name} | {k} | {mean:.2f} | {p90:.2f} | {mx:.2f} |")
 
 
-def _compiles(rel: str) -> int:
-    """Kernels a server's log says it compiled after its warm-up (pdserve.ops.jit_watch's warnings)."""
+def _compiles(rel: str) -> str:
+    """Kernels a server's log says it compiled after its warm-up (pdserve.ops.jit_watch's warnings), with the
+    seconds they took."""
     import gzip
+    import re
     with gzip.open(B / rel, "rt", errors="replace") as f:
-        return sum("compiled a kernel while serving" in line for line in f)
+        secs = [float(m.group(1)) for line in f if (m := re.search(r"compiled a kernel while serving \(([0-9.]+) s", line))]
+    return f"{len(secs)} ({sum(secs):.2f} s)" if secs else "0"
 
 
 def _waves(rel: str) -> list[tuple[str, int, float, float, float]]:
@@ -308,7 +311,7 @@ def session8() -> None:
                 print(f"| {what} | {run} | {name} | {k} | {mean:.2f} | {p90:.2f} | {mx:.2f} | {n} |")
     print("\nSide by side (`lease_1gpu.sh sbs`: vLLM 0.22, then pdserve, on one H200; dummy Qwen3-8B bf16; vLLM's "
           "`bench serve`), metadata aligned (before the warm-up groups; "
-          f"{_compiles(f'{base}/sbs/pdserve.log.gz')} kernel compiled while serving):\n")
+          f"kernels compiled while serving: {_compiles(f'{base}/sbs/pdserve.log.gz')}):\n")
     _side_by_side(load(f"{base}/sbs/comparison.json"))
     print("\nInter-token latency beside TPOT (vLLM / pdserve, ms):\n")
     print("| workload | mean TPOT | mean ITL | p50 ITL | p90 TTFT | mean end-to-end |\n|---|---|---|---|---|---|")
@@ -319,7 +322,7 @@ def session8() -> None:
                                        for k in ("mean_tpot_ms", "mean_itl_ms", "p50_itl_ms", "p90_ttft_ms",
                                                  "mean_e2el_ms")) + " |")
     print("\nQwen3-30B-A3B (dummy weights, bf16, fp8 KV cache) on the same H200 right after "
-          f"({_compiles(f'{base}/moe1/pdserve.log.gz')} kernel compiled while serving; vLLM with "
+          f"(kernels compiled while serving: {_compiles(f'{base}/moe1/pdserve.log.gz')}; vLLM with "
           "`--kv-cache-dtype fp8 --attention-backend FLASH_ATTN`):\n")
     _side_by_side(load(f"{base}/moe1/comparison.json"))
 
