@@ -19,6 +19,8 @@ import torch
 from pdserve.engine.request import Request
 
 PENALTY_CHUNK_ELEMENTS = 1 << 25  # rows x vocab per count tensor (int32: 128 MiB), bounding the penalties' memory
+SAMPLER_CHUNK_ELEMENTS = 1 << 23  # rows x vocab sampled at a time (float32: 32 MiB a temporary; 55 rows of Qwen3's
+# 151,936 tokens): bounds the sampler's share of a step's peak memory, which the KV pool leaves free
 
 
 @dataclass
@@ -228,18 +230,16 @@ def _draw(logits: torch.Tensor, reqs: list[Request], rows: list[int], vocab: int
     return (probs / q).argmax(-1)  # exponential race: one draw from `probs`
 
 
-def sample_async(logits: torch.Tensor, reqs: list[Request]) -> PendingSample:
-    """Sample every row of `logits` on its device without waiting for it: no `.tolist()`, `.item()` or blocking
-    copy here (host lists reach the device through pinned memory). The tokens stay on the device for the next
-    step; their host copies are read by `PendingSample.result`."""
+def _sample_rows(logits: torch.Tensor, reqs: list[Request], w_max: int | None):
+    """(tokens, chosen logprobs, top-n values, top-n ids) of the rows of `logits` (device tensors, nothing waited
+    for); the logprob tensors are None when `w_max` is None (no row of the batch wants logprobs), the top-n ones
+    when it is 0."""
     n = len(reqs)
     dev = logits.device
-    want_lp = [r.params.logprobs for r in reqs]
-    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(w is not None for w in want_lp) else None
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if w_max is not None else None
     logits = process_logits(logits, reqs)
     vocab = logits.shape[-1]
-    greedy = [r.params.greedy for r in reqs]
-    ri = [i for i in range(n) if not greedy[i]]
+    ri = [i for i in range(n) if not reqs[i].params.greedy]
     if not ri:
         out = logits.argmax(-1)
     elif len(ri) == n:
@@ -247,12 +247,47 @@ def sample_async(logits: torch.Tensor, reqs: list[Request]) -> PendingSample:
     else:
         idx = to_device(ri, torch.long, dev)
         out = logits.argmax(-1).index_copy_(0, idx, _draw(logits.index_select(0, idx), reqs, ri, vocab))
+    del logits
     chosen = top_v = top_i = None
     if raw_logprobs is not None:
         chosen = raw_logprobs.gather(1, out.unsqueeze(1)).squeeze(1)
-        w_max = max(w or 0 for w in want_lp)
         if w_max > 0:
             top_v, top_i = torch.topk(raw_logprobs, w_max, dim=-1)
+    return out, chosen, top_v, top_i
+
+
+def sampler_chunk_rows(num_rows: int, vocab: int) -> int:
+    """Rows sampled at a time: all of them, or as many as keep a [rows, vocab] temporary within
+    SAMPLER_CHUNK_ELEMENTS."""
+    return max(1, min(num_rows, SAMPLER_CHUNK_ELEMENTS // max(1, vocab)))
+
+
+def _is_light(r: Request) -> bool:
+    """Greedy, no logprobs, nothing that changes the logits: an argmax, whose memory is one float copy."""
+    return r.params.greedy and r.params.logprobs is None and not _needs_processing(r)
+
+
+def sample_async(logits: torch.Tensor, reqs: list[Request]) -> PendingSample:
+    """Sample every row of `logits` on its device without waiting for it: no `.tolist()`, `.item()` or blocking
+    copy here (host lists reach the device through pinned memory). The tokens stay on the device for the next
+    step; their host copies are read by `PendingSample.result`.
+
+    A batch with rows that sample, take logprobs or change their logits goes through in chunks of
+    `sampler_chunk_rows` rows: the sorts and float copies of top-p/top-k, penalties and logprobs then need memory
+    for one chunk, not the batch (that peak is what the KV pool must leave free: pdserve.engine.memory_profile).
+    Seeded rows draw from their own generators either way; greedy rows give the same tokens."""
+    n = len(reqs)
+    dev = logits.device
+    want_lp = [r.params.logprobs for r in reqs]
+    w_max = max(w or 0 for w in want_lp) if any(w is not None for w in want_lp) else None
+    step = n if all(_is_light(r) for r in reqs) else sampler_chunk_rows(n, logits.shape[-1])
+    parts = [_sample_rows(logits[s : s + step], reqs[s : s + step], w_max)
+             for s in range(0, n, step)]
+    if len(parts) == 1:
+        out, chosen, top_v, top_i = parts[0]
+    else:
+        out, chosen, top_v, top_i = (torch.cat([p[k] for p in parts]) if parts[0][k] is not None else None
+                                     for k in range(4))
     host = [_to_host(t) if t is not None else None for t in (out, chosen, top_v, top_i)]
     event = None
     if dev.type == "cuda":
