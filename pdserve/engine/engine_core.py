@@ -164,12 +164,16 @@ class EngineCore:
         self.step_peak = measure_step_peak(self.executor, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                            self.max_model_len, cfg.block_size, cfg.attention_backend, kv_dtype,
                                            self.hf_config.vocab_size, self.eos_token_ids)
-        free, total = self.executor.mem_get_info()  # the tightest rank's
-        budget = pool_budget(total, free, cfg.gpu_memory_utilization, self.step_peak.peak_bytes)
-        tensors, used = max(self.executor.collective_rpc("memory_in_use"), key=lambda r: r[1])
-        log.info("KV sizing: %.2f GiB of %.2f GiB in use before the pool (%.2f GiB of tensors, %.2f GiB outside "
-                 "them); the pool gets %.2f GiB at gpu_memory_utilization %.2f", used / 2**30, total / 2**30,
-                 tensors / 2**30, (used - tensors) / 2**30, max(budget, 0) / 2**30, cfg.gpu_memory_utilization)
+        ranks = self.executor.pool_memory()
+        budget = min(pool_budget(total, free, cfg.gpu_memory_utilization, self.step_peak.peak_bytes, base)
+                     for free, total, _, base in ranks)
+        free, total, tensors, base = min(ranks, key=lambda r: r[0])
+        used = total - free
+        log.info("KV sizing: %.2f GiB of %.2f GiB in use before the pool: %.2f GiB when the engine opened the GPU "
+                 "(CUDA context, other processes: not counted, as in vLLM), %.2f GiB of tensors, %.2f GiB outside "
+                 "them; the pool gets %.2f GiB at gpu_memory_utilization %.2f", used / 2**30, total / 2**30,
+                 base / 2**30, tensors / 2**30, (used - base - tensors) / 2**30, max(budget, 0) / 2**30,
+                 cfg.gpu_memory_utilization)
         if budget < bb * 16:
             raise ValueError(f"not enough GPU memory for the KV cache: {budget / 2**30:.2f} GiB left after the "
                              f"weights and the largest step's {self.step_peak.peak_bytes / 2**30:.2f} GiB; raise "

@@ -7,7 +7,8 @@ top-k, penalties and logprobs (the sampler's largest temporaries: a sort of ever
 above what was allocated before it, on the tightest rank, is the activation reserve. The probe pool is then freed,
 and the pool gets what `gpu_memory_utilization` leaves after the weights, whatever else the step left allocated
 outside PyTorch (cuBLAS workspaces, NCCL buffers: `mem_get_info` sees them), the measured peak and a margin for
-the allocator's rounding.
+the allocator's rounding. As in vLLM, the share is of what the engine allocates after it opened the device: the
+CUDA context, and other processes' memory, were there before (pool_budget).
 
 An estimate from the model's shapes (what pdserve did before) has to cover every path and so reserved 4.2 GiB for
 dummy Qwen3-8B at 8192 batched tokens, where vLLM, which profiles the same way, reserved 1.5 GiB in all: pdserve's
@@ -94,7 +95,12 @@ def measure_step_peak(executor: Executor, max_num_batched_tokens: int, max_num_s
     return out
 
 
-def pool_budget(total: int, free: int, utilization: float, peak_bytes: int) -> int:
-    """Bytes for the KV pool: the share of the GPU `utilization` grants, less what is in use now (weights, what the
-    probe step left allocated), the step's peak and the margin."""
-    return int(total * utilization - (total - free) - peak_bytes - POOL_MARGIN_BYTES)
+def pool_budget(total: int, free: int, utilization: float, peak_bytes: int, baseline_used: int = 0) -> int:
+    """Bytes for the KV pool: the share of the GPU `utilization` grants, less what the engine holds now (weights,
+    what the probe step left allocated), the step's peak and the margin; never more than is free.
+
+    `baseline_used`, what was in use on the device when the engine opened it (its CUDA context, other processes'
+    memory), is not the engine's: as in vLLM, whose budget is `utilization` x the device's memory less what the
+    engine allocates after that point, so both report KV capacity for the same share of the same GPU."""
+    engine_used = total - free - baseline_used
+    return int(min(total * utilization - engine_used, free) - peak_bytes - POOL_MARGIN_BYTES)

@@ -143,7 +143,10 @@ class Worker:
         self.report = report
         self.after_layer: Callable[[int], None] | None = None
         self._mark = 0  # bytes allocated at mark_memory
+        self.baseline_used = 0  # bytes in use on this rank's GPU when the engine opened it (not the engine's)
         if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)  # after the CUDA context is made: it is not counted either
+            self.baseline_used = total - free
             WATCH.install()  # from here on: each kernel's specializations, so a later compile names what was new
 
     def call(self, method: str | Callable, args: tuple, kwargs: dict):
@@ -169,13 +172,14 @@ class Worker:
         if self.device.type == "cuda" and WATCH.install():
             WATCH.arm()  # installed at __init__: the warm-up's compiles are the comparison's base
 
-    def memory_in_use(self) -> tuple[int, int]:
-        """(bytes PyTorch's tensors hold, bytes in use on this rank's GPU in all); (0, 0) on CPU. The difference is
-        what lives outside PyTorch's tensors: the CUDA context, cuBLAS and NCCL workspaces, cached free blocks."""
+    def memory_in_use(self) -> tuple[int, int, int]:
+        """(bytes PyTorch's tensors hold, bytes in use on this rank's GPU in all, bytes that were in use when the
+        engine opened it); (0, 0, 0) on CPU. The first two differ by what lives outside PyTorch's tensors: the CUDA
+        context, cuBLAS and NCCL workspaces, cached free blocks."""
         if self.device.type != "cuda":
-            return 0, 0
+            return 0, 0, 0
         free, total = torch.cuda.mem_get_info(self.device)
-        return torch.cuda.memory_allocated(self.device), total - free
+        return torch.cuda.memory_allocated(self.device), total - free, self.baseline_used
 
     def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,
                     kv_dtype: torch.dtype, probe: bool = False) -> dict:

@@ -44,6 +44,16 @@ def test_budget_leaves_the_peak_and_the_margin():
         int(90 * gib - 20 * gib - 3 * gib - POOL_MARGIN_BYTES)
 
 
+def test_budget_does_not_count_what_was_in_use_before_the_engine_but_never_takes_more_than_is_free():
+    gib = 2**30
+    # 1 GiB (CUDA context) was in use when the engine opened the GPU; it holds 19 GiB more now (as vLLM counts)
+    assert pool_budget(total=100 * gib, free=80 * gib, utilization=0.9, peak_bytes=3 * gib, baseline_used=gib) == \
+        int(90 * gib - 19 * gib - 3 * gib - POOL_MARGIN_BYTES)
+    # another process held 50 GiB: a 0.9 share of the GPU is not free, so the pool gets what is free
+    assert pool_budget(total=100 * gib, free=30 * gib, utilization=0.9, peak_bytes=3 * gib,
+                       baseline_used=50 * gib) == int(30 * gib - 3 * gib - POOL_MARGIN_BYTES)
+
+
 def _executor(path, tp: int) -> tuple[Executor, object, EngineConfig]:
     cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=64,
                        max_num_batched_tokens=48, max_num_seqs=6, max_model_len=32, tensor_parallel_size=tp)
@@ -132,7 +142,8 @@ def test_engine_after_a_probe_answers_as_before(tiny_model_dirs, monkeypatch):
 def test_the_largest_step_fits_beside_the_sized_pool(util):
     """On CUDA: the pool sized from the measured step leaves room for that step. After the engine is made, the
     probe's step (every token of the budget, every sequence sampled) runs on the full pool, and the GPU's memory in
-    use (caching allocator included) stays within gpu_memory_utilization of it."""
+    use (caching allocator included), less what was in use when the engine opened the GPU, stays within
+    gpu_memory_utilization of it."""
     used, allowed, blocks = _largest_step_within(util)
     assert blocks > 0 and used <= allowed, f"{used / 2**30:.2f} GiB in use, {allowed / 2**30:.2f} GiB allowed"
 
@@ -152,9 +163,10 @@ def _largest_step_within(util: float) -> tuple[int, int, int]:
         core.step()  # every prompt in one step: the probe's shape
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
+        baseline = core.executor.collective_rpc("memory_in_use")[0][2]  # in use before the engine: not its share
         while core.has_work():
             core.step()
         core.check_whole()
-        return total - free, int(total * util), core.kv.pool.num_blocks
+        return total - free - baseline, int(total * util), core.kv.pool.num_blocks
     finally:
         core.close()
