@@ -24,6 +24,11 @@ from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.rotary import qk_norm_rope
 from pdserve.parallel.group import current_tp
 
+# Rows of one MLP pass: a longer step goes through in parts of this many tokens, so the MLP's [tokens, 3 x
+# intermediate / tp] temporaries (a prefill step's largest: 576 MiB at 8192 tokens of Qwen3-8B, which the KV pool
+# must leave free) stay this size. Steps of up to 4096 tokens (every CUDA-graph step among them) are one pass.
+MLP_CHUNK_TOKENS = 4096
+
 
 class RMSNorm(nn.Module):
     """RMS norm; `offset=1` is Gemma's (1 + weight) form. Given a residual, adds it first and returns
@@ -101,6 +106,12 @@ class GatedMLP(MergedLinearOwner):
         return [("gate_up", [self.gate_proj, self.up_proj])]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n <= MLP_CHUNK_TOKENS:
+            return self._mlp(x)
+        return torch.cat([self._mlp(x[s : s + MLP_CHUNK_TOKENS]) for s in range(0, n, MLP_CHUNK_TOKENS)])
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(act_and_mul(F.linear(x, self.gate_up_weight), self.act))
 
 
