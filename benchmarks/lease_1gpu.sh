@@ -20,6 +20,9 @@
 #              engine's queue; the client's per-request TTFTs split into the first wave and the rest; the kernels the
 #              server compiled after its warm-up; the GPU test that a burst after the warm-up compiles nothing
 #   moe        Qwen3-30B-A3B with an fp8 KV cache, vLLM then pdserve on the one GPU, 1024/1024 c256 (~390 s)
+#   attn       the prefill attention kernel's GPU tests, then bench_attention.py (bf16: decode 1x8192, prefill 1k/8k/32k)
+#              with the prefill tile sweep; the best tiles (--best-out) go to /tmp/prefill_best.json, which the later
+#              stages of the lease use (PDSERVE_PREFILL_CONFIG) when they beat the default by more than 2 %
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -30,7 +33,20 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$W/pip.txt" 2>&
 nvidia-smi -L | tee "$W/gpus.txt"
 t0=$(date +%s)
 M=.vllm-stage/model
+if [ -f /tmp/prefill_best.json ] && python3 -c "import json,sys; sys.exit(json.load(open('/tmp/prefill_best.json'))['speedup_geomean_vs_default'] <= 1.02)"; then
+  export PDSERVE_PREFILL_CONFIG=/tmp/prefill_best.json  # measured best on this GPU by the attn stage
+  echo "PDSERVE_PREFILL_CONFIG: $(cat /tmp/prefill_best.json | tr -d '\n ' | cut -c1-200)" | tee "$W/prefill_config.txt"
+fi
 case $STAGE in
+  attn)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_prefill.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | tail -8
+    timeout 330 python3 benchmarks/attention/bench_attention.py --out "$W/attention.json" --kv-dtypes bf16 \
+      --decode-batches 1 --decode-contexts 8192 --prefill-lens 1024,8192,32768 --sweep --best-out "$W/prefill_best.json" \
+      > "$W/attention.txt" 2>&1
+    grep -v "^sweep" "$W/attention.txt" | tail -12; grep "^sweep" "$W/attention.txt" | sort -t: -k2 | head -40
+    [ -f "$W/prefill_best.json" ] && cp "$W/prefill_best.json" /tmp/prefill_best.json
+    tar czf "$OUT/attn.tgz" -C "$OUT" attn ;;
   warm_test)  # the GPU test that a burst after the warm-up compiles nothing (pdserve.ops.jit_watch names any)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 \
       | grep -v "^\.*$" | cut -c1-700 | tail -${JIT_LINES:-12} ;;
@@ -60,7 +76,7 @@ case $STAGE in
     OUT=/tmp/sbs_install STAGE=.vllm-stage bash benchmarks/vs_vllm/side_by_side.sh
     PYTHONPATH=/tmp/site python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1 ;;
   sbs)
-    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:4:1"} CLIENTS=vllm SINGLE_GPU=1 OUT=$W STAGE=.vllm-stage \
+    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:4:1"} CLIENTS=${SBS_CLIENTS:-vllm} SINGLE_GPU=1 OUT=$W STAGE=.vllm-stage \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 570 bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -30
     echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
     for f in "$W"/*.log; do gzip -f "$f"; done

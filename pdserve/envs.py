@@ -54,3 +54,10 @@ def deployment_secret() -> str | None:
 def deployment_secret_file() -> str | None:
     """`PDSERVE_DEPLOYMENT_SECRET_FILE`: path of a file holding the deployment secret (read when no secret is given)."""
     return os.environ.get("PDSERVE_DEPLOYMENT_SECRET_FILE") or None
+
+
+def prefill_config_file() -> str | None:
+    """`PDSERVE_PREFILL_CONFIG`: a JSON file ({block_m, block_n, num_warps, num_stages[, g_pack]}) whose tiles replace
+    the prefill attention kernel's default choice for bf16/fp16 models with head dim <= 128 on CUDA: what
+    `benchmarks/attention/bench_attention.py --sweep --best-out FILE` measured best on this GPU."""
+    return os.environ.get("PDSERVE_PREFILL_CONFIG") or None

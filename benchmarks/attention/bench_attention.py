@@ -15,6 +15,8 @@ triton.testing.do_bench (which clears L2 between runs). Kernel times only: no mo
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 
@@ -214,6 +216,26 @@ def run_sweep(args, pool: Pool, builder, kv_name: str, tflops: float, dev) -> li
     return rows
 
 
+def best_of_sweep(rows: list[dict]) -> dict | None:
+    """The config with the highest geometric mean, over the swept shapes, of its speed against the default's (one
+    that failed or missed a shape is out); None if the default was not timed on every shape."""
+    shapes = sorted({r["shape"] for r in rows})
+    base = {r["shape"]: r["us"] for r in rows if r.get("default") and "us" in r}
+    if set(base) != set(shapes):
+        return None
+    by_cfg: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if "us" in r:
+            by_cfg.setdefault(tuple(sorted(r["config"].items())), {})[r["shape"]] = r["us"]
+    scored = []
+    for key, times in by_cfg.items():
+        if set(times) == set(shapes):
+            gain = math.prod(base[sh] / times[sh] for sh in shapes) ** (1 / len(shapes))
+            scored.append((gain, key, times))
+    gain, key, times = max(scored)
+    return {**dict(key), "speedup_geomean_vs_default": gain, "us_by_shape": times, "default_us_by_shape": base}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON result path")
@@ -228,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-decode-tokens", type=int, default=8 << 20, help="skip decode points above batch x ctx")
     ap.add_argument("--prefill-lens", default="128,512,1024,2048,4096,8192,16384,32768")
     ap.add_argument("--sweep", action="store_true", help="also time prefill tile configs (bf16 pool)")
+    ap.add_argument("--best-out", default=None,
+                    help="with --sweep: write the best config as JSON (what PDSERVE_PREFILL_CONFIG reads)")
     ap.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true",
@@ -274,6 +298,12 @@ def main(argv=None) -> int:
         del pool, builder
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if args.sweep:
+        rec["sweep_best"] = best_of_sweep(rec["sweep"])
+        print(f"sweep best: {rec['sweep_best']}", flush=True)
+        if args.best_out and rec["sweep_best"]:
+            with open(args.best_out, "w") as f:
+                json.dump(rec["sweep_best"], f, indent=1)
     print(f"wrote {save_json(rec, args.out)}")
     return 0
 

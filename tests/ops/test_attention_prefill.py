@@ -118,3 +118,22 @@ def test_benchmark_sweep_configs_are_correct_cuda(bm, bn, warps, stages, g_pack)
     """Every config the benchmark times (d=128) computes the right thing."""
     p = make_problem([4096, 1500], [4096, 300], hq=32, hk=8, d=128, bs=16, dtype=torch.bfloat16, seed=bm + bn)
     _check(p, torch.bfloat16, 128 ** -0.5, config=PrefillConfig(bm, bn, g_pack, warps, stages))
+
+
+def test_a_measured_tile_choice_replaces_the_default_on_cuda(tmp_path, monkeypatch):
+    """PDSERVE_PREFILL_CONFIG (what bench_attention.py --sweep --best-out writes) is the tile choice for bf16/fp16
+    models with d <= 128 on CUDA; its g_pack is fitted to the model's group; fp32 and d=256 keep the defaults."""
+    import json
+
+    cuda = torch.device("cuda")  # prefill_config only reads the device's type
+    default = prefill_config(128, 4, torch.bfloat16, cuda)
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps({"block_m": 128, "block_n": 128, "g_pack": 8, "num_warps": 8, "num_stages": 2,
+                                "speedup_geomean_vs_default": 1.1}))
+    monkeypatch.setenv("PDSERVE_PREFILL_CONFIG", str(path))
+    assert prefill_config(128, 4, torch.bfloat16, cuda) == PrefillConfig(128, 128, 4, 8, 2)  # g_pack 8 > group 4
+    assert prefill_config(128, 4, torch.float16, cuda) == PrefillConfig(128, 128, 4, 8, 2)
+    assert prefill_config(128, 4, torch.float32, cuda) != PrefillConfig(128, 128, 4, 8, 2)
+    assert prefill_config(256, 2, torch.bfloat16, cuda) != PrefillConfig(128, 128, 2, 8, 2)
+    monkeypatch.delenv("PDSERVE_PREFILL_CONFIG")
+    assert prefill_config(128, 4, torch.bfloat16, cuda) == default

@@ -12,12 +12,14 @@ applied to the scaled scores (Gemma 2 style).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from pdserve import envs
 from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.metadata import PREFILL_TILE
 from pdserve.ops.attention.tl_math import tanh
@@ -50,19 +52,20 @@ def _attend_range(
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         if HAS_SOFTCAP:
             s = (softcap * 1.4426950408889634) * tanh(s * (qk_scale / softcap))
+            scale = 1.0
         else:
-            s = s * qk_scale
+            scale = qk_scale  # applied below in one FMA with the max's subtraction (qk_scale > 0: same max)
         if MASKED:
             visible = n[None, :] <= pos[:, None]
             if HAS_WINDOW:
                 visible = visible & ((pos[:, None] - n[None, :]) < window)
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
             m_safe = m_new
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if PAD_D:
@@ -89,8 +92,8 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK
     SUB: tl.constexpr = TILE // BLOCK_Q
     PAD_D: tl.constexpr = BLOCK_D != D
-    pid = tl.program_id(0)
-    hp = tl.program_id(1)
+    hp = tl.program_id(0)  # head groups vary fastest: the longest tiles of every head group start first
+    pid = tl.program_id(1)
     entry = pid // SUB
     seq = tl.load(TILES + 2 * entry)
     if seq < 0:
@@ -167,7 +170,7 @@ class PrefillConfig:
 
 # Candidate (block_m, block_n, num_warps, num_stages) for d <= 128 that the benchmark's --sweep times on the GPU;
 # none spills on sm_90 (benchmarks/attention/kernel_resources.py). The best of a run becomes prefill_config's choice.
-SWEEP = ((128, 64, 8, 3), (128, 64, 8, 5), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 8, 4), (128, 32, 8, 6),
+SWEEP = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 8, 4), (128, 32, 8, 6),
          (64, 64, 4, 3), (64, 32, 4, 4))
 
 
@@ -184,6 +187,8 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, device: torch.
     158-190 registers with 8 warps and no spills; 4 warps at 128 rows spill, d=256 needs 64-row tiles."""
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests fast
         return PrefillConfig(32, 16, default_g_pack(group, 32), 4, 1)
+    if (path := envs.prefill_config_file()) and dtype != torch.float32 and head_dim <= 128:
+        return load_prefill_config(path, group)
     if dtype == torch.float32:
         bm, bn, warps, stages = (64, 32, 8, 2) if head_dim <= 128 else (64, 16, 8, 2)  # spills a little: tests only
     elif head_dim <= 128:
@@ -191,6 +196,18 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, device: torch.
     else:
         bm, bn, warps, stages = 64, 32, 8, 3
     return PrefillConfig(bm, bn, default_g_pack(group, bm), warps, stages)
+
+
+def load_prefill_config(path: str, group: int) -> PrefillConfig:
+    """A tile choice from a JSON file ({block_m, block_n, num_warps, num_stages[, g_pack]}: what
+    `bench_attention.py --sweep --best-out` writes); g_pack is fitted to this model's group size."""
+    with open(path) as f:
+        d = json.load(f)
+    bm = int(d["block_m"])
+    pack = int(d.get("g_pack") or default_g_pack(group, bm))
+    if group % pack or bm % pack:
+        pack = default_g_pack(group, bm)
+    return PrefillConfig(bm, int(d["block_n"]), pack, int(d["num_warps"]), int(d["num_stages"]))
 
 
 def paged_prefill(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -219,7 +236,10 @@ def paged_prefill(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.T
     fp8 = is_fp8(kv_layer.dtype)
     has_ks, has_vs = fp8 and k_scale is not None, fp8 and v_scale is not None
     sub = PREFILL_TILE // (cfg.block_m // cfg.g_pack)
-    _prefill_kernel[(n_tiles * sub, hq // cfg.g_pack)](
+    if n_tiles * sub > 65535:
+        raise ValueError(f"{n_tiles} prefill tiles of {PREFILL_TILE} tokens exceed one launch's grid; schedule fewer "
+                         "tokens a step (--max-num-batched-tokens)")
+    _prefill_kernel[(hq // cfg.g_pack, n_tiles * sub)](
         q, kv_layer, out, block_tables, seq_lens, query_start_loc, prefill_tiles,
         k_scale if has_ks else seq_lens, v_scale if has_vs else seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
