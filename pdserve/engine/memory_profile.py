@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POOL_MARGIN_BYTES = 256 << 20  # left free beyond the measured peak: the caching allocator's rounding and splits
+AFTER_POOL_RESERVE_BYTES = 1 << 30  # kept free on a crowded GPU for what comes after the pool: CUDA graphs (vLLM's
+# took 1.00 GiB for Qwen3-8B on an H200, benchmarks/lease_s8/sbs/vllm.log.gz), cuBLAS workspaces of the capture
 
 
 def probe_prompt_lens(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
@@ -100,7 +102,9 @@ def pool_budget(total: int, free: int, utilization: float, peak_bytes: int, base
     what the probe step left allocated), the step's peak and the margin; never more than is free.
 
     `baseline_used`, what was in use on the device when the engine opened it (its CUDA context, other processes'
-    memory), is not the engine's: as in vLLM, whose budget is `utilization` x the device's memory less what the
-    engine allocates after that point, so both report KV capacity for the same share of the same GPU."""
+    memory; memory this process's PyTorch allocator held then, e.g. an earlier engine's, stays counted), is not the
+    engine's: as in vLLM, whose budget is `utilization` x the device's memory less what the engine allocates after
+    that point, so both report KV capacity for the same share of the same GPU. Where other processes leave less free
+    than that share, the pool takes what is free less AFTER_POOL_RESERVE_BYTES."""
     engine_used = total - free - baseline_used
-    return int(min(total * utilization - engine_used, free) - peak_bytes - POOL_MARGIN_BYTES)
+    return int(min(total * utilization - engine_used, free - AFTER_POOL_RESERVE_BYTES) - peak_bytes - POOL_MARGIN_BYTES)

@@ -143,10 +143,11 @@ class Worker:
         self.report = report
         self.after_layer: Callable[[int], None] | None = None
         self._mark = 0  # bytes allocated at mark_memory
-        self.baseline_used = 0  # bytes in use on this rank's GPU when the engine opened it (not the engine's)
+        self.baseline_used = 0  # bytes in use on this rank's GPU when the engine opened it, not by this process's
+        # PyTorch allocator: the CUDA context and other processes' memory (not the engine's; pool_budget)
         if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)  # after the CUDA context is made: it is not counted either
-            self.baseline_used = total - free
+            free, total = torch.cuda.mem_get_info(device)  # after the CUDA context is made
+            self.baseline_used = max(0, total - free - torch.cuda.memory_reserved(device))
             WATCH.install()  # from here on: each kernel's specializations, so a later compile names what was new
 
     def call(self, method: str | Callable, args: tuple, kwargs: dict):
