@@ -182,6 +182,10 @@ def default_g_pack(group: int, block_m: int) -> int:
     return p
 
 
+def _capability_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0] if torch.cuda.is_available() else 0
+
+
 def prefill_config(head_dim: int, group: int, dtype: torch.dtype, device: torch.device) -> PrefillConfig:
     """Tile sizes by head dim and dtype. On sm_90 (ptxas -v, benchmarks/attention/kernel_resources.py) these use
     158-190 registers with 8 warps and no spills; 4 warps at 128 rows spill, d=256 needs 64-row tiles."""
@@ -191,8 +195,9 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, device: torch.
         return load_prefill_config(path, group)
     if dtype == torch.float32:
         bm, bn, warps, stages = (64, 32, 8, 2) if head_dim <= 128 else (64, 16, 8, 2)  # spills a little: tests only
-    elif head_dim <= 128:
-        bm, bn, warps, stages = 128, 64, 8, 3
+    elif head_dim <= 128:  # 5 stages (129 KiB of shared memory) on Hopper: the best of the sweep on an H200
+        # (benchmarks/lease_s9/attn: 1.20x the 3-stage kernel's speed over 8k and 32k prompts and a 512 chunk)
+        bm, bn, warps, stages = 128, 64, 8, (5 if _capability_major(device) >= 9 else 3)
     else:
         bm, bn, warps, stages = 64, 32, 8, 3
     return PrefillConfig(bm, bn, default_g_pack(group, bm), warps, stages)
