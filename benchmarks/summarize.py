@@ -327,6 +327,91 @@ def session8() -> None:
     _side_by_side(load(f"{base}/moe1/comparison.json"))
 
 
+def _chunks(rel: str) -> tuple[float, float, float]:
+    """(mean chunks a request's stream carried, mean TTFT of the requests after the first, median inter-chunk
+    gap ms) from a --save-detailed result: the first request is a prefix hit of the client's warm-up prompts."""
+    d = load(rel)
+    itls = [x for r in d["itls"] for x in r]
+    gaps = sorted(itls)
+    return (sum(len(r) + 1 for r in d["itls"]) / len(d["itls"]), 1e3 * sum(d["ttfts"][1:]) / (len(d["ttfts"]) - 1),
+            1e3 * gaps[len(gaps) // 2])
+
+
+def session9() -> None:
+    """The session-9 lease (one H200): prefill tile sweep, KV sizing as vLLM counts it, clients on one server."""
+    base = "lease_s9"
+    a = load(f"{base}/attn/attention.json")
+    c = a["ceilings"]
+    print(f"Prefill attention alone (`bench_attention.py --sweep`, bf16 pool, 32 q / 8 KV heads, d=128; {c['gpu']}: "
+          f"bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s measured in the same run). TFLOP/s by tile choice:\n")
+    shapes = ["prompt 8192", "prompt 32768", "chunk 512 on 8192"]
+    print("| block_m x block_n, g_pack, warps, stages | " + " | ".join(shapes) + " |\n|---|---|---|---|")
+    by: dict[tuple, dict] = {}
+    for r in a["sweep"]:
+        if "us" in r:
+            k = r["config"]
+            by.setdefault((k["block_m"], k["block_n"], k["g_pack"], k["num_warps"], k["num_stages"]), {})[
+                r["shape"]] = (r["tflops"], r["default"])
+    for k, v in sorted(by.items(), key=lambda kv: -kv[1].get("prompt 32768", (0, 0))[0]):
+        mark = " (default before)" if any(d for _, d in v.values()) else ""
+        print(f"| {k[0]} x {k[1]}, {k[2]}, {k[3]}, {k[4]}{mark} | " + " | ".join(
+            f"{v[sh][0]:.1f}" if sh in v else "-" for sh in shapes) + " |")
+    b = a["sweep_best"]
+    print(f"\nBest: {b['block_m']} x {b['block_n']}, g_pack {b['g_pack']}, {b['num_warps']} warps, {b['num_stages']} "
+          f"stages: {b['speedup_geomean_vs_default']:.3f}x the default's speed (geometric mean over the three shapes).")
+    st = {f: {r["case"]: r for r in load(f"{base}/steps_prefill/{f}.json")["results"]} for f in ("default", "best")}
+    d8, b8 = st["default"]["prefill:8192"], st["best"]["prefill:8192"]
+    print(f"Inside the engine (`bench_steps.py --prefill 8192`, one 8192-token prompt, dummy Qwen3-8B, same lease): "
+          f"{d8['step_ms_median']:.2f} ms with the 3-stage tiles ({d8['fraction_of_floor']:.1%} of the matmul "
+          f"floor), {b8['step_ms_median']:.2f} ms with the best ({b8['fraction_of_floor']:.1%}).")
+    prof = load(f"{base}/steps_prefill/profile.json")["profiles"][0]["graphs"]
+    top = {t["name"]: t for t in prof["top"]}
+    pk = top["_prefill_kernel"]
+    print(f"Its kernel profile: the prefill attention kernel {pk['us_per_step'] / 1e3:.1f} ms of "
+          f"{prof['gpu_us_per_step'] / 1e3:.1f} ms ({pk['us_per_step'] / pk['count_per_step']:.0f} us a layer, "
+          "against 1,460 us for the same kernel and shape alone).")
+    print("\nSide by side (`lease_1gpu.sh sbs`, SBS_CLIENTS=\"vllm pdserve\": vLLM 0.22, then pdserve, on one H200; "
+          "dummy Qwen3-8B bf16; each server measured by vLLM's `bench serve`, then by `pdserve bench serve`; "
+          f"kernels compiled while serving: {_compiles(f'{base}/sbs_c256/pdserve.log.gz')}):\n")
+    comp = load(f"{base}/sbs_c256/comparison.json")
+    _side_by_side(comp)
+    print("\nThe two clients on the same server, back to back:\n")
+    print("| server | metric | vLLM's client | pdserve's client | pdserve's / vLLM's |\n|---|---|---|---|---|")
+    for srv in ("vllm", "pdserve"):
+        v = load(f"{base}/sbs_c256/{srv}_single_1024x1024_c256.json")
+        p = load(f"{base}/sbs_c256/{srv}_single_1024x1024_c256_pdclient.json")
+        for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+            print(f"| {srv} | {k} | {v[k]:.2f} | {p[k]:.2f} | {p[k] / v[k]:.3f} |")
+    long = load(f"{base}/sbs_long/comparison.json")
+    print("\nOne prompt at a time (same lease, a second start of each server), vLLM's client with per-request records; "
+          "16 tokens a request. vLLM streams them in fewer chunks, so its first chunk carries several tokens:\n")
+    print("| workload | server | mean TTFT ms | mean TTFT after the first request ms | mean TPOT ms | chunks a request "
+          "| median gap between chunks ms | mean end-to-end ms |\n|---|---|---|---|---|---|---|---|")
+    for w in ("8192x16_c1", "32768x16_c1"):
+        for srv in ("vllm", "pdserve"):
+            r = load(f"{base}/sbs_long/{srv}_single_{w}.json")
+            n, ttft, gap = _chunks(f"{base}/sbs_long/{srv}_single_{w}.json")
+            print(f"| {w} | {srv} | {r['mean_ttft_ms']:.1f} | {ttft:.1f} | {r['mean_tpot_ms']:.2f} | {n:.1f} | "
+                  f"{gap:.2f} | {r['mean_e2el_ms']:.1f} |")
+    for srv in long["servers"]:
+        v, p = srv["vllm"], srv["pdserve"]
+        print(f"\nKV capacity on this second start: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} tokens "
+              f"({p['kv_tokens'] / v['kv_tokens']:.3f}x).")
+    print("\nThe KV sizing lines of pdserve's log (the c256 start; dense Qwen3-8B):\n")
+    with gzip.open(B / base / "sbs_c256" / "pdserve.log.gz", "rt") as f:
+        for line in f:
+            if "KV sizing" in line:
+                print("    " + line.split("engine: ", 1)[1].rstrip())
+    moe = load(f"{base}/moe_8k/comparison.json")
+    print("\nQwen3-30B-A3B (dummy, fp8 KV on both; vLLM with `--attention-backend FLASH_ATTN`), 8192/16 one at a "
+          "time:\n")
+    _side_by_side(moe)
+    n_v, t_v, g_v = _chunks(f"{base}/moe_8k/vllm_single_8192x16_c1.json")
+    n_p, t_p, g_p = _chunks(f"{base}/moe_8k/pdserve_single_8192x16_c1.json")
+    print(f"\nChunks a request: vLLM {n_v:.1f}, pdserve {n_p:.1f}; mean TTFT after the first request {t_v:.1f} vs "
+          f"{t_p:.1f} ms; median gap between chunks {g_v:.2f} vs {g_p:.2f} ms.")
+
+
 def faults() -> None:
     k = load("faults/results_cpu/kill_table.json")
     st = k["settings"]
@@ -388,6 +473,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session9()
+    print()
     session8()
     print()
     session7()
