@@ -108,11 +108,14 @@ class GatedMLP(MergedLinearOwner):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if n <= MLP_CHUNK_TOKENS:
-            return self._mlp(x)
-        return torch.cat([self._mlp(x[s : s + MLP_CHUNK_TOKENS]) for s in range(0, n, MLP_CHUNK_TOKENS)])
+            return self.down_proj(self._act(x))
+        out = x.new_empty((n, self.down_proj.out_features))  # each part's down projection lands in place (no cat)
+        for s in range(0, n, MLP_CHUNK_TOKENS):
+            self.down_proj.partial_into(self._act(x[s : s + MLP_CHUNK_TOKENS]), out[s : s + MLP_CHUNK_TOKENS])
+        return self.down_proj.finish(out)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(F.linear(x, self.gate_up_weight), self.act))
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        return act_and_mul(F.linear(x, self.gate_up_weight), self.act)
 
 
 class PagedAttention(MergedLinearOwner):

@@ -114,6 +114,19 @@ class RowParallelLinear(nn.Linear):
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
+    def partial_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's x @ W^T written into `out` (rows of a larger output); `finish` then sums the ranks once."""
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            out.copy_(F.linear(x, self.weight))  # autograd does not record mm(out=...)
+        else:
+            torch.mm(x, self.weight.t(), out=out)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of outputs written by `partial_into`, plus the bias once."""
+        if self.tp.size > 1:
+            y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding over this rank's vocabulary rows; the ranks' lookups are summed (each id lives on one)."""

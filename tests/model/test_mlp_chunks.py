@@ -41,4 +41,7 @@ def test_parts_bound_the_temporaries(monkeypatch):
     whole = peak()
     assert whole >= 512 * 3 * 256 * 4  # gate/up and the activation's output for every row at once
     monkeypatch.setattr(layers, "MLP_CHUNK_TOKENS", 64)
-    assert peak() < 64 * 3 * 256 * 4 + 2 * 512 * 64 * 4 + (1 << 16)  # one part's, plus the parts' and joined outputs
+    # the counter also sees the input and the weights (through views); beyond them: one part's gate/up and
+    # activation, and the one output every part writes into
+    seen = x.nbytes + mlp.gate_up_weight.nbytes + mlp.down_proj.weight.nbytes
+    assert peak() <= seen + 64 * 3 * 256 * 4 + 512 * 64 * 4

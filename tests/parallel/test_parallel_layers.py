@@ -125,6 +125,24 @@ def test_row_parallel_partial_sums_are_the_full_product():
     torch.testing.assert_close(partial + b, torch.nn.functional.linear(x, w, b))
 
 
+def test_row_parallel_parts_written_in_place_sum_once():
+    """partial_into writes each part's product into rows of one output; finish reduces it once and adds the bias
+    once: the same as the layer's forward on the whole input."""
+    torch.manual_seed(0)
+    w, b, x = torch.randn(5, 8), torch.randn(5), torch.randn(7, 8)
+    total = 0
+    for r in range(2):
+        lin = RowParallelLinear(8, 5, True, 4 * r, 4 * r + 4, DeferredGroup(r, 2))
+        with torch.no_grad():
+            lin.weight.copy_(w[:, 4 * r : 4 * r + 4])
+            lin.bias.copy_(b)
+            out = torch.empty(7, 5)
+            for s in (0, 3, 6):
+                lin.partial_into(x[s : s + 3, 4 * r : 4 * r + 4], out[s : s + 3])
+            total = total + lin.finish(out) - b
+    torch.testing.assert_close(total + b, torch.nn.functional.linear(x, w, b))
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_dummy_shards_are_slices_of_the_same_model(arch, tiny_model_dirs):
     """--load-format dummy: any TP size builds the same model (TP=2 vs TP=1 tests on dummy weights rely on it)."""
