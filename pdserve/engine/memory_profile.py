@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POOL_MARGIN_BYTES = 256 << 20  # left free beyond the measured peak: the caching allocator's rounding and splits
+POOL_MARGIN_BYTES = 0  # left free beyond the measured peak (allocated bytes, as vLLM's profile counts them): none,
+# as in vLLM; at gpu_memory_utilization < 1 the rest of the GPU absorbs the caching allocator's rounding, and on a
+# crowded GPU AFTER_POOL_RESERVE_BYTES stays free
 AFTER_POOL_RESERVE_BYTES = 1 << 30  # kept free on a crowded GPU for what comes after the pool: CUDA graphs (vLLM's
 # took 1.00 GiB for Qwen3-8B on an H200, benchmarks/lease_s8/sbs/vllm.log.gz), cuBLAS workspaces of the capture
 
