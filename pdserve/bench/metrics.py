@@ -90,17 +90,19 @@ def peak_output_throughput(results: list[RequestResult]) -> float:
 
 
 def peak_concurrency(results: list[RequestResult]) -> int:
-    """Most successful requests in flight at one instant, over half-open [start, start + latency) intervals."""
-    events = []
-    for r in results:
-        if r.success:
-            events += [(r.start, 1), (r.start + r.latency, -1)]
-    events.sort(key=lambda e: (e[0], e[1]))  # an end at the same instant as a start frees its slot first
-    peak = cur = 0
-    for _, d in events:
-        cur += d
-        peak = max(peak, cur)
-    return peak
+    """vLLM's "Peak concurrent requests": one-second buckets from the earliest start of a successful request; a
+    request counts in every bucket from its start's to its end's (start + latency), both included; the fullest
+    bucket. (A request that ends and the one that takes its slot can share a bucket, so a closed loop may show
+    more than its concurrency, as vLLM's does.)"""
+    ok = [r for r in results if r.success]
+    if not ok:
+        return 0
+    t0 = min(r.start for r in ok)
+    buckets: Counter[int] = Counter()
+    for r in ok:
+        for sec in range(int(r.start - t0), int(r.start + r.latency - t0) + 1):
+            buckets[sec] += 1
+    return max(buckets.values())
 
 
 @dataclass

@@ -120,12 +120,14 @@ def test_input_tokens_from_usage_when_the_server_reports_them():
 
 
 def test_peak_concurrency_and_throughput_over_successful_requests():
-    # three back-to-back requests never overlap (an end at the same instant as a start frees the slot)
+    # vLLM's buckets: a request counts in every second from its start's to its end's, both included, so three
+    # back-to-back requests of one second share a bucket pairwise
     rs = [ok(i, start=float(i), ttft=0.5, itl=[0.5], out_tokens=2) for i in range(3)]
-    assert peak_concurrency(rs) == 1
-    rs.append(ok(3, start=0.25, ttft=0.125, itl=[0.125] * 9, out_tokens=10))  # binary-exact times
     assert peak_concurrency(rs) == 2
-    assert peak_concurrency(rs + [failed(9, "x", start=0.3, latency=5.0)]) == 2  # failures do not count
+    assert peak_concurrency([ok(i, start=float(i), ttft=0.25, itl=[0.5], out_tokens=2) for i in range(3)]) == 1
+    rs.append(ok(3, start=0.25, ttft=0.125, itl=[0.125] * 9, out_tokens=10))  # binary-exact times: 0.25 .. 1.5
+    assert peak_concurrency(rs) == 3
+    assert peak_concurrency(rs + [failed(9, "x", start=0.3, latency=5.0)]) == 3  # failures do not count
     # one token per timed chunk, bucketed by whole seconds after the earliest successful start (vLLM)
     times = [i + d for i in range(3) for d in (0.5, 1.0)] + [0.375 + 0.125 * k for k in range(10)]
     per_second = [sum(1 for t in times if s <= t < s + 1) for s in range(4)]
