@@ -23,6 +23,8 @@
 #   attn       the prefill attention kernel's GPU tests, then bench_attention.py (bf16: decode 1x8192, prefill 1k/8k/32k)
 #              with the prefill tile sweep; the best tiles (--best-out) go to /tmp/prefill_best.json, which the later
 #              stages of the lease use (PDSERVE_PREFILL_CONFIG) when they beat the default by more than 2 %
+#   steps8k    Qwen3-8B's 8k prefill and decode steps against their floors, the 8k prefill's kernels, and the
+#              Qwen3-30B-A3B 8k prefill's kernels (fp8 KV) with what is left of the call
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -76,7 +78,8 @@ case $STAGE in
     OUT=/tmp/sbs_install STAGE=.vllm-stage bash benchmarks/vs_vllm/side_by_side.sh
     PYTHONPATH=/tmp/site python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1 ;;
   sbs)
-    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:4:1"} CLIENTS=${SBS_CLIENTS:-vllm} SINGLE_GPU=1 OUT=$W STAGE=.vllm-stage \
+    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:4:1"} CLIENTS=${SBS_CLIENTS:-vllm} SINGLE_GPU=1 \
+      SERVERS=${SBS_SERVERS:-"vllm pdserve"} DETAILED=${SBS_DETAILED:-0} CLIENT_ROUNDS=${SBS_ROUNDS:-1} OUT=$W STAGE=.vllm-stage \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 570 bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -30
     echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
     for f in "$W"/*.log; do gzip -f "$f"; done
@@ -126,6 +129,17 @@ case $STAGE in
     echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
     for f in "$W"/*.log; do gzip -f "$f"; done
     tar czf "$OUT/moe.tgz" -C "$OUT" moe ;;
+  steps8k)  # Qwen3-8B's 8k prefill step against its floor and its kernels; the MoE model's 8k prefill kernels
+    B="python3 benchmarks/engine/bench_steps.py --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --loop="
+    timeout 120 $B --model qwen3-8b --decode 1x1024,256x1024 --prefill 8192 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(prefill|decode):|ceilings" "$W/steps.txt"
+    timeout 100 $B --model qwen3-8b --profile "prefill:8192" --top 12 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -A16 "^profile"
+    left=$(( 560 - ($(date +%s) - t0) ))
+    [ $left -gt 100 ] && timeout $left $B --model qwen3-30b-a3b --kv-cache-dtype fp8 --profile "prefill:8192" --top 16 \
+      --out "$W/moe_profile.json" > "$W/moe_profile.txt" 2>&1
+    grep -v " INFO " "$W/moe_profile.txt" | grep -A20 "^profile"
+    tar czf "$OUT/steps8k.tgz" -C "$OUT" steps8k ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

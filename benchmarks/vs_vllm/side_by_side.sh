@@ -11,7 +11,8 @@
 # Knobs: CLIENTS ("vllm pdserve": each workload measured by vLLM's client, then by `pdserve bench serve` into
 # <name>_<in>x<out>_c<conc>_pdclient.json), CLIENT_ROUNDS (k > 1: the clients alternate k times, rounds after the
 # first written as <name>_<in>x<out>_c<conc>_r<k>[_pdclient].json, so run-to-run drift is measured beside the clients'
-# difference), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
+# difference), DETAILED=1 (both clients keep per-request start times and TTFTs: compact_detail.py), SERVERS (with
+# SINGLE_GPU=1: "vllm" or "pdserve" alone), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
 # ("in:out:prompts:concurrency ...", default "1024:1024:512:256 8192:16:16:1 32768:16:8:1").
 # Each server's start-up time (launch -> first completion answered) and KV capacity (tokens, from its log) are
 # written to $OUT/<name>_server.json; each workload to $OUT/<name>_<in>x<out>_c<conc>.json (vLLM's format).
@@ -107,15 +108,17 @@ bench() {  # NAME PORT: every workload, vLLM's client; with CLIENTS="vllm pdserv
       timeout 600 $V bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME --tokenizer $M \
         --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
         --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
-        --save-result $([ $c -le 4 ] && echo --save-detailed) --result-dir $OUT --result-filename $rf.json \
-        > $OUT/$rf.txt 2>&1  # per-request ITLs at low concurrency: a mean TPOT below the mean ITL means chunks of several tokens
+        --save-result $([ $c -le 4 ] || [ "${DETAILED:-0}" = 1 ] && echo --save-detailed) --result-dir $OUT \
+        --result-filename $rf.json > $OUT/$rf.txt 2>&1  # per-request ITLs at low concurrency: a mean TPOT below the mean ITL means chunks of several tokens
+      [ "${DETAILED:-0}" = 1 ] && [ $c -gt 4 ] && python3 benchmarks/vs_vllm/compact_detail.py $OUT/$rf.json
       python3 benchmarks/vs_vllm/compare.py --line $OUT/$rf.json
       if [[ " ${CLIENTS:-vllm} " == *" pdserve "* ]]; then  # the same workload again, measured by pdserve's client
         timeout 600 env -u PYTHONPATH pdserve bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME \
           --tokenizer $M --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n \
           --max-concurrency $c --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
-          --num-warmups 2 --disable-tqdm --no-plots --save-result --result-dir $OUT --result-filename ${rf}_pdclient.json \
-          > $OUT/${rf}_pdclient.txt 2>&1
+          --num-warmups 2 --disable-tqdm --no-plots --save-result $([ "${DETAILED:-0}" = 1 ] && echo --save-detailed) \
+          --result-dir $OUT --result-filename ${rf}_pdclient.json > $OUT/${rf}_pdclient.txt 2>&1
+        [ "${DETAILED:-0}" = 1 ] && python3 benchmarks/vs_vllm/compact_detail.py $OUT/${rf}_pdclient.json
         rm -f $OUT/${rf}_pdclient.pdserve.json  # the per-request record (15 MB at 512 requests); the summary stays
         python3 benchmarks/vs_vllm/compare.py --line $OUT/${rf}_pdclient.json
       fi
@@ -124,11 +127,15 @@ bench() {  # NAME PORT: every workload, vLLM's client; with CLIENTS="vllm pdserv
 }
 single() {
   install_pdserve
-  if [ "${SINGLE_GPU:-0}" = 1 ]; then
-    T0=$(date +%s.%N); CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 &
-    ready vllm_single 8100 $OUT/vllm.log $T0 $! && bench vllm_single 8100; stop_all
-    T0=$(date +%s.%N); CUDA_VISIBLE_DEVICES=0 $PD serve $PCOMMON --port 8200 > $OUT/pdserve.log 2>&1 &
-    ready pdserve_single 8200 $OUT/pdserve.log $T0 $! && bench pdserve_single 8200; stop_all
+  if [ "${SINGLE_GPU:-0}" = 1 ]; then  # SERVERS="vllm" or "pdserve": only that one (a call each where time is short)
+    if [[ " ${SERVERS:-vllm pdserve} " == *" vllm "* ]]; then
+      T0=$(date +%s.%N); CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 &
+      ready vllm_single 8100 $OUT/vllm.log $T0 $! && bench vllm_single 8100; stop_all
+    fi
+    if [[ " ${SERVERS:-vllm pdserve} " == *" pdserve "* ]]; then
+      T0=$(date +%s.%N); CUDA_VISIBLE_DEVICES=0 $PD serve $PCOMMON --port 8200 > $OUT/pdserve.log 2>&1 &
+      ready pdserve_single 8200 $OUT/pdserve.log $T0 $! && bench pdserve_single 8200; stop_all
+    fi
   else
     T0=$(date +%s.%N)
     CUDA_VISIBLE_DEVICES=0 $V serve $VCOMMON --port 8100 > $OUT/vllm.log 2>&1 & v=$!
