@@ -412,6 +412,94 @@ def session9() -> None:
           f"{t_p:.1f} ms; median gap between chunks {g_v:.2f} vs {g_p:.2f} ms.")
 
 
+def _first_wave(rel: str) -> tuple[float, float, float, float]:
+    """(mean TTFT ms, first wave's mean TTFT ms, the rest's mean TTFT ms, seconds from the first send to the first
+    wave's last first token) of a closed-loop run at concurrency 256 kept with DETAILED=1 (compact_detail.py)."""
+    d = load(rel)
+    reqs = sorted(zip(d["start_times"], d["ttfts"]))
+    t0 = reqs[0][0]
+    w1, w2 = reqs[:256], reqs[256:]
+    mean = lambda xs: 1e3 * sum(t for _, t in xs) / len(xs)  # noqa: E731
+    return mean(reqs), mean(w1), mean(w2), max(s + t for s, t in w1) - t0
+
+
+def session10() -> None:
+    """The session-10 lease (one H200): the clients in alternating rounds on each server, KV capacity, the 8k
+    prefill step without the MLP's join, fp8 products in prefill attention (measured, not adopted)."""
+    base = "lease_s10"
+    print("Side by side (`lease_1gpu.sh sbs`, one server a call: SBS_SERVERS=vllm, then pdserve on a fresh start; "
+          "dummy Qwen3-8B bf16, 1024/1024, 512 prompts, concurrency 256; SBS_ROUNDS=2: vLLM's client, pdserve's, "
+          "vLLM's, pdserve's; kernels compiled while serving: "
+          f"{_compiles(f'{base}/sbs_pdserve/pdserve.log.gz')}):\n")
+    print("| round | client | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
+          "mean TPOT vLLM / pdserve ms |\n|---|---|---|---|---|---|---|")
+    for r in ("", "_r2"):
+        for c, name in (("", "vLLM's"), ("_pdclient", "pdserve's")):
+            v = load(f"{base}/sbs_vllm/vllm_single_1024x1024_c256{r}{c}.json")
+            p = load(f"{base}/sbs_pdserve/pdserve_single_1024x1024_c256{r}{c}.json")
+            print(f"| {2 if r else 1} | {name} | {v['output_throughput']:.1f} | {p['output_throughput']:.1f} | "
+                  f"{p['output_throughput'] / v['output_throughput']:.3f} | {v['mean_ttft_ms']:.1f} / "
+                  f"{p['mean_ttft_ms']:.1f} | {v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} |")
+    sv = load(f"{base}/sbs_vllm/vllm_single_server.json")
+    sp = load(f"{base}/sbs_pdserve/pdserve_single_server.json")
+    print(f"\nStart-up (launch to first completion answered): vLLM {sv['startup_s']:.1f} s, pdserve "
+          f"{sp['startup_s']:.1f} s. KV capacity at --gpu-memory-utilization 0.9: vLLM {sv['kv_tokens']:,} tokens, "
+          f"pdserve {sp['kv_tokens']:,} tokens ({sp['kv_tokens'] / sv['kv_tokens']:.4f}x).")
+    print("\nThe two clients on each server, rounds alternating (compare.py's client_rounds):\n")
+    print("| server | metric | vLLM's client by round | pdserve's client by round | ratio of means | "
+          "drift between a client's own rounds, vLLM's / pdserve's |\n|---|---|---|---|---|---|")
+    for srv in ("vllm", "pdserve"):
+        for row in load(f"{base}/sbs_{srv}/comparison.json")["client_rounds"]:
+            for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+                m = row["metrics"][k]
+                print(f"| {srv} | {k} | {', '.join(f'{x:.2f}' for x in m['vllm_client'])} | "
+                      f"{', '.join(f'{x:.2f}' for x in m['pdserve_client'])} | {m['ratio_of_means']:.3f} | "
+                      f"{100 * m['drift_vllm_client']:.1f} % / {100 * m['drift_pdserve_client']:.1f} % |")
+    print("\nTTFT by wave (per-request start times and TTFTs: the first 256 requests sent, then the 256 sent as they "
+          "finished):\n")
+    print("| server | round | client | mean TTFT ms | first wave ms | second wave ms | first wave's last first token "
+          "s |\n|---|---|---|---|---|---|---|")
+    for srv in ("vllm", "pdserve"):
+        for r in ("", "_r2"):
+            for c, name in (("", "vLLM's"), ("_pdclient", "pdserve's")):
+                m, w1, w2, last = _first_wave(f"{base}/sbs_{srv}/{srv}_single_1024x1024_c256{r}{c}.json")
+                print(f"| {srv} | {2 if r else 1} | {name} | {m:.1f} | {w1:.1f} | {w2:.1f} | {last:.2f} |")
+    st = {r["case"]: r for r in load(f"{base}/steps8k/steps.json")["results"]}
+    c = load(f"{base}/steps8k/steps.json")["ceilings"]
+    print(f"\nEngine steps against their floors (`lease_1gpu.sh steps8k`, dummy Qwen3-8B; same run's ceilings: HBM "
+          f"copy {c['hbm_copy_gbps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s):\n")
+    print("| step | ms (median) | floor ms | floor / measured |\n|---|---|---|---|")
+    for k in ("prefill:8192", "decode:1x1024", "decode:256x1024"):
+        r = st[k]
+        print(f"| {k} | {r['step_ms_median']:.2f} | {r['floor_ms']:.2f} | {r['fraction_of_floor']:.1%} |")
+    for name, rel in (("dummy Qwen3-8B", "steps8k/profile.json"), ("dummy Qwen3-30B-A3B, fp8 KV",
+                                                                 "steps8k/moe_profile.json")):
+        prof = load(f"{base}/{rel}")["profiles"][0]["graphs"]
+        top = {t["name"]: t for t in prof["top"]}
+        pk = top["_prefill_kernel"]
+        cat = sum(t["us_per_step"] for t in prof["top"] if t["name"].startswith("void at::native::(anonymous "
+                                                                                "namespace)::CatArray"))
+        print(f"\n8192-token prefill step of the {name}: {int(prof['kernels_per_step'])} kernels, "
+              f"{prof['gpu_us_per_step'] / 1e3:.1f} ms of kernel time; prefill attention {pk['us_per_step'] / 1e3:.1f} "
+              f"ms ({pk['us_per_step'] / pk['count_per_step']:.0f} us a layer, {pk['us_per_step'] / prof['gpu_us_per_step']:.1%}); "
+              f"torch.cat copies {cat / 1e3:.1f} ms.")
+    print("\nPrefill attention on an e4m3 pool, 32 query and 4 KV heads (Qwen3-30B-A3B), `bench_attention.py`: K/V "
+          "widened to bf16 in registers (the kernel as it is) vs queries and probabilities quantized to e4m3 with "
+          "both products on fp8 tensor cores (an experiment, reverted):\n")
+    print("| shape | widened us | TFLOP/s | fp8 products us | TFLOP/s |\n|---|---|---|---|---|")
+    a0 = {r["shape"]: r for r in load(f"{base}/fp8attn/attn_hk4_fp8dot0.json")["prefill"]}
+    a1 = {r["shape"]: r for r in load(f"{base}/fp8attn/attn_hk4_fp8dot1.json")["prefill"]}
+    for sh in a0:
+        print(f"| {sh} | {a0[sh]['us']:.1f} | {a0[sh]['tflops']:.1f} | {a1[sh]['us']:.1f} | {a1[sh]['tflops']:.1f} |")
+    m0 = {r["case"]: r for r in load(f"{base}/fp8attn/moe_steps_fp8dot0.json")["results"]}
+    m1 = {r["case"]: r for r in load(f"{base}/fp8attn/moe_steps_fp8dot1.json")["results"]}
+    print(f"\nThe dummy Qwen3-30B-A3B's 8192-token prefill step (fp8 KV): {m0['prefill:8192']['step_ms_median']:.2f} ms "
+          f"widened, {m1['prefill:8192']['step_ms_median']:.2f} ms with fp8 products.")
+    with open(B / base / "fp8attn" / "gpu_tests.txt") as f:
+        errs = [ln.strip().lstrip(".") for ln in f if "fp8 products: relative error" in ln]
+    print("Accuracy against the float reference (tests/ops/test_attention_prefill.py on the H200): " + "; ".join(errs))
+
+
 def faults() -> None:
     k = load("faults/results_cpu/kill_table.json")
     st = k["settings"]
@@ -473,6 +561,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session10()
+    print()
     session9()
     print()
     session8()
