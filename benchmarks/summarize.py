@@ -442,9 +442,7 @@ def session10() -> None:
                   f"{p['mean_ttft_ms']:.1f} | {v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} |")
     sv = load(f"{base}/sbs_vllm/vllm_single_server.json")
     sp = load(f"{base}/sbs_pdserve/pdserve_single_server.json")
-    print(f"\nStart-up (launch to first completion answered): vLLM {sv['startup_s']:.1f} s, pdserve "
-          f"{sp['startup_s']:.1f} s. KV capacity at --gpu-memory-utilization 0.9: vLLM {sv['kv_tokens']:,} tokens, "
-          f"pdserve {sp['kv_tokens']:,} tokens ({sp['kv_tokens'] / sv['kv_tokens']:.4f}x).")
+    _startup_kv(sv, sp, "{:.4f}")
     print("\nThe two clients on each server, rounds alternating (compare.py's client_rounds):\n")
     print("| server | metric | vLLM's client by round | pdserve's client by round | ratio of means | "
           "drift between a client's own rounds, vLLM's / pdserve's |\n|---|---|---|---|---|---|")
@@ -542,10 +540,14 @@ def _side_by_side(c: dict) -> None:
               f"{w['ratio']['output_throughput']:.2f} | {_fmt(v['mean_ttft_ms'])} / {_fmt(p['mean_ttft_ms'])} | "
               f"{v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} |")
     for srv in c["servers"]:
-        v, p = srv["vllm"], srv["pdserve"]
-        print(f"\nStart-up (launch to first completion answered): vLLM {v['startup_s']:.1f} s, pdserve "
-              f"{p['startup_s']:.1f} s. KV capacity at --gpu-memory-utilization 0.9: vLLM {v['kv_tokens']:,} tokens, "
-              f"pdserve {p['kv_tokens']:,} tokens ({p['kv_tokens'] / v['kv_tokens']:.3f}x).")
+        _startup_kv(srv["vllm"], srv["pdserve"])
+
+
+def _startup_kv(v: dict, p: dict, ratio: str = "{:.3f}") -> None:
+    """One server pair's start-up and KV capacity (side_by_side's <name>_server.json)."""
+    print(f"\nStart-up (launch to first completion answered): vLLM {v['startup_s']:.1f} s, pdserve "
+          f"{p['startup_s']:.1f} s. KV capacity at --gpu-memory-utilization 0.9: vLLM {v['kv_tokens']:,} tokens, "
+          f"pdserve {p['kv_tokens']:,} tokens ({ratio.format(p['kv_tokens'] / v['kv_tokens'])}x).")
 
 
 def _loads(reps: list[dict]) -> str:
