@@ -58,15 +58,17 @@ def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
 
 
 def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, window: bool = False,
-            softcap: bool = False) -> dict:
-    types = dict(Q=f"*{dt}", KV=f"*{kv}", Out=f"*{dt}", BT="*i32", SL="*i32", QSL="*i32", TILES="*i32", KS="*fp32",
-                 VS="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32", s_kvb="i64", s_kvkv="i32", s_kvt="i32",
-                 s_kvh="i32", s_btb="i32", sm_scale="fp32", softcap="fp32", window="i32")
+            softcap: bool = False, new: bool = False) -> dict:
+    """new: the new tokens' K/V read from the step's k/v (what the backend's forward does), not the pool."""
+    types = dict(Q=f"*{dt}", KV=f"*{kv}", KN=f"*{dt}", VN=f"*{dt}", Out=f"*{dt}", BT="*i32", SL="*i32", QSL="*i32",
+                 TILES="*i32", KS="*fp32", VS="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32", s_kvb="i64",
+                 s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_knt="i32", s_knh="i32", s_vnt="i32", s_vnh="i32",
+                 s_btb="i32", sm_scale="fp32", softcap="fp32", window="i32")
     ce = dict(G=g, G_PACK=cfg.g_pack, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
               BLOCK_D=triton.next_power_of_2(d), BS=bs, TILE=128, HAS_WINDOW=window, HAS_SOFTCAP=softcap,
-              HAS_KS=kv in FP8, HAS_VS=kv in FP8, PRECISION="ieee" if dt == "fp32" else "tf32")
-    aligned = ["Q", "KV", "Out", "BT", "SL", "QSL", "TILES", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv",
-               "s_kvt", "s_kvh"]
+              HAS_KS=kv in FP8, HAS_VS=kv in FP8, HAS_NEW=new, PRECISION="ieee" if dt == "fp32" else "tf32")
+    aligned = ["Q", "KV", "KN", "VN", "Out", "BT", "SL", "QSL", "TILES", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb",
+               "s_kvkv", "s_kvt", "s_kvh", "s_knt", "s_knh", "s_vnt", "s_vnh"]
     return _compile(_prefill_kernel, types, ce, cfg.num_warps, cfg.num_stages, aligned)
 
 
@@ -107,10 +109,12 @@ def default_cases() -> list[tuple[str, dict, callable]]:
             for d, g in ((64, 1), (128, 4), (128, 8), (256, 2)):
                 cfg = prefill_config(d, g, getattr(torch, TORCH_DT[dt]), _Cuda())
                 for window in (False, True):
-                    desc = dict(kernel="prefill", dtype=dt, kv=kv, d=d, g=g, window=window, config=cfg.__dict__)
-                    cases.append((f"prefill {dt}/{kv} d={d} g={g} window={window} {cfg}", desc,
-                                  lambda dt=dt, kv=kv, d=d, g=g, cfg=cfg, w=window: prefill(dt, kv, d, g, cfg,
-                                                                                            window=w)))
+                    for new in (False, True):  # new: the new tokens' K/V from the step's k/v (the backend's way)
+                        desc = dict(kernel="prefill", dtype=dt, kv=kv, d=d, g=g, window=window, new=new,
+                                    config=cfg.__dict__)
+                        cases.append((f"prefill {dt}/{kv} d={d} g={g} window={window} new={new} {cfg}", desc,
+                                      lambda dt=dt, kv=kv, d=d, g=g, cfg=cfg, w=window, n=new: prefill(
+                                          dt, kv, d, g, cfg, window=w, new=n)))
             for d, g in ((64, 1), (128, 4), (128, 8), (256, 2)):
                 for single, mixed in ((False, False), (True, False), (False, True)):
                     desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=single, mixed=mixed)
@@ -126,8 +130,10 @@ def sweep_cases() -> list[tuple[str, dict, callable]]:
     for bm, bn, warps, stages in SWEEP:
         for pack in sorted({1, default_g_pack(4, bm)}):
             cfg = PrefillConfig(bm, bn, pack, warps, stages)
-            desc = dict(kernel="prefill", dtype="bf16", kv="bf16", d=128, g=4, sweep=True, config=cfg.__dict__)
-            cases.append((f"sweep bf16 d=128 {cfg}", desc, lambda cfg=cfg: prefill("bf16", "bf16", 128, 4, cfg)))
+            desc = dict(kernel="prefill", dtype="bf16", kv="bf16", d=128, g=4, new=True, sweep=True,
+                        config=cfg.__dict__)
+            cases.append((f"sweep bf16 d=128 {cfg}", desc,
+                          lambda cfg=cfg: prefill("bf16", "bf16", 128, 4, cfg, new=True)))
     return cases
 
 

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.ops.attention import AttentionMetadata, AttentionMetadataBuilder
 from pdserve.ops.attention.common import is_fp8
-from pdserve.ops.attention.torch_ref import quantize_fp8
+from pdserve.ops.attention.torch_ref import quantize_fp8, write_kv
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -53,9 +53,11 @@ def make_problem(seq_lens: list[int], q_lens: list[int], *, hq: int, hk: int, d:
                  dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None, seed: int = 0,
                  device: torch.device = DEVICE, layers: int = 2, spare_blocks: int = 5,
                  qkv_fused: bool = True, builder: AttentionMetadataBuilder | None = None,
-                 pad: dict | None = None) -> Problem:
+                 pad: dict | None = None, write_new: bool = False) -> Problem:
     """Rows i has seq_lens[i] KV tokens after the step, the last q_lens[i] of them new. Blocks are handed out from a
-    shuffled list; the pool is random everywhere (stale values in unused slots must never be read)."""
+    shuffled list; the pool is random everywhere (stale values in unused slots must never be read). write_new: the
+    new tokens' k/v are written into the pool's layer (quantized for fp8 pools), as a backend's forward does before
+    attending, so that k/v are the step's own K/V of what the pool holds."""
     assert len(seq_lens) == len(q_lens) and all(0 < q <= s for q, s in zip(q_lens, seq_lens))
     kv_dtype = kv_dtype or dtype
     g = torch.Generator().manual_seed(seed)
@@ -98,7 +100,10 @@ def make_problem(seq_lens: list[int], q_lens: list[int], *, hq: int, hk: int, d:
         tp = meta.slot_mapping.shape[0]
         extra = [torch.randn((tp - t, h, d), generator=g).to(device, dtype) for h in (hq, hk, hk)]
         q, k, v = (torch.cat([x, e]) for x, e in zip((q, k, v), extra))
-    return Problem(pool, layers - 1, q, k, v, meta, tables, slots, k_scale, v_scale)
+    p = Problem(pool, layers - 1, q, k, v, meta, tables, slots, k_scale, v_scale)
+    if write_new:
+        write_kv(p.kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
+    return p
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

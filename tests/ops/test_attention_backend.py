@@ -62,14 +62,17 @@ def test_hand_built_metadata_works():
     _both(p, torch.float32, 0.2)
 
 
-def test_fp8_pool_attend_matches_torch_backend():
+@pytest.mark.parametrize("new", [False, True])
+def test_fp8_pool_attend_matches_torch_backend(new):
     # on CPU the interpreter's fp32 -> fp8 rounding differs from torch: write with the reference, attend with both
+    # (new: prefill rows read their new tokens' K/V from k/v, unquantized, as forward has them do)
     p = make_problem(*MIXED, hq=8, hk=2, d=64, bs=16, kv_dtype=torch.float8_e4m3fn, seed=3)
     layer = p.fresh_layer()
     write_kv(layer, p.k, p.v, p.meta.slot_mapping, p.k_scale, p.v_scale)
-    ref = TorchAttentionBackend().attend(p.q, layer, p.meta, 0.125, None, None, p.k_scale, p.v_scale)
-    out = TritonAttentionBackend().attend(p.q, layer, p.meta, 0.125, None, None, p.k_scale, p.v_scale)
-    assert_close(out, ref, torch.float32, "fp8 attend")
+    own = dict(k_new=p.k, v_new=p.v) if new else {}
+    ref = TorchAttentionBackend().attend(p.q, layer, p.meta, 0.125, None, None, p.k_scale, p.v_scale, **own)
+    out = TritonAttentionBackend().attend(p.q, layer, p.meta, 0.125, None, None, p.k_scale, p.v_scale, **own)
+    assert_close(out, ref, torch.float32, f"fp8 attend new={new}")
 
 
 def test_get_backend_returns_triton_by_name():

@@ -15,8 +15,10 @@ from pdserve.ops.attention.torch_ref import TorchAttentionBackend, dequantize, q
 from tests.ops.attention_helpers import make_problem
 
 
-def _dense(p, scale, window, softcap, kv_layer):
-    """float64 attention of every new token of the problem, reading the pool slot by slot."""
+def _dense(p, scale, window, softcap, kv_layer, own=True):
+    """float64 attention of every new token of the problem, reading the pool slot by slot; own: rows with more than
+    one new token take their new tokens' K/V from p.k/p.v instead (the backends' forward does; for an fp8 pool the
+    pool's copy is quantized)."""
     meta = p.meta
     qsl, bs = meta.query_start_loc, kv_layer.shape[2]
     hq, hk = p.q.shape[1], kv_layer.shape[3]
@@ -26,6 +28,10 @@ def _dense(p, scale, window, softcap, kv_layer):
     for i, seq_len in enumerate(meta.seq_lens):
         kk = torch.stack([kv_layer[p.tables[i][j // bs], 0, j % bs].double() for j in range(seq_len)]) * ks
         vv = torch.stack([kv_layer[p.tables[i][j // bs], 1, j % bs].double() for j in range(seq_len)]) * vs
+        n_new = qsl[i + 1] - qsl[i]
+        if own and n_new > 1:
+            kk[seq_len - n_new:] = p.k[qsl[i]: qsl[i + 1]].double()
+            vv[seq_len - n_new:] = p.v[qsl[i]: qsl[i + 1]].double()
         for t in range(qsl[i], qsl[i + 1]):
             pos = seq_len - (qsl[i + 1] - t)
             for h in range(hq):
@@ -49,6 +55,8 @@ def test_reference_matches_dense(window, softcap, kv_dtype):
     out = TorchAttentionBackend().forward(p.q, p.k, p.v, layer, p.meta, 0.3, window, softcap, p.k_scale, p.v_scale)
     ref = _dense(p, 0.3, window, softcap, layer.cpu())
     assert (out.double() - ref).abs().max() < 1e-4
+    pool_only = TorchAttentionBackend().attend(p.q, layer, p.meta, 0.3, window, softcap, p.k_scale, p.v_scale)
+    assert (pool_only.double() - _dense(p, 0.3, window, softcap, layer.cpu(), own=False)).abs().max() < 1e-4
 
 
 def test_reference_decode_only_batched_path_matches_dense():

@@ -1,5 +1,6 @@
 """fp8 KV pools in the torch reference backend: it stores k / k_scale in the pool's fp8 dtype and reads
-stored * k_scale, so its output equals a full-precision pool holding the same quantized values."""
+stored * k_scale, so attention over the pool equals attention over a full-precision pool holding the same quantized
+values; its forward, as the Triton backend's, gives rows with more than one new token their own K/V unquantized."""
 
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ def test_fp8_pool_equals_a_float_pool_of_the_quantized_values(fp8, decode_only):
                        + torch.arange(seq_lens[i] - new[i], seq_lens[i]) % bs for i in range(3)])
     meta = AttentionMetadata(qsl, seq_lens, tables, slots, max(seq_lens), decode_only)
     be = TorchAttentionBackend()
-    out8 = be.forward(q, k, v, pool8, meta, d**-0.5, k_scale=ks, v_scale=vs)
-    out32 = be.forward(q, _quantized(k, ks, fp8), _quantized(v, vs, fp8), pool32, meta, d**-0.5)
+    fwd8 = be.forward(q, k, v, pool8, meta, d**-0.5, k_scale=ks, v_scale=vs)
+    write_kv(pool32, _quantized(k, ks, fp8), _quantized(v, vs, fp8), slots)
+    out8 = be.attend(q, pool8, meta, d**-0.5, k_scale=ks, v_scale=vs)
+    out32 = be.attend(q, pool32, meta, d**-0.5)
     torch.testing.assert_close(out8, out32, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fwd8, be.attend(q, pool32, meta, d**-0.5, k_new=k, v_new=v), atol=1e-5, rtol=1e-5)
     assert torch.equal(pool8.float() * torch.stack([ks, vs]).view(1, 2, 1, 1, 1), pool32), "stored = x / scale"

@@ -2,7 +2,10 @@
 
 It handles mixed batches of prefill chunks and decodes, prefix hits (KV already in the pool), sliding windows,
 softcapping and fp8 pools (stored = x / scale saturated to the fp8 range; read = stored * scale, after the gather).
-One gather per sequence (decode-only batches in one shot); not fast and not for CUDA graphs.
+As the Triton backend does, rows with more than one new token attend to their new tokens' K/V as computed (the
+forward's k and v), the prefix as stored; decode rows read everything from the pool. The two differ only for fp8
+pools (the pool's copy is quantized). One gather per sequence (decode-only batches in one shot); not fast and not
+for CUDA graphs.
 """
 
 from __future__ import annotations
@@ -107,11 +110,13 @@ class TorchAttentionBackend:
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
-        return self.attend(q, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale)
+        return self.attend(q, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale, k_new=k, v_new=v)
 
     def attend(self, q, kv_layer, meta: AttentionMetadata, scale, sliding_window=None, softcap=None, k_scale=None,
-               v_scale=None) -> torch.Tensor:
-        """Attention over the pool as it is (no write). Rows of `q` past the metadata's tokens come back zero."""
+               v_scale=None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the pool as it is (no write). Rows of `q` past the metadata's tokens come back zero.
+        k_new/v_new ([T, Hk, D], q's token rows): the new tokens' K/V of rows with more than one new token (see
+        the module docstring); without them every key comes from the pool."""
         if not is_fp8(kv_layer.dtype):
             k_scale = v_scale = None
         if meta.decode_only and softcap is None:
@@ -127,6 +132,10 @@ class TorchAttentionBackend:
                 continue
             ks, vs = gather_seq(kv_layer, meta.block_tables[i], seq_len)
             ks, vs = dequantize(ks, q.dtype, k_scale), dequantize(vs, q.dtype, v_scale)
+            if k_new is not None and qe - qs > 1:
+                ctx = seq_len - (qe - qs)
+                ks = torch.cat([ks[:ctx], k_new[qs:qe].to(q.dtype)])
+                vs = torch.cat([vs[:ctx], v_new[qs:qe].to(q.dtype)])
             k_pos = torch.arange(seq_len, device=q.device)
             kt, vt = ks.transpose(0, 1), vs.transpose(0, 1)
             step = max(1, _SCORES_PER_CALL // (seq_len * q.shape[1]))  # bounds the score matrix of long prompts

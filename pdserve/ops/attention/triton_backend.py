@@ -2,7 +2,8 @@
 
 forward() writes the step's K/V (quantizing for fp8 pools), then runs the decode kernel over the rows with one new
 token and the prefill kernel over the tile table of the others (each launched only when the step can have such
-rows). Every launch size comes from tensor shapes and host ints fixed for a padded batch (token count, row count,
+rows); the prefill kernel reads the new tokens' K/V from the step's k and v rather than the pool (prefill.py says
+why). Every launch size comes from tensor shapes and host ints fixed for a padded batch (token count, row count,
 tile-table length, the KV-length bound in `max_seq_len`); per-row lengths and offsets are read on the device. So
 forward is capturable in a CUDA graph when the metadata comes from `AttentionMetadataBuilder` (static buffers).
 """
@@ -20,6 +21,7 @@ from pdserve.ops.attention.prefill import PrefillConfig, paged_prefill
 class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True  # decode-only and mixed steps, with builder-made (static) metadata
+    read_new_kv = True  # prefill rows read their new tokens' K/V from k/v; False: all from the pool (benchmark A/B)
 
     def __init__(self, prefill_config: PrefillConfig | None = None):
         self.prefill_config = prefill_config  # None: chosen per head dim and dtype (prefill.prefill_config)
@@ -39,11 +41,13 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         meta.ensure_device(q.device)
         write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
-        return self.attend(q, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale)
+        new = (k, v) if self.read_new_kv else (None, None)
+        return self.attend(q, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale, *new)
 
     def attend(self, q, kv_layer, meta: AttentionMetadata, scale, sliding_window=None, softcap=None, k_scale=None,
-               v_scale=None) -> torch.Tensor:
-        """Attention over the pool as it is (no write)."""
+               v_scale=None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the pool as it is (no write). k_new/v_new: the step's K/V rows, already in the pool,
+        which prefill rows then read their new tokens' keys from (paged_prefill); None: all from the pool."""
         meta.ensure_device(q.device)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         common = dict(sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale, out=out)
@@ -53,4 +57,5 @@ class TritonAttentionBackend:
             paged_decode(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.max_seq_len, scale,
                          query_start_loc=meta.query_start_loc_t, **common)
         return paged_prefill(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.query_start_loc_t,
-                             meta.prefill_tiles, scale, config=self.prefill_config, **common)
+                             meta.prefill_tiles, scale, config=self.prefill_config, k_new=k_new, v_new=v_new,
+                             **common)
