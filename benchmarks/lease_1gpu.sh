@@ -25,6 +25,9 @@
 #              stages of the lease use (PDSERVE_PREFILL_CONFIG) when they beat the default by more than 2 %
 #   steps8k    Qwen3-8B's 8k prefill and decode steps against their floors, the 8k prefill's kernels, and the
 #              Qwen3-30B-A3B 8k prefill's kernels (fp8 KV) with what is left of the call
+#   newkv      prefill attention reading the step's new K/V from k/v (default) vs all from the pool: the GPU tests of the
+#              prefill kernel, fp8 KV and the backend, then bench_attention.py both ways (hk 4 and 8, bf16 and fp8 pools)
+#   newkv_steps the same A/B on the 8k prefill step of dummy Qwen3-30B-A3B (fp8 KV) and Qwen3-8B (bench_steps.py)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -140,6 +143,25 @@ case $STAGE in
       --out "$W/moe_profile.json" > "$W/moe_profile.txt" 2>&1
     grep -v " INFO " "$W/moe_profile.txt" | grep -A20 "^profile"
     tar czf "$OUT/steps8k.tgz" -C "$OUT" steps8k ;;
+  newkv)  # prefill reading the step's new K/V from k/v (default) vs all from the pool: GPU tests and the kernel A/B
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_prefill.py \
+      tests/ops/test_fp8_kv.py tests/ops/test_attention_backend.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | tail -8
+    for hk in 4 8; do for nk in new-kv no-new-kv; do
+      timeout 150 python3 benchmarks/attention/bench_attention.py --out "$W/attn_hk${hk}_$nk.json" --kv-dtypes bf16,fp8 \
+        --hk $hk --decode-batches 1 --decode-contexts 1024 --prefill-lens 1024,8192,32768 --no-sdpa --$nk \
+        > "$W/attn_hk${hk}_$nk.txt" 2>&1
+      echo "== hk $hk --$nk"; grep -E "^(prefill|mixed)" "$W/attn_hk${hk}_$nk.txt" | cut -c1-150
+    done; done
+    tar czf "$OUT/newkv.tgz" -C "$OUT" newkv ;;
+  newkv_steps)  # the same A/B on whole engine steps: dummy Qwen3-30B-A3B with fp8 KV, then Qwen3-8B (bf16 KV)
+    B="python3 benchmarks/engine/bench_steps.py --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --loop="
+    for m in "qwen3-30b-a3b --kv-cache-dtype fp8" "qwen3-8b"; do for nk in prefill-new-kv no-prefill-new-kv; do
+      n=$(echo "${m%% *}_$nk")
+      timeout 140 $B --model $m --decode 1x1024 --prefill 8192 --$nk \
+        --out "$W/$n.json" > "$W/$n.txt" 2>&1
+      echo "== $m --$nk"; grep -E "^(prefill|decode):|ceilings" "$W/$n.txt"
+    done; done
+    tar czf "$OUT/newkv_steps.tgz" -C "$OUT" newkv_steps ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -3,7 +3,8 @@
 decode: the split-K paged decode kernel for batch x context (all rows the same length, shuffled block tables);
         floor = KV bytes read / measured HBM copy rate (bytes read + written per second of a large copy).
 prefill: the varlen paged prefill kernel for one prompt of each length, several 1k prompts in one launch, and a
-        512-token chunk on an 8k prefix; floor = causal FLOPs (4 * Hq * D * visible query-key pairs) / measured
+        512-token chunk on an 8k prefix, reading the new tokens' K/V from the step's k/v as the backend's forward
+        has it do (the prefix from the pool); floor = causal FLOPs (4 * Hq * D * visible query-key pairs) / measured
         bf16 matmul rate; torch SDPA (flash, contiguous K/V, causal) on the same whole-prompt shapes as a sanity
         ceiling. Both for a bf16 and an fp8 (e4m3) KV pool. `--sweep` also times prefill tile configs.
 A mixed step (decode rows and a prefill chunk in one forward) is timed too. Times are medians of
@@ -45,9 +46,20 @@ def bench_us(fn) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def time_attend(backend, q, pool, meta, args) -> float:
+def time_attend(backend, q, pool, meta, args, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> float:
+    """The backend's attention after its KV write, as forward runs it: prefill rows read their new tokens' K/V from
+    k/v ([T, Hk, D], q's rows; the pool's copy is random here, which costs the same)."""
+    if not args.new_kv:
+        k = v = None
     return bench_us(lambda: backend.attend(q, pool.layer, meta, args.head_dim ** -0.5, args.window, None, pool.scale,
-                                           pool.scale))
+                                           pool.scale, k_new=k, v_new=v))
+
+
+def new_kv(t: int, args, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's K and V of t new tokens, as views of one fused QKV projection output (the engine's strides)."""
+    hq, hk, d = args.hq, args.hk, args.head_dim
+    qkv = torch.randn((t, (hq + 2 * hk) * d), dtype=torch.bfloat16, device=dev)
+    return qkv[:, hq * d: (hq + hk) * d].view(t, hk, d), qkv[:, (hq + hk) * d:].view(t, hk, d)
 
 
 def time_write(k, pool, meta) -> float:
@@ -153,8 +165,8 @@ def run_prefill(args, pool: Pool, builder, kv_name: str, tflops: float, dev, wit
         meta = step_meta(builder, pool, lens, qlens)
         t = sum(qlens)
         q = torch.randn((t, args.hq, args.head_dim), dtype=torch.bfloat16, device=dev)
-        k = torch.randn((t, args.hk, args.head_dim), dtype=torch.bfloat16, device=dev)
-        us = time_attend(backend, q, pool, meta, args)
+        k, v = new_kv(t, args, dev)
+        us = time_attend(backend, q, pool, meta, args, k, v)
         w_us = time_write(k, pool, meta)
         flops = causal_flops(args.hq, args.head_dim, lens, qlens, args.window)
         row = {"kv": kv_name, "shape": name, "lens": lens, "new_tokens": qlens, "us": us, "write_us": w_us,
@@ -175,13 +187,14 @@ def run_prefill(args, pool: Pool, builder, kv_name: str, tflops: float, dev, wit
 
 def run_mixed(args, pool: Pool, builder, kv_name: str, dev) -> dict:
     backend = TritonAttentionBackend()
+    backend.read_new_kv = args.new_kv
     nd, ctx = args.mixed_decodes
     lens, qlens = [ctx] * nd + [args.prefix + args.chunk], [1] * nd + [args.chunk]
     meta = step_meta(builder, pool, lens, qlens)
     t = sum(qlens)
     q = torch.randn((t, args.hq, args.head_dim), dtype=torch.bfloat16, device=dev)
-    k = torch.randn((t, args.hk, args.head_dim), dtype=torch.bfloat16, device=dev)
-    us = bench_us(lambda: backend.forward(q, k, k, pool.layer, meta, args.head_dim ** -0.5, args.window, None,
+    k, v = new_kv(t, args, dev)
+    us = bench_us(lambda: backend.forward(q, k, v, pool.layer, meta, args.head_dim ** -0.5, args.window, None,
                                           pool.scale, pool.scale))
     what = f"{nd} decodes at {ctx} + chunk {args.chunk} on {args.prefix}"
     print(f"mixed   {kv_name:4} {what}: forward {us:.1f} us", flush=True)
@@ -197,13 +210,14 @@ def run_sweep(args, pool: Pool, builder, kv_name: str, tflops: float, dev) -> li
     for name, lens, qlens in shapes:
         meta = step_meta(builder, pool, lens, qlens)
         q = torch.randn((sum(qlens), args.hq, args.head_dim), dtype=torch.bfloat16, device=dev)
+        k, v = new_kv(sum(qlens), args, dev)
         flops = causal_flops(args.hq, args.head_dim, lens, qlens, args.window)
         for bm, bn, warps, stages in SWEEP:
             for pack in sorted({1, default_g_pack(g, bm)}):
                 cfg = PrefillConfig(bm, bn, pack, warps, stages)
                 backend = TritonAttentionBackend(cfg)
                 try:
-                    us = time_attend(backend, q, pool, meta, args)
+                    us = time_attend(backend, q, pool, meta, args, k, v)
                 except Exception as e:  # out of shared memory or registers: recorded, not fatal
                     print(f"sweep {kv_name} {name} {cfg}: failed: {type(e).__name__}: {e}"[:300], flush=True)
                     rows.append({"kv": kv_name, "shape": name, "config": cfg.__dict__, "error": str(e)[:300]})
@@ -254,6 +268,8 @@ def main(argv=None) -> int:
                     help="with --sweep: write the best config as JSON (what PDSERVE_PREFILL_CONFIG reads)")
     ap.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--new-kv", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill reads the new tokens' K/V from k/v (default); --no-new-kv: all from the pool")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes on CPU through Triton's interpreter (TRITON_INTERPRET=1): checks the script only")
     args = ap.parse_args(argv)

@@ -301,7 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--out", default="steps.json")
+    ap.add_argument("--prefill-new-kv", action=argparse.BooleanOptionalAction, default=True,
+                    help="Triton backend: prefill rows read their new tokens' K/V from the step's k/v (default) or, "
+                         "with --no-prefill-new-kv, from the pool as before (an A/B in one lease)")
     args = ap.parse_args(argv)
+    if not args.prefill_new_kv:
+        from pdserve.ops.attention.triton_backend import TritonAttentionBackend
+        TritonAttentionBackend.read_new_kv = False
 
     rec = new_record("engine_steps", vars(args))
     cfg = EngineConfig(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
