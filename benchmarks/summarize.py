@@ -423,6 +423,66 @@ def _first_wave(rel: str) -> tuple[float, float, float, float]:
     return mean(reqs), mean(w1), mean(w2), max(s + t for s, t in w1) - t0
 
 
+def session11() -> None:
+    """The session-11 lease (one H200): prefill attention reading the step's new K/V from k/v (A/B in one lease),
+    dummy Qwen3-30B-A3B with fp8 KV and dense Qwen3-8B one prompt at a time against vLLM, and the clients on vLLM's
+    server with pdserve's on plain asyncio."""
+    base = "lease_s11"
+    print("Prefill attention (`bench_attention.py`, 32 query heads, d=128, one H200): the new tokens' K/V read from "
+          "the step's k/v (`--new-kv`, now the default) vs every key from the pool (`--no-new-kv`, the kernel before), "
+          "in one call:\n")
+    print("| KV heads | pool | shape | from k/v us | TFLOP/s | from the pool us | TFLOP/s | speed-up |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for hk in (4, 8):
+        a = {(r["kv"], r["shape"]): r for r in load(f"{base}/newkv/attn_hk{hk}_new-kv.json")["prefill"]}
+        b = {(r["kv"], r["shape"]): r for r in load(f"{base}/newkv/attn_hk{hk}_no-new-kv.json")["prefill"]}
+        for key, r in a.items():
+            o = b[key]
+            print(f"| {hk} | {key[0]} | {key[1]} | {r['us']:.1f} | {r['tflops']:.1f} | {o['us']:.1f} | "
+                  f"{o['tflops']:.1f} | {o['us'] / r['us']:.2f}x |")
+    with open(B / base / "newkv" / "gpu_tests.txt") as f:
+        tests = [ln.strip() for ln in f if " passed" in ln][-1]
+    print(f"\nGPU tests of the prefill kernel, fp8 KV and the backend on the same machine: {tests}.")
+    print("\nThe 8192-token prefill step (`bench_steps.py`, eager), both ways in one call:\n")
+    print("| model | from k/v ms | from the pool ms | speed-up | floor ms | floor / measured (from k/v) |\n"
+          "|---|---|---|---|---|---|")
+    for m, name in (("qwen3-30b-a3b", "dummy Qwen3-30B-A3B, fp8 KV"), ("qwen3-8b", "dummy Qwen3-8B, bf16 KV")):
+        n = {r["case"]: r for r in load(f"{base}/newkv_steps/{m}_prefill-new-kv.json")["results"]}["prefill:8192"]
+        o = {r["case"]: r for r in load(f"{base}/newkv_steps/{m}_no-prefill-new-kv.json")["results"]}["prefill:8192"]
+        print(f"| {name} | {n['step_ms_median']:.2f} | {o['step_ms_median']:.2f} | "
+              f"{o['step_ms_median'] / n['step_ms_median']:.3f}x | {n['floor_ms']:.2f} | {n['fraction_of_floor']:.1%} |")
+    print("\nSide by side, dummy Qwen3-30B-A3B with fp8 KV on both (`lease_1gpu.sh moe`, vLLM's client; vLLM with "
+          f"`--attention-backend FLASH_ATTN`; kernels compiled while serving: {_compiles(f'{base}/moe/pdserve.log.gz')}):\n")
+    _side_by_side(load(f"{base}/moe/comparison.json"))
+    print("\nSide by side, dummy Qwen3-8B bf16, one prompt at a time (`lease_1gpu.sh sbs`, vLLM's client, "
+          f"--save-detailed; kernels compiled while serving: {_compiles(f'{base}/sbs_long/pdserve.log.gz')}):\n")
+    _side_by_side(load(f"{base}/sbs_long/comparison.json"))
+    print("\n| workload | server | mean TTFT ms | mean TTFT after the first request ms | mean TPOT ms |\n|---|---|---|---|---|")
+    for d, w in (("moe", "8192x16_c1"), ("sbs_long", "8192x16_c1"), ("sbs_long", "32768x16_c1")):
+        for srv in ("vllm", "pdserve"):
+            r = load(f"{base}/{d}/{srv}_single_{w}.json")
+            after = 1e3 * sum(r["ttfts"][1:]) / (len(r["ttfts"]) - 1)
+            print(f"| {'MoE fp8 ' if d == 'moe' else ''}{w} | {srv} | {r['mean_ttft_ms']:.1f} | {after:.1f} | "
+                  f"{r['mean_tpot_ms']:.2f} |")
+    print("\nThe first request of each one-at-a-time run is a prefix hit of the client's warm-up prompts.")
+    print("\nThe two clients on vLLM's server, rounds alternating, pdserve's client with uvloop blocked (plain "
+          "asyncio, as vLLM's client runs):\n")
+    print("| metric | vLLM's client by round | pdserve's client by round | ratio of means | "
+          "drift between a client's own rounds, vLLM's / pdserve's |\n|---|---|---|---|---|")
+    for row in load(f"{base}/sbs_asyncio/comparison.json")["client_rounds"]:
+        for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+            m = row["metrics"][k]
+            print(f"| {k} | {', '.join(f'{x:.2f}' for x in m['vllm_client'])} | "
+                  f"{', '.join(f'{x:.2f}' for x in m['pdserve_client'])} | {m['ratio_of_means']:.3f} | "
+                  f"{100 * m['drift_vllm_client']:.1f} % / {100 * m['drift_pdserve_client']:.1f} % |")
+    print("\n| round | client | mean TTFT ms | first wave ms | second wave ms | first wave's last first token s |"
+          "\n|---|---|---|---|---|---|")
+    for r in ("", "_r2"):
+        for c, name in (("", "vLLM's"), ("_pdclient", "pdserve's (asyncio)")):
+            m, w1, w2, last = _first_wave(f"{base}/sbs_asyncio/vllm_single_1024x1024_c256{r}{c}.json")
+            print(f"| {2 if r else 1} | {name} | {m:.1f} | {w1:.1f} | {w2:.1f} | {last:.2f} |")
+
+
 def session10() -> None:
     """The session-10 lease (one H200): the clients in alternating rounds on each server, KV capacity, the 8k
     prefill step without the MLP's join, fp8 products in prefill attention (measured, not adopted)."""
@@ -563,6 +623,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session11()
+    print()
     session10()
     print()
     session9()
