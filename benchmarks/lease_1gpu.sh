@@ -83,6 +83,7 @@ case $STAGE in
   sbs)
     WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1 32768:16:4:1"} CLIENTS=${SBS_CLIENTS:-vllm} SINGLE_GPU=1 \
       SERVERS=${SBS_SERVERS:-"vllm pdserve"} DETAILED=${SBS_DETAILED:-0} CLIENT_ROUNDS=${SBS_ROUNDS:-1} OUT=$W STAGE=.vllm-stage \
+      PDCLIENT_ARGS=${SBS_PDCLIENT_ARGS:-} \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 570 bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -30
     echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
     for f in "$W"/*.log; do gzip -f "$f"; done

@@ -12,7 +12,7 @@
 # <name>_<in>x<out>_c<conc>_pdclient.json), CLIENT_ROUNDS (k > 1: the clients alternate k times, rounds after the
 # first written as <name>_<in>x<out>_c<conc>_r<k>[_pdclient].json, so run-to-run drift is measured beside the clients'
 # difference), DETAILED=1 (both clients keep per-request start times and TTFTs: compact_detail.py), SERVERS (with
-# SINGLE_GPU=1: "vllm" or "pdserve" alone), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
+# SINGLE_GPU=1: "vllm" or "pdserve" alone), PDCLIENT_ARGS (extra flags for pdserve's client, e.g. --trust-env), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
 # ("in:out:prompts:concurrency ...", default "1024:1024:512:256 8192:16:16:1 32768:16:8:1").
 # Each server's start-up time (launch -> first completion answered) and KV capacity (tokens, from its log) are
 # written to $OUT/<name>_server.json; each workload to $OUT/<name>_<in>x<out>_c<conc>.json (vLLM's format).
@@ -117,7 +117,7 @@ bench() {  # NAME PORT: every workload, vLLM's client; with CLIENTS="vllm pdserv
           --tokenizer $M --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n \
           --max-concurrency $c --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
           --num-warmups 2 --disable-tqdm --no-plots --save-result $([ "${DETAILED:-0}" = 1 ] && echo --save-detailed) \
-          --result-dir $OUT --result-filename ${rf}_pdclient.json > $OUT/${rf}_pdclient.txt 2>&1
+          --result-dir $OUT --result-filename ${rf}_pdclient.json ${PDCLIENT_ARGS:-} > $OUT/${rf}_pdclient.txt 2>&1
         [ "${DETAILED:-0}" = 1 ] && python3 benchmarks/vs_vllm/compact_detail.py $OUT/${rf}_pdclient.json
         rm -f $OUT/${rf}_pdclient.pdserve.json  # the per-request record (15 MB at 512 requests); the summary stays
         python3 benchmarks/vs_vllm/compare.py --line $OUT/${rf}_pdclient.json

@@ -77,6 +77,9 @@ def add_common(p: argparse.ArgumentParser, rate: bool = True, input_len_list: bo
                    help="HF directory, tokenizer.json or .gguf (default: --model when it names one)")
     g.add_argument("--api-key", default=openai_api_key(), help="Bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds allowed per request")
+    g.add_argument("--trust-env", action="store_true",
+                   help="honour HTTP(S)_PROXY/NO_PROXY and .netrc per request, as vLLM's bench serve does (its "
+                        "per-request lookups delay sends at high concurrency and add to every TTFT)")
     g.add_argument("--ready-check-timeout-sec", type=int, default=0,
                    help="retry the initial test request for up to this many seconds while the server starts")
     g.add_argument("--skip-initial-test", action="store_true", help="send no test request before the run")
@@ -172,7 +175,8 @@ def endpoint_config(args) -> EndpointConfig:
     return EndpointConfig(base_url=base, endpoint=endpoint, model=args.served_model_name or args.model or "",
                           ignore_eos=args.ignore_eos or args.dataset_name == "random", sampling=sampling,
                           extra_body=args.extra_body or {}, headers=key_values(args.header, "--header"),
-                          logprobs=args.logprobs, request_timeout_s=args.request_timeout, api_key=args.api_key)
+                          logprobs=args.logprobs, request_timeout_s=args.request_timeout, api_key=args.api_key,
+                          trust_env=args.trust_env)
 
 
 def workload_config(args, input_len: int | None = None) -> WorkloadConfig:

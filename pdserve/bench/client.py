@@ -84,6 +84,11 @@ class EndpointConfig:
     logprobs: int | None = None
     request_timeout_s: float = 600.0
     api_key: str | None = None
+    # aiohttp's trust_env, which vLLM's `bench serve` sets: proxies from HTTP(S)_PROXY/NO_PROXY and credentials from
+    # .netrc, looked up per request. aiohttp 3.14 does both lookups in the default thread pool, so 256 requests
+    # started at once reach the server ~200 ms later than without it (benchmarks/lease_s11/client_intake) and every
+    # TTFT includes that wait. Off by default: the time measured is the server's.
+    trust_env: bool = False
 
     def __post_init__(self) -> None:
         if self.endpoint not in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT):

@@ -109,7 +109,8 @@ class Bench:
         self.model_root: str | None = None  # /v1/models' "root" of the served model, when the bench asked
 
     async def __aenter__(self) -> Bench:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                                             trust_env=self.endpoint.trust_env)
         if not self.endpoint.model:
             self.endpoint.model, self.model_root = await self.served_model()
         return self

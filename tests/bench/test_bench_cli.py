@@ -238,3 +238,24 @@ def test_client_capacity_against_the_zero_work_endpoint():
     far = {"request_throughput": cap["request_throughput"] / 10, "output_throughput": cap["output_throughput"] / 10}
     assert "bottleneck" in capacity_warning(near, cap)
     assert capacity_warning(far, cap) is None
+
+
+def test_trust_env_sends_through_the_environment_proxy_only_when_asked(tmp_path, word_tokenizer_dir, monkeypatch,
+                                                                        capsys):
+    """--trust-env (vLLM's aiohttp setting) takes HTTP_PROXY from the environment; without it the proxy is ignored.
+    The base URL is a closed port: only a request that went through the proxy (the fake server) can succeed."""
+    for var in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    closed = "http://127.0.0.1:9"  # discard: nothing listens there in a test environment
+    argv = ["serve", *_common(closed, word_tokenizer_dir), "--model", "fake", "--num-prompts", "3",
+            "--max-concurrency", "2", "--skip-initial-test", "--save-result", "--result-dir", str(tmp_path)]
+    with FakeServer(Script(ttft_s=0.005, itl_s=0.001)) as srv:
+        monkeypatch.setenv("HTTP_PROXY", srv.url)
+        monkeypatch.setenv("http_proxy", srv.url)
+        assert main([*argv, "--trust-env", "--result-filename", "proxied.json"]) == 0
+        assert len(srv.records) == 3
+        assert main([*argv, "--result-filename", "direct.json"]) == 0
+        assert len(srv.records) == 3  # nothing more reached the proxy
+    capsys.readouterr()
+    assert json.loads((tmp_path / "proxied.json").read_text())["completed"] == 3
+    assert json.loads((tmp_path / "direct.json").read_text())["completed"] == 0
