@@ -481,6 +481,32 @@ def session11() -> None:
         for c, name in (("", "vLLM's"), ("_pdclient", "pdserve's (asyncio)")):
             m, w1, w2, last = _first_wave(f"{base}/sbs_asyncio/vllm_single_1024x1024_c256{r}{c}.json")
             print(f"| {2 if r else 1} | {name} | {m:.1f} | {w1:.1f} | {w2:.1f} | {last:.2f} |")
+    runs = load(f"{base}/client_intake/summary.json")["runs"] + load(f"{base}/client_intake/ablation/summary.json")["runs"]
+    by: dict[str, list[float]] = {}
+    for r in runs:
+        by.setdefault(r["client"], []).append(r["arrival_minus_start_ms"]["mean"])
+    print("\nWhere vLLM's client loses the time (`benchmarks/vs_vllm/client_intake.py`, CPU, scripted server in its own "
+          "process, 256 of 512 prompts of 1024 tokens at once, the same texts; mean of the first wave's server arrival "
+          "minus the client's recorded start, ms, per run):\n")
+    print("| client | arrival - start ms |\n|---|---|")
+    for k, xs in by.items():
+        print(f"| {k} | {', '.join(f'{x:.0f}' for x in xs)} |")
+    print("\nThe two clients on vLLM's server again (a second machine), pdserve's client with `--trust-env` (vLLM's "
+          "session setting):\n")
+    print("| metric | vLLM's client by round | pdserve's client by round | ratio of means | "
+          "drift between a client's own rounds, vLLM's / pdserve's |\n|---|---|---|---|---|")
+    for row in load(f"{base}/sbs_trustenv/comparison.json")["client_rounds"]:
+        for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+            m = row["metrics"][k]
+            print(f"| {k} | {', '.join(f'{x:.2f}' for x in m['vllm_client'])} | "
+                  f"{', '.join(f'{x:.2f}' for x in m['pdserve_client'])} | {m['ratio_of_means']:.3f} | "
+                  f"{100 * m['drift_vllm_client']:.1f} % / {100 * m['drift_pdserve_client']:.1f} % |")
+    print("\n| round | client | mean TTFT ms | first wave ms | second wave ms | first wave's last first token s |"
+          "\n|---|---|---|---|---|---|")
+    for r in ("", "_r2"):
+        for c, name in (("", "vLLM's"), ("_pdclient", "pdserve's (--trust-env)")):
+            m, w1, w2, last = _first_wave(f"{base}/sbs_trustenv/vllm_single_1024x1024_c256{r}{c}.json")
+            print(f"| {2 if r else 1} | {name} | {m:.1f} | {w1:.1f} | {w2:.1f} | {last:.2f} |")
 
 
 def session10() -> None:
