@@ -28,6 +28,7 @@
 #   newkv      prefill attention reading the step's new K/V from k/v (default) vs all from the pool: the GPU tests of the
 #              prefill kernel, fp8 KV and the backend, then bench_attention.py both ways (hk 4 and 8, bf16 and fp8 pools)
 #   newkv_steps the same A/B on the 8k prefill step of dummy Qwen3-30B-A3B (fp8 KV) and Qwen3-8B (bench_steps.py)
+#   chunks32k  the four 8k chunks of a 32k prompt (dummy Qwen3-8B) against their floors; the last chunk's kernels
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -163,6 +164,13 @@ case $STAGE in
       echo "== $m --$nk"; grep -E "^(prefill|decode):|ceilings" "$W/$n.txt"
     done; done
     tar czf "$OUT/newkv_steps.tgz" -C "$OUT" newkv_steps ;;
+  chunks32k)  # the four 8192-token chunks of a 32k prompt (Qwen3-8B, bf16): each step against its floor, then the kernels of the last
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --loop= --max-model-len 40960"
+    timeout 200 $B --decode 1x32768 --prefill 8192,8192+8192,16384+8192,24576+8192 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(prefill|decode)[^ ]*:|ceilings" "$W/steps.txt"
+    timeout 200 $B --profile "prefill:24576+8192" --top 14 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -A18 "^profile"
+    tar czf "$OUT/chunks32k.tgz" -C "$OUT" chunks32k ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -114,7 +114,11 @@ def parse_cases(decode: str = "", prefill: str = "", mixed: str = "") -> list[tu
         b, ctx = (int(x) for x in spec.split("x"))
         cases.append((f"decode:{spec}", [(ctx, 1, True)] * b))
     for spec in filter(None, prefill.split(",")):
-        cases.append((f"prefill:{spec}", _prompts(spec, True)))
+        if "+" in spec:  # "C+N": the last chunk of a long prompt, N new tokens after C cached ones (KV present)
+            c, n = (int(x) for x in spec.split("+"))
+            cases.append((f"prefill:{spec}", [(c, n, True)]))
+        else:
+            cases.append((f"prefill:{spec}", _prompts(spec, True)))
     for spec in filter(None, mixed.split(",")):
         dec, chunk = spec.split("+")
         b, ctx = (int(x) for x in dec.split("x"))
@@ -281,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--decode", default="1x1024,256x1024,1x8192,32x8192", help="batch x context, comma-separated")
-    ap.add_argument("--prefill", default="8192", help="prompt lengths")
+    ap.add_argument("--prefill", default="8192",
+                    help="prompt lengths; NxL: N prompts of L in one step; C+N: a chunk of N after C cached tokens")
     ap.add_argument("--mixed", default="256x1024+512", help="decodes (batch x context) + prefill chunk")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
