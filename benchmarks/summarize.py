@@ -465,6 +465,7 @@ def session11() -> None:
             print(f"| {'MoE fp8 ' if d == 'moe' else ''}{w} | {srv} | {r['mean_ttft_ms']:.1f} | {after:.1f} | "
                   f"{r['mean_tpot_ms']:.2f} |")
     print("\nThe first request of each one-at-a-time run is a prefix hit of the client's warm-up prompts.")
+    _chunks32k(base)
     print("\nThe two clients on vLLM's server, rounds alternating, pdserve's client with uvloop blocked (plain "
           "asyncio, as vLLM's client runs):\n")
     print("| metric | vLLM's client by round | pdserve's client by round | ratio of means | "
@@ -507,6 +508,28 @@ def session11() -> None:
         for c, name in (("", "vLLM's"), ("_pdclient", "pdserve's (--trust-env)")):
             m, w1, w2, last = _first_wave(f"{base}/sbs_trustenv/vllm_single_1024x1024_c256{r}{c}.json")
             print(f"| {2 if r else 1} | {name} | {m:.1f} | {w1:.1f} | {w2:.1f} | {last:.2f} |")
+
+
+def _chunks32k(base: str) -> None:
+    """The four 8k chunks of a 32k prompt against their floors, and the last chunk's prefill attention rate."""
+    d = load(f"{base}/chunks32k/steps.json")
+    c = d["ceilings"]
+    print("\nThe four 8192-token chunks of a 32k prompt, dummy Qwen3-8B bf16 (`lease_1gpu.sh chunks32k`, `bench_steps.py "
+          f"--prefill C+N`, eager; same run's bf16 matmul ceiling {c['bf16_matmul_tflops']:.0f} TFLOP/s):\n")
+    print("| step | ms (median) | floor ms | floor / measured |\n|---|---|---|---|")
+    for r in d["results"]:
+        if r["case"].startswith("prefill"):
+            print(f"| {r['case']} | {r['step_ms_median']:.2f} | {r['floor_ms']:.2f} | {r['fraction_of_floor']:.1%} |")
+    prof = load(f"{base}/chunks32k/profile.json")["profiles"][0]["graphs"]
+    pk = {t["name"]: t for t in prof["top"]}["_prefill_kernel"]
+    cached, new = (int(x) for x in load(f"{base}/chunks32k/profile.json")["profiles"][0]["case"].split(":")[1].split("+"))
+    flops = d["engine"]["attn_flops_per_pair"] * (new * cached + new * (new + 1) / 2)
+    print(f"\nThe last chunk's kernels: {prof['gpu_us_per_step'] / 1e3:.1f} ms a step, prefill attention "
+          f"{pk['us_per_step'] / 1e3:.1f} ms ({pk['share']:.1%}; {flops / (pk['us_per_step'] * 1e-6) / 1e12:.0f} TFLOP/s over "
+          f"its {cached:,} pool keys and {new:,} new ones; whole prompts read from k/v reach 455-457 TFLOP/s above). The "
+          f"four steps add up to {sum(r['step_ms_median'] for r in d['results'] if r['case'].startswith('prefill')):,.0f} ms, "
+          "more than the served 32k TTFT above; the pool's prefix here holds uninitialised memory, and why the sum is "
+          "higher was not examined.")
 
 
 def session10() -> None:
