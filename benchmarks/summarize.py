@@ -468,20 +468,7 @@ def session11() -> None:
     _chunks32k(base)
     print("\nThe two clients on vLLM's server, rounds alternating, pdserve's client with uvloop blocked (plain "
           "asyncio, as vLLM's client runs):\n")
-    print("| metric | vLLM's client by round | pdserve's client by round | ratio of means | "
-          "drift between a client's own rounds, vLLM's / pdserve's |\n|---|---|---|---|---|")
-    for row in load(f"{base}/sbs_asyncio/comparison.json")["client_rounds"]:
-        for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
-            m = row["metrics"][k]
-            print(f"| {k} | {', '.join(f'{x:.2f}' for x in m['vllm_client'])} | "
-                  f"{', '.join(f'{x:.2f}' for x in m['pdserve_client'])} | {m['ratio_of_means']:.3f} | "
-                  f"{100 * m['drift_vllm_client']:.1f} % / {100 * m['drift_pdserve_client']:.1f} % |")
-    print("\n| round | client | mean TTFT ms | first wave ms | second wave ms | first wave's last first token s |"
-          "\n|---|---|---|---|---|---|")
-    for r in ("", "_r2"):
-        for c, name in (("", "vLLM's"), ("_pdclient", "pdserve's (asyncio)")):
-            m, w1, w2, last = _first_wave(f"{base}/sbs_asyncio/vllm_single_1024x1024_c256{r}{c}.json")
-            print(f"| {2 if r else 1} | {name} | {m:.1f} | {w1:.1f} | {w2:.1f} | {last:.2f} |")
+    _client_rounds_on_vllm(f"{base}/sbs_asyncio", "pdserve's (asyncio)")
     runs = load(f"{base}/client_intake/summary.json")["runs"] + load(f"{base}/client_intake/ablation/summary.json")["runs"]
     by: dict[str, list[float]] = {}
     for r in runs:
@@ -494,9 +481,15 @@ def session11() -> None:
         print(f"| {k} | {', '.join(f'{x:.0f}' for x in xs)} |")
     print("\nThe two clients on vLLM's server again (a second machine), pdserve's client with `--trust-env` (vLLM's "
           "session setting):\n")
+    _client_rounds_on_vllm(f"{base}/sbs_trustenv", "pdserve's (--trust-env)")
+
+
+def _client_rounds_on_vllm(folder: str, pd_name: str) -> None:
+    """Both clients in alternating rounds on vLLM's server at 1024/1024 c256 (DETAILED=1, SBS_ROUNDS=2): the
+    client_rounds table of compare.py, then each run's TTFT by wave."""
     print("| metric | vLLM's client by round | pdserve's client by round | ratio of means | "
           "drift between a client's own rounds, vLLM's / pdserve's |\n|---|---|---|---|---|")
-    for row in load(f"{base}/sbs_trustenv/comparison.json")["client_rounds"]:
+    for row in load(f"{folder}/comparison.json")["client_rounds"]:
         for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
             m = row["metrics"][k]
             print(f"| {k} | {', '.join(f'{x:.2f}' for x in m['vllm_client'])} | "
@@ -505,8 +498,8 @@ def session11() -> None:
     print("\n| round | client | mean TTFT ms | first wave ms | second wave ms | first wave's last first token s |"
           "\n|---|---|---|---|---|---|")
     for r in ("", "_r2"):
-        for c, name in (("", "vLLM's"), ("_pdclient", "pdserve's (--trust-env)")):
-            m, w1, w2, last = _first_wave(f"{base}/sbs_trustenv/vllm_single_1024x1024_c256{r}{c}.json")
+        for c, name in (("", "vLLM's"), ("_pdclient", pd_name)):
+            m, w1, w2, last = _first_wave(f"{folder}/vllm_single_1024x1024_c256{r}{c}.json")
             print(f"| {2 if r else 1} | {name} | {m:.1f} | {w1:.1f} | {w2:.1f} | {last:.2f} |")
 
 
