@@ -484,6 +484,13 @@ def session11() -> None:
     _client_rounds_on_vllm(f"{base}/sbs_trustenv", "pdserve's (--trust-env)")
 
 
+def _round_cells(m: dict) -> str:
+    """One metric of compare.py's client_rounds: each client's value by round, the ratio of means, both drifts."""
+    return (f"{', '.join(f'{x:.2f}' for x in m['vllm_client'])} | "
+            f"{', '.join(f'{x:.2f}' for x in m['pdserve_client'])} | {m['ratio_of_means']:.3f} | "
+            f"{100 * m['drift_vllm_client']:.1f} % / {100 * m['drift_pdserve_client']:.1f} %")
+
+
 def _client_rounds_on_vllm(folder: str, pd_name: str) -> None:
     """Both clients in alternating rounds on vLLM's server at 1024/1024 c256 (DETAILED=1, SBS_ROUNDS=2): the
     client_rounds table of compare.py, then each run's TTFT by wave."""
@@ -491,10 +498,7 @@ def _client_rounds_on_vllm(folder: str, pd_name: str) -> None:
           "drift between a client's own rounds, vLLM's / pdserve's |\n|---|---|---|---|---|")
     for row in load(f"{folder}/comparison.json")["client_rounds"]:
         for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
-            m = row["metrics"][k]
-            print(f"| {k} | {', '.join(f'{x:.2f}' for x in m['vllm_client'])} | "
-                  f"{', '.join(f'{x:.2f}' for x in m['pdserve_client'])} | {m['ratio_of_means']:.3f} | "
-                  f"{100 * m['drift_vllm_client']:.1f} % / {100 * m['drift_pdserve_client']:.1f} % |")
+            print(f"| {k} | {_round_cells(row['metrics'][k])} |")
     print("\n| round | client | mean TTFT ms | first wave ms | second wave ms | first wave's last first token s |"
           "\n|---|---|---|---|---|---|")
     for r in ("", "_r2"):
@@ -551,10 +555,7 @@ def session10() -> None:
     for srv in ("vllm", "pdserve"):
         for row in load(f"{base}/sbs_{srv}/comparison.json")["client_rounds"]:
             for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
-                m = row["metrics"][k]
-                print(f"| {srv} | {k} | {', '.join(f'{x:.2f}' for x in m['vllm_client'])} | "
-                      f"{', '.join(f'{x:.2f}' for x in m['pdserve_client'])} | {m['ratio_of_means']:.3f} | "
-                      f"{100 * m['drift_vllm_client']:.1f} % / {100 * m['drift_pdserve_client']:.1f} % |")
+                print(f"| {srv} | {k} | {_round_cells(row['metrics'][k])} |")
     print("\nTTFT by wave (per-request start times and TTFTs: the first 256 requests sent, then the 256 sent as they "
           "finished):\n")
     print("| server | round | client | mean TTFT ms | first wave ms | second wave ms | first wave's last first token "
