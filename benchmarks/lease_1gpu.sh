@@ -29,6 +29,10 @@
 #              prefill kernel, fp8 KV and the backend, then bench_attention.py both ways (hk 4 and 8, bf16 and fp8 pools)
 #   newkv_steps the same A/B on the 8k prefill step of dummy Qwen3-30B-A3B (fp8 KV) and Qwen3-8B (bench_steps.py)
 #   chunks32k  the four 8k chunks of a 32k prompt (dummy Qwen3-8B) against their floors; the last chunk's kernels
+#   skinny     the skinny linear kernel's GPU tests; bench_linear.py's tile sweep against cuBLAS on Qwen3-8B's and
+#              Qwen3-30B-A3B's projections (1..16 rows); the measured table goes to /tmp/skinny_best.json
+#   skinny_steps decode steps of 1..16 rows (dummy Qwen3-8B) with the skinny kernel (the table above) and without,
+#              then the batch-1 8k decode step's kernels
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -171,6 +175,30 @@ case $STAGE in
     timeout 200 $B --profile "prefill:24576+8192" --top 14 --out "$W/profile.json" > "$W/profile.txt" 2>&1
     grep -v " INFO " "$W/profile.txt" | grep -A18 "^profile"
     tar czf "$OUT/chunks32k.tgz" -C "$OUT" chunks32k ;;
+  skinny)
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_linear.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | tail -6
+    for m in qwen3-8b qwen3-30b-a3b; do
+      timeout 240 python3 benchmarks/engine/bench_linear.py --model $m --sweep --best-out "$W/best_$m.json" \
+        --out "$W/linear_$m.json" > "$W/linear_$m.txt" 2>&1
+      grep -E "^(ceilings|precompiled)|rows" "$W/linear_$m.txt"
+    done
+    python3 -c "import json,sys; t={}; [t.update(json.load(open(f))) for f in sys.argv[1:]]; json.dump(t, open('/tmp/skinny_best.json','w'), indent=1)" \
+      "$W"/best_*.json && cp /tmp/skinny_best.json "$W/skinny_best.json"
+    tar czf "$OUT/skinny.tgz" -C "$OUT" skinny ;;
+  skinny_steps)
+    [ -f /tmp/skinny_best.json ] && export PDSERVE_SKINNY_CONFIG=/tmp/skinny_best.json
+    echo "PDSERVE_SKINNY_CONFIG=${PDSERVE_SKINNY_CONFIG:-}"
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --prefill= --max-model-len 16384"
+    for sk in skinny no-skinny; do
+      timeout 170 $B --decode 1x1024,1x8192,2x1024,4x1024,8x1024,16x1024 --loop 1x1024 --$sk \
+        --out "$W/steps_$sk.json" > "$W/steps_$sk.txt" 2>&1
+      echo "== --$sk"; grep -E "^(decode|loop)[^ ]*:|ceilings" "$W/steps_$sk.txt"
+    done
+    left=$(( 560 - ($(date +%s) - t0) ))
+    [ $left -gt 90 ] && timeout $left $B --profile "decode:1x8192" --top 16 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -A20 "^profile"
+    tar czf "$OUT/skinny_steps.tgz" -C "$OUT" skinny_steps ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -56,6 +56,13 @@ def deployment_secret_file() -> str | None:
     return os.environ.get("PDSERVE_DEPLOYMENT_SECRET_FILE") or None
 
 
+def skinny_config_file() -> str | None:
+    """`PDSERVE_SKINNY_CONFIG`: a JSON file {"N,K[,m1]" | "default": {block_n, block_k, num_warps, num_stages, kind}}
+    of the skinny linear kernel's tiles (pdserve.ops.linear) for few-row products on CUDA: what
+    `benchmarks/engine/bench_linear.py --best-out FILE` measured best on this GPU."""
+    return os.environ.get("PDSERVE_SKINNY_CONFIG") or None
+
+
 def prefill_config_file() -> str | None:
     """`PDSERVE_PREFILL_CONFIG`: a JSON file ({block_m, block_n, num_warps, num_stages[, g_pack]}) whose tiles replace
     the prefill attention kernel's default choice for bf16/fp16 models with head dim <= 128 on CUDA: what

@@ -309,7 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-new-kv", action=argparse.BooleanOptionalAction, default=True,
                     help="Triton backend: prefill rows read their new tokens' K/V from the step's k/v (default) or, "
                          "with --no-prefill-new-kv, from the pool as before (an A/B in one lease)")
+    ap.add_argument("--skinny", action=argparse.BooleanOptionalAction, default=True,
+                    help="few-row linear products (decode graphs of 1..16 rows) through the skinny Triton kernel "
+                         "(default) or, with --no-skinny, through cuBLAS (an A/B in one lease)")
     args = ap.parse_args(argv)
+    if not args.skinny:
+        from pdserve.ops.linear import set_skinny
+        set_skinny(False)
     if not args.prefill_new_kv:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.read_new_kv = False

@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.forward_context import attend
 from pdserve.model.merged import MergedLinearOwner, merge_linears
 from pdserve.model.parallel import RowParallelLinear, column_linear, even_range, kv_head_range
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
+from pdserve.ops.linear import linear
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.rotary import qk_norm_rope
 from pdserve.parallel.group import current_tp
@@ -115,7 +115,7 @@ class GatedMLP(MergedLinearOwner):
         return self.down_proj.finish(out)
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
-        return act_and_mul(F.linear(x, self.gate_up_weight), self.act)
+        return act_and_mul(linear(x, self.gate_up_weight), self.act)
 
 
 class PagedAttention(MergedLinearOwner):
@@ -172,7 +172,7 @@ class PagedAttention(MergedLinearOwner):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.ops.linear import linear
 from pdserve.parallel.group import TPGroup, current_tp
 
 
@@ -110,8 +111,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def partial_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -163,7 +164,7 @@ class ParallelLMHead(nn.Module):
             set_shard(self.weight, ShardSpec(0, start, stop, vocab_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         full = self.tp.gather_to_first(logits)

@@ -1,0 +1,213 @@
+"""y = x @ W^T (+ b) for the few-row steps of decoding: a Triton kernel that streams W once, and cuBLAS for the rest.
+
+A decode step at batch 1 reads every weight once and does almost no arithmetic, so its time is the weights' bytes
+over the rate the GEMM kernel reads them at. cuBLAS's kernels for a handful of rows read the small projections of an
+8B model (q/k/v, o, down) well below the card's copy rate (benchmarks/engine/bench_linear.py measures both in the
+same run). The skinny kernel gives each program `block_n` output columns and sweeps the whole of K, so no split-K
+reduction kernel follows it:
+
+- `dot`: a 16-row tile of x (rows past M masked to zero) times a [block_n, block_k] tile of W on the tensor cores;
+  any M up to 16.
+- `sum`: for one row, each W tile multiplied by x and summed along K in registers (no shared-memory round trip).
+
+Which tile (or cuBLAS) serves which (N, K, rows) comes from a table measured on the card: `PDSERVE_SKINNY_CONFIG`'s
+file, or the one shipped for the GPU (configs/skinny_linear/, written by bench_linear.py --best-out), else the
+defaults below. `linear` routes rows <= `SKINNY_MAX_ROWS` of 16-bit CUDA tensors here and everything else to
+`F.linear`, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pdserve import envs
+from pdserve.ops.dispatch import HAS_TRITON, use_fused
+
+SKINNY_MAX_ROWS = 16  # the dot tile's row count: every M up to it shares one compiled kernel
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """One launch shape of the skinny kernel: output columns per program, K per inner step, warps, pipeline
+    stages, and the inner product (`dot` for any M <= 16, `sum` for M == 1 only). `cublas` in a measured table:
+    that shape measured faster through F.linear, which `linear` then calls."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+    kind: str = "dot"
+
+
+# Without a measured entry: one row through the sum kernel with 8 columns and 1024 of K a program, the tile whose
+# time was best over Qwen3-8B's and Qwen3-30B-A3B's projections on an H200 (1.16x cuBLAS geomean, >= 1.01x on each:
+# benchmarks/lease_s12/skinny); more rows through cuBLAS (no dot tile beat it across those shapes at 8 rows).
+DEFAULT_CONFIG = SkinnyConfig()
+ONE_ROW_CONFIG = SkinnyConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, kind="sum")
+CUBLAS = SkinnyConfig(kind="cublas")
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M"])  # one binary for every M up to 16 (decode graphs of 1..16 rows)
+    def _skinny_dot_kernel(X, W, B, Out, M, N, K, s_xm, s_wn, s_om, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+                           EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, 16)
+        rk = tl.arange(0, BLOCK_K)
+        nmask = rn < N
+        mmask = rm < M
+        w_ptrs = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+        x_ptrs = X + rm[:, None] * s_xm + rk[None, :]
+        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
+                x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
+            else:
+                kmask = (k + rk) < K
+                w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Out + rm[:, None] * s_om + rn[None, :], acc.to(Out.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+                           EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        nmask = rn < N
+        w_ptrs = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+        x_ptrs = X + rk
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
+                x = tl.load(x_ptrs)
+            else:
+                kmask = (k + rk) < K
+                w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=kmask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(Out + rn, y.to(Out.dtype.element_ty), mask=nmask)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: SkinnyConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16, unit stride along K) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > SKINNY_MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"skinny_linear takes x [M<={SKINNY_MAX_ROWS}, K] and weight [N, K] with unit stride "
+                         f"along K; got {tuple(x.shape)} @ {tuple(weight.shape)}^T")
+    cfg = config or skinny_config(n, k, m, x.device)
+    if cfg.kind == "cublas":
+        cfg = ONE_ROW_CONFIG if m == 1 else replace(DEFAULT_CONFIG)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+    grid = (triton.cdiv(n, cfg.block_n),)
+    b = bias if bias is not None else weight  # never read without HAS_BIAS
+    common = dict(HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+    if cfg.kind == "sum" and m == 1:
+        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), **common)
+    elif cfg.kind in ("dot", "sum"):
+        _skinny_dot_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), **common)
+    else:
+        raise ValueError(f"skinny_linear has no kernel {cfg.kind!r}")
+    return out
+
+
+CONFIG_DIR = Path(__file__).parent / "configs" / "skinny_linear"
+
+
+@lru_cache(maxsize=8)
+def _load_table(path: str) -> dict:
+    with open(path) as f:
+        raw = json.load(f)
+    return {key: SkinnyConfig(**val) for key, val in raw.items() if not key.startswith("_")}  # "_source": provenance
+
+
+@lru_cache(maxsize=8)
+def _device_table(device_index: int) -> dict:
+    """The table shipped for this GPU (configs/skinny_linear/device=<name>.json, measured by bench_linear.py), or
+    an empty one."""
+    name = torch.cuda.get_device_name(device_index).replace(" ", "_")
+    path = CONFIG_DIR / f"device={name}.json"
+    return _load_table(str(path)) if path.is_file() else {}
+
+
+def skinny_config(n: int, k: int, m: int = 1, device: torch.device | None = None) -> SkinnyConfig:
+    """The tile for an [M, K] @ [N, K]^T product. Tables, first match wins: PDSERVE_SKINNY_CONFIG's file, then the
+    one shipped for this GPU; in each, "N,K,m1" (one row only), "N,K" (any rows up to 16), then "default". Without
+    an entry: ONE_ROW_CONFIG for one row (it beat cuBLAS on every shape measured), cuBLAS for more."""
+    tables = []
+    if path := envs.skinny_config_file():
+        tables.append(_load_table(path))
+    if device is not None and device.type == "cuda":
+        tables.append(_device_table(device.index if device.index is not None else torch.cuda.current_device()))
+    keys = ((f"{n},{k},m1",) if m == 1 else ()) + (f"{n},{k}", "default")
+    for table in tables:
+        for key in keys:
+            if key in table:
+                cfg = table[key]
+                if m == 1 or cfg.kind != "sum":
+                    return cfg
+                return replace(cfg, kind="dot", block_n=max(16, cfg.block_n))
+    return ONE_ROW_CONFIG if m == 1 else CUBLAS
+
+
+_enabled = True
+
+
+def set_skinny(enabled: bool) -> bool:
+    """Route few-row products to the skinny kernel (default) or always to F.linear (an A/B in one process);
+    returns the previous setting."""
+    global _enabled
+    prev, _enabled = _enabled, enabled
+    return prev
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_enabled and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and use_fused(x)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.stride(1) == 1 and weight.stride(1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with rows <= SKINNY_MAX_ROWS of a 16-bit CUDA tensor through the skinny kernel."""
+    if use_skinny(x, weight):
+        cfg = skinny_config(weight.shape[0], weight.shape[1], x.shape[0], x.device)
+        if cfg.kind != "cublas":
+            return skinny_linear(x, weight, bias, cfg)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,175 @@
+"""The skinny linear kernel (pdserve.ops.linear) against x @ W^T in float32 rounded once: both inner products (dot
+for up to 16 rows, sum for one), shapes that are and are not multiples of the tile, bias, a strided x; the routing
+of `linear` and the measured-table lookup."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.kernel_cases import TOL, gen, randn
+
+pytest.importorskip("triton")
+
+from pdserve.ops import linear as lin  # noqa: E402
+from pdserve.ops.dispatch import force_fused  # noqa: E402
+from pdserve.ops.linear import SkinnyConfig, linear, set_skinny, skinny_config, skinny_linear  # noqa: E402
+
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CASES = [pytest.param("cpu", torch.float16, id="cpu-float16")] + [
+    pytest.param("cuda", dt, id=f"cuda-{str(dt)[6:]}", marks=[pytest.mark.gpu, _needs_cuda])
+    for dt in (torch.bfloat16, torch.float16)]
+
+
+def _ref(x, w, b):
+    y = x.float() @ w.float().T
+    return (y + b.float() if b is not None else y).to(x.dtype)
+
+
+def _check(y, ref):
+    torch.testing.assert_close(y.float(), ref.float(), **TOL[ref.dtype])
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("kind", ["dot", "sum"])
+@pytest.mark.parametrize("m,n,k,block_n,block_k", [(1, 40, 200, 16, 64), (3, 64, 256, 16, 128), (16, 48, 96, 32, 32),
+                                                   (1, 33, 128, 8, 64), (7, 32, 512, 16, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_matches_reference(device, dtype, kind, m, n, k, block_n, block_k, bias):
+    if kind == "dot" and block_n < 16:
+        pytest.skip("the dot tile needs 16 columns")
+    g = gen(m * 1000 + n * 10 + k)
+    x = randn((m, k), g, device, dtype, k ** -0.5)
+    w = randn((n, k), g, device, dtype)
+    b = randn((n,), g, device, dtype) if bias else None
+    with force_fused():
+        y = skinny_linear(x, w, b, SkinnyConfig(block_n, block_k, 4, 2, kind))
+    assert y.shape == (m, n) and y.dtype == dtype
+    _check(y, _ref(x, w, b))
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_strided_rows_and_out(device, dtype):
+    """x is a column slice of a wider tensor (row stride > K), as a split of a fused projection is."""
+    g = gen(5)
+    big = randn((4, 96), g, device, dtype, 0.1)
+    x = big[:, :64]
+    w = randn((48, 64), g, device, dtype)
+    out = torch.full((4, 48), 7.0, dtype=dtype, device=device)
+    with force_fused():
+        y = skinny_linear(x, w, None, SkinnyConfig(16, 32, 4, 2, "dot"), out=out)
+    assert y.data_ptr() == out.data_ptr()
+    _check(y, _ref(x, w, None))
+
+
+def test_wrong_operand_is_refused():
+    w = torch.zeros(8, 32, dtype=torch.float16)
+    with pytest.raises(ValueError):
+        skinny_linear(torch.zeros(17, 32, dtype=torch.float16), w)
+    with pytest.raises(ValueError):
+        skinny_linear(torch.zeros(2, 16, dtype=torch.float16), w)
+
+
+def test_a_wrong_kernel_would_be_caught():
+    """The checker is not blind: the transposed weight gives another answer."""
+    g = gen(11)
+    x = randn((2, 32), g, "cpu", torch.float16, 0.2)
+    w = randn((32, 32), g, "cpu", torch.float16)
+    with force_fused():
+        y = skinny_linear(x, w.T.contiguous(), None, SkinnyConfig(16, 32, 4, 2, "dot"))
+    with pytest.raises(AssertionError):
+        _check(y, _ref(x, w, None))
+
+
+def test_linear_routes_few_rows_of_16_bit_tensors(monkeypatch, tmp_path):
+    calls = []
+    real = lin.skinny_linear
+    monkeypatch.setattr(lin, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.delenv("PDSERVE_SKINNY_CONFIG", raising=False)
+    g = gen(3)
+    w = randn((32, 64), g, "cpu", torch.float16)
+    one, two = randn((1, 64), g, "cpu", torch.float16, 0.1), randn((2, 64), g, "cpu", torch.float16, 0.1)
+    big = randn((17, 64), g, "cpu", torch.float16, 0.1)
+    linear(one, w)  # CPU tensors: F.linear unless forced
+    assert calls == []
+    with force_fused():
+        _check(linear(one, w), _ref(one, w, None))
+        linear(two, w)  # no table entry: more than one row stays with cuBLAS
+        linear(big, w)
+        linear(one.float(), w.float())  # fp32: cuBLAS/TF32 semantics stay with F.linear
+        prev = set_skinny(False)
+        try:
+            linear(one, w)
+        finally:
+            set_skinny(prev)
+        assert calls == [(1, 64)]
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps({"32,64": {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2,
+                                              "kind": "dot"}}))
+        monkeypatch.setenv("PDSERVE_SKINNY_CONFIG", str(path))
+        _check(linear(two, w), _ref(two, w, None))  # a measured entry sends two rows to the dot kernel
+    assert calls == [(1, 64), (2, 64)]
+    torch.testing.assert_close(linear(big, w), F.linear(big, w))
+
+
+def test_measured_table_lookup(tmp_path, monkeypatch):
+    table = {"_source": "a test", "default": {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3, "kind": "dot"},
+             "4096,4096": {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 4, "kind": "dot"},
+             "4096,4096,m1": {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 5, "kind": "sum"},
+             "6144,4096": {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 4, "kind": "sum"}}
+    path = tmp_path / "skinny.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.delenv("PDSERVE_SKINNY_CONFIG", raising=False)
+    assert skinny_config(4096, 4096, 1) == lin.ONE_ROW_CONFIG
+    assert skinny_config(4096, 4096, 2).kind == "cublas"
+    monkeypatch.setenv("PDSERVE_SKINNY_CONFIG", str(path))
+    assert skinny_config(4096, 4096, 1) == SkinnyConfig(8, 512, 4, 5, "sum")
+    assert skinny_config(4096, 4096, 8) == SkinnyConfig(16, 512, 8, 4, "dot")
+    assert skinny_config(6144, 4096, 1) == SkinnyConfig(8, 256, 4, 4, "sum")
+    assert skinny_config(6144, 4096, 2) == SkinnyConfig(16, 256, 4, 4, "dot")  # sum serves one row only
+    assert skinny_config(1024, 1024, 3) == SkinnyConfig(32, 128, 4, 3, "dot")
+
+
+def test_shipped_tables_parse():
+    """Every table shipped under configs/skinny_linear names real tiles (the dot tile needs 16+ columns)."""
+    files = sorted(lin.CONFIG_DIR.glob("device=*.json"))
+    assert files
+    for f in files:
+        table = lin._load_table(str(f))
+        assert table
+        for key, cfg in table.items():
+            assert cfg.kind in ("dot", "sum", "cublas"), (f, key)
+            assert cfg.kind != "dot" or cfg.block_n >= 16, (f, key)
+            assert cfg.kind != "sum" or key.endswith(",m1") or key == "default", (f, key)
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)])
+def test_qwen3_8b_shapes_on_cuda(m, n, k):
+    g = gen(n + k + m)
+    x = randn((m, k), g, "cuda", torch.bfloat16, k ** -0.5)
+    w = randn((n, k), g, "cuda", torch.bfloat16)
+    y = linear(x, w)
+    _check(y, _ref(x, w, None))
+
+
+@pytest.mark.gpu
+@_needs_cuda
+def test_captured_in_a_cuda_graph():
+    g = gen(1)
+    w = randn((4096, 4096), g, "cuda", torch.bfloat16)
+    x = torch.zeros((1, 4096), dtype=torch.bfloat16, device="cuda")
+    out = torch.empty((1, 4096), dtype=torch.bfloat16, device="cuda")
+    skinny_linear(x, w, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_linear(x, w, out=out)
+    for seed in (2, 3):
+        x.copy_(randn((1, 4096), gen(seed), "cuda", torch.bfloat16, 4096 ** -0.5))
+        graph.replay()
+        _check(out, _ref(x, w, None))
