@@ -33,6 +33,9 @@
 #              Qwen3-30B-A3B's projections (1..16 rows); the measured table goes to /tmp/skinny_best.json
 #   skinny_steps decode steps of 1..16 rows (dummy Qwen3-8B) with the skinny kernel (the table above) and without,
 #              then the batch-1 8k decode step's kernels
+#   pdl        GPU tests (skinny linear, PDL bit-identity and graphs vs eager, decode attention, the warm-up compiles
+#              nothing); decode steps of dummy Qwen3-8B with PDL early, late and off, then with neither PDL nor the
+#              skinny kernel; the batch-1 8k decode step's kernels
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -199,6 +202,21 @@ case $STAGE in
     [ $left -gt 90 ] && timeout $left $B --profile "decode:1x8192" --top 16 --out "$W/profile.json" > "$W/profile.txt" 2>&1
     grep -v " INFO " "$W/profile.txt" | grep -A20 "^profile"
     tar czf "$OUT/skinny_steps.tgz" -C "$OUT" skinny_steps ;;
+  pdl)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short ${PDL_TESTS:-tests/ops/test_linear.py \
+      tests/engine/test_cuda_graphs.py tests/ops/test_attention_decode.py tests/engine/test_warmup.py} 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --prefill= --max-model-len 16384"
+    for ab in early late off "off --no-skinny"; do
+      n=$(echo $ab | tr -d ' -')
+      timeout 100 $B --decode 1x1024,1x8192,2x1024,4x1024,8x1024,16x1024,256x1024 --loop 1x1024,1x8192 --iters 40 --pdl $ab \
+        --out "$W/steps_$n.json" > "$W/steps_$n.txt" 2>&1
+      echo "== --pdl $ab"; grep -E "^(decode|loop)[^ ]*:|ceilings" "$W/steps_$n.txt"
+    done
+    left=$(( 560 - ($(date +%s) - t0) ))
+    [ $left -gt 60 ] && timeout $left $B --profile "decode:1x8192" --top 14 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -A18 "^profile"
+    tar czf "$OUT/pdl.tgz" -C "$OUT" pdl ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -39,7 +39,8 @@ def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
     sig = {n: ("constexpr" if n in constexprs else types[n]) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+                       options={"num_warps": num_warps, "num_stages": num_stages,
+                                "launch_pdl": bool(constexprs.get("PDL"))})
     ptx = k.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -82,7 +83,7 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
     ce = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs,
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
-              DOT_F16=kv in FP8 and dt != "fp32")
+              DOT_F16=kv in FP8 and dt != "fp32", PDL=1)
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
                "s_kvh", "s_pb", "s_ph", "s_ps"]
     return _compile(_decode_kernel, types, ce, warps, stages, aligned)
@@ -92,7 +93,7 @@ def kv_write(dt: str, kv: str, hk: int, d: int) -> dict:
     types = dict(K=f"*{dt}", V=f"*{dt}", KV=f"*{kv}", SLOTS="*i64", KS="*fp32", VS="*fp32", s_kt="i32", s_kh="i32",
                  s_vt="i32", s_vh="i32", s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32")
     ce = dict(HK=hk, D=d, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d), BS=16,
-              FP8=kv in FP8, HAS_KS=kv in FP8, HAS_VS=kv in FP8, FP8_MAX=448.0 if kv == "fp8e4nv" else 57344.0)
+              FP8=kv in FP8, HAS_KS=kv in FP8, HAS_VS=kv in FP8, FP8_MAX=448.0 if kv == "fp8e4nv" else 57344.0, PDL=1)
     return _compile(_write_kv_kernel, types, ce, 4, 1, ["K", "V", "KV", "SLOTS"])
 
 

@@ -312,7 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skinny", action=argparse.BooleanOptionalAction, default=True,
                     help="few-row linear products (decode graphs of 1..16 rows) through the skinny Triton kernel "
                          "(default) or, with --no-skinny, through cuBLAS (an A/B in one lease)")
+    ap.add_argument("--pdl", choices=["early", "late", "off"], default="early",
+                    help="programmatic dependent launch of the decode path's Triton kernels on sm_90+ "
+                         "(pdserve.ops.pdl): the next kernel may launch at a kernel's start (early, the default), "
+                         "after its wait (late), or not before it ends (off): an A/B in one lease")
     args = ap.parse_args(argv)
+    from pdserve.ops.pdl import set_pdl
+    set_pdl(args.pdl)
     if not args.skinny:
         from pdserve.ops.linear import set_skinny
         set_skinny(False)

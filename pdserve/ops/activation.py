@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
+from pdserve.ops.pdl import pdl_args, pdl_enter
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "gelu": "gelu"}  # Hugging Face hidden_act -> the kernel's name
@@ -19,7 +20,8 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _act_and_mul_kernel(X, Out, s_x, s_o, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    def _act_and_mul_kernel(X, Out, s_x, s_o, n, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)  # pdserve.ops.pdl
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -63,7 +65,8 @@ def act_and_mul_triton(x: torch.Tensor, act: str) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, out, x2.stride(0), out.stride(0), n, ACT=act, BLOCK=block, num_warps=4 if block >= 512 else 2)
+            x2, out, x2.stride(0), out.stride(0), n, ACT=act, BLOCK=block, num_warps=4 if block >= 512 else 2,
+            **pdl_args(x2))
     return out.view(*shape[:-1], n)
 
 

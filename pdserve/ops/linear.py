@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from pdserve import envs
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
+from pdserve.ops.pdl import pdl_args, pdl_launch_early, pdl_wait
 
 SKINNY_MAX_ROWS = 16  # the dot tile's row count: every M up to it shares one compiled kernel
 
@@ -89,7 +90,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-                           EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl_launch_early(PDL)
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -97,7 +99,17 @@ if HAS_TRITON:
         w_ptrs = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
         x_ptrs = X + rk
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        k0 = 0
+        if PDL != 0:  # the first weight tile streams in under the previous kernel's tail (see pdserve.ops.pdl)
+            kmask = rk < K
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            pdl_wait(PDL)
+            x = tl.load(x_ptrs, mask=kmask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            k0 = BLOCK_K
+        for k in range(k0, K, BLOCK_K):
             if EVEN_K:
                 if EVEN_N:
                     w = tl.load(w_ptrs)
@@ -139,8 +151,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     common = dict(HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     if cfg.kind == "sum" and m == 1:
-        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), **common)
+        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), **common, **pdl_args(x))
     elif cfg.kind in ("dot", "sum"):
+        # never with PDL: its shared memory, held while waiting, crowds out the kernel before it (pdserve.ops.pdl)
         _skinny_dot_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), **common)
     else:
         raise ValueError(f"skinny_linear has no kernel {cfg.kind!r}")

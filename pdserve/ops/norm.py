@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.ops.dispatch import HAS_TRITON, num_warps_for, use_fused
+from pdserve.ops.pdl import pdl_args, pdl_enter
 
 if HAS_TRITON:
     import triton
@@ -19,7 +20,8 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_kernel(X, R, W, ROWS, Out, ROut, s_x, s_r, s_o, s_ro, n_cols, eps, offset,
                          HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, STORE_RES: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)  # pdserve.ops.pdl
         i = tl.program_id(0).to(tl.int64)
         row = i
         if HAS_ROWS:
@@ -75,7 +77,7 @@ def _launch(x, residual, weight, eps, offset, rows, store_res):
             x2, r2, weight, rows if rows is not None else x2, out, r_out,
             x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), n, eps, float(offset),
             HAS_RES=residual is not None, HAS_ROWS=rows is not None, STORE_RES=store_res, BLOCK=block,
-            num_warps=num_warps_for(block),
+            num_warps=num_warps_for(block), **pdl_args(x2),
         )
     if rows is None:
         out = out.view(shape)

@@ -11,6 +11,7 @@ import torch
 
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
 from pdserve.ops.norm import rms_norm_ref
+from pdserve.ops.pdl import pdl_args, pdl_enter
 
 if HAS_TRITON:
     import triton
@@ -19,7 +20,8 @@ if HAS_TRITON:
     @triton.jit
     def _qk_norm_rope_kernel(Q, K, POS, COS, SIN, QW, KW, s_qt, s_qh, s_kt, s_kh, s_cos, n_qh, n_kh, eps, offset,
                              HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HB: tl.constexpr,
-                             HAS_NORM: tl.constexpr):
+                             HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)  # pdserve.ops.pdl
         # programs [0, n_qb) take HB query heads each, the rest HB key heads; both address sets are formed and
         # the other one masked off (no branch on which tensor: one straight-line kernel)
         t = tl.program_id(0).to(tl.int64)
@@ -96,6 +98,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
         q, k, positions, cos, sin, q_weight if has_norm else q, k_weight if has_norm else q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), n_qh, n_kh, eps, float(offset),
         HALF=half, BLOCK_HALF=block_half, HB=hb, HAS_NORM=has_norm, num_warps=4 if hb * block_half >= 512 else 2,
+        **pdl_args(q),
     )
     return q, k
 

@@ -70,3 +70,39 @@ def test_fp8_kv_close_to_model_dtype_on_cuda():
         (n, x), (_, y) = logits[rid][0], ref[rid][0]  # the first token: same prompt, only the KV dtype differs
         err = float((x - y).abs().max() / y.abs().max())
         assert err < 0.15, (rid, n, err)
+
+
+def test_pdl_changes_no_bit():
+    """Programmatic dependent launch (pdserve.ops.pdl) changes when kernels start, never what they compute: the
+    same bf16 requests give bit-identical logits and tokens with it and without."""
+    from pdserve.ops.pdl import set_pdl
+
+    runs = {}
+    for mode in ("off", "early", "late"):
+        prev = set_pdl(mode)
+        try:
+            runs[mode] = _run(_core(dtype="bfloat16"))
+        finally:
+            set_pdl(prev)
+    out_off, logits_off = runs.pop("off")
+    for mode, (out, logits) in runs.items():
+        assert out == out_off, mode
+        for rid in logits_off:
+            for (n, x), (_, y) in zip(logits[rid], logits_off[rid]):
+                assert torch.equal(x, y), (mode, rid, n)
+
+
+def test_skinny_linear_tracks_cublas():
+    """bf16 decode graphs of 1..8 rows with the skinny linear kernel (pdserve.ops.linear) and with cuBLAS only."""
+    from pdserve.ops.linear import set_skinny
+
+    _, ref = _run(_core(dtype="bfloat16"))
+    prev = set_skinny(False)
+    try:
+        _, logits = _run(_core(dtype="bfloat16"))
+    finally:
+        set_skinny(prev)
+    for rid in ref:
+        for (n, x), (_, y) in zip(logits[rid][:3], ref[rid][:3]):  # before greedy paths may split
+            err = float((x - y).abs().max() / y.abs().max())
+            assert err < 0.05, (rid, n, err)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.tl_math import tanh
+from pdserve.ops.pdl import pdl_args, pdl_enter
 
 # Integer arguments that change from step to step. Triton compiles a kernel again for every new specialization of an
 # integer argument (equal to 1, a multiple of 16, neither), so each of these would cost a compile the first time a
@@ -45,8 +46,9 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    DOT_F16: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -119,7 +121,9 @@ def _merge_kernel(
     PartO, PartM, PartL, QSL, VS, Out,
     s_pb, s_ph, s_ps, s_ot, s_oh, num_splits,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MIXED: tl.constexpr, HAS_VS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
     h = tl.program_id(1)
     if MIXED:
@@ -234,12 +238,13 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
         HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_args(q),
     )
     if not single:
         _merge_kernel[(b, hq)](
             part_o, part_m, part_l, qsl, vs, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1), splits,
             D=d, BLOCK_D=block_d, BLOCK_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)), MIXED=mixed, HAS_VS=has_vs,
+            **pdl_args(q),
         )
     return out

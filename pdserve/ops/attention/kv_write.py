@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from pdserve.ops.attention.common import fp8_max, is_fp8
+from pdserve.ops.pdl import pdl_args, pdl_enter
 
 
 @triton.jit(do_not_specialize_on_alignment=["SLOTS", "KS", "VS"])  # step metadata: see decode.METADATA_PTRS
@@ -21,8 +22,9 @@ def _write_kv_kernel(
     s_kt, s_kh, s_vt, s_vh,
     s_kvb, s_kvkv, s_kvt, s_kvh,
     HK: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    FP8: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # pdserve.ops.pdl
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t)
     if slot < 0:
@@ -72,5 +74,5 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         HK=hk, D=d, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d), BS=kv_layer.shape[2],
         FP8=fp8, HAS_KS=fp8 and k_scale is not None, HAS_VS=fp8 and v_scale is not None,
         FP8_MAX=fp8_max(kv_layer.dtype) if fp8 else 0.0,
-        num_warps=4 if hk * d >= 1024 else 2,
+        num_warps=4 if hk * d >= 1024 else 2, **pdl_args(k),
     )
