@@ -423,6 +423,95 @@ def _first_wave(rel: str) -> tuple[float, float, float, float]:
     return mean(reqs), mean(w1), mean(w2), max(s + t for s, t in w1) - t0
 
 
+def _steps_table(runs: list[tuple[str, str]], cases: list[str]) -> None:
+    """Decode steps (bench_steps.py JSON) of several variants side by side: each case's median ms and fraction of
+    its floor, then the async batch-1 decode loops."""
+    recs = [(name, load(rel)) for name, rel in runs]
+    print("| step | floor ms | " + " | ".join(f"{n} ms (of floor)" for n, _ in recs) + " |")
+    print("|---|---|" + "---|" * len(recs))
+    for case in cases:
+        rows = [{r["case"]: r for r in d["results"]}.get(case) for _, d in recs]
+        if any(r is None for r in rows):
+            continue
+        print(f"| {case} | {rows[0]['floor_ms']:.2f} | "
+              + " | ".join(f"{r['step_ms_median']:.2f} ({r['fraction_of_floor']:.0%})" for r in rows) + " |")
+    loops = sorted({lp["case"] for _, d in recs for lp in d.get("loops", []) if lp["async"]})
+    for case in loops:
+        vals = [next((lp for lp in d.get("loops", []) if lp["case"] == case and lp["async"]), None) for _, d in recs]
+        print(f"| {case}, async, ms a step | - | " + " | ".join(f"{v['step_ms']:.2f}" if v else "-" for v in vals)
+              + " |")
+
+
+def session12() -> None:
+    """The session-12 leases (one H200): the skinny linear kernel for few-row decode steps, programmatic dependent
+    launch, the side by side with vLLM after both, and the in-kernel split merge that did not land."""
+    base = "lease_s12"
+    print("Few-row linear products on one H200 (`bench_linear.py --sweep`: CUDA graphs over copies of each weight "
+          "larger than L2 together; bf16). The fastest skinny tile per shape against cuBLAS (`F.linear`) at one and "
+          "eight rows:\n")
+    print("| model | projection | N x K | rows | cuBLAS us | skinny us | GB/s | speed-up | tile |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for m in ("qwen3-8b", "qwen3-30b-a3b"):
+        d = load(f"{base}/skinny/linear_{m}.json")
+        for rows in (1, 8):
+            shapes = dict.fromkeys((r["shape"], r["n"], r["k"]) for r in d["results"])
+            for name, n, k in shapes:
+                mine = [r for r in d["results"] if r["shape"] == name and r["rows"] == rows and "us" in r]
+                cub = next(r for r in mine if r["impl"] == "cublas")
+                best = min((r for r in mine if r["impl"].startswith("skinny")), key=lambda r: r["us"])
+                c = best["config"]
+                print(f"| {m} | {name} | {n} x {k} | {rows} | {cub['us']:.2f} | {best['us']:.2f} | {best['gbps']:,.0f} | "
+                      f"{cub['us'] / best['us']:.2f}x | {c['kind']} {c['block_n']}x{c['block_k']}, {c['num_warps']} warps,"
+                      f" {c['num_stages']} stages |")
+    c = load(f"{base}/skinny/linear_qwen3-8b.json")["ceilings"]
+    print(f"\nSame run's HBM copy rate: {c['hbm_copy_gbps']:,.0f} GB/s (bytes read + written). A weight read alone "
+          "goes faster than a copy (lm_head above); the reduction meant as a read ceiling (`hbm_read_gbps`, "
+          f"{c['hbm_read_gbps']:,.0f} GB/s) was slower than the GEMV kernels, so it is not quoted as one. Where a "
+          "shape's best multi-row tile lost to cuBLAS, the shipped table says `cublas` for it.")
+    print("\nDummy Qwen3-8B decode steps (`bench_steps.py`, CUDA graphs), the skinny kernel against cuBLAS, same call "
+          "(`skinny_steps/`, before PDL):\n")
+    _steps_table([("skinny", f"{base}/skinny_steps/steps_skinny.json"),
+                  ("cuBLAS", f"{base}/skinny_steps/steps_no-skinny.json")],
+                 ["decode:1x1024", "decode:1x8192", "decode:2x1024", "decode:4x1024", "decode:8x1024", "decode:16x1024"])
+    print("\nProgrammatic dependent launch (`pdl/`, one call, skinny kernel on unless said): the next kernel may "
+          "launch at a kernel's start (`early`, now the default), after its wait (`late`), or not before it ends "
+          "(`off`):\n")
+    _steps_table([(m, f"{base}/pdl/steps_{m.replace(' ', '')}.json") for m in ("early", "late", "off")]
+                 + [("off, cuBLAS", f"{base}/pdl/steps_offnoskinny.json")],
+                 ["decode:1x1024", "decode:1x8192", "decode:2x1024", "decode:4x1024", "decode:8x1024",
+                  "decode:16x1024", "decode:256x1024"])
+    with open(B / base / "pdl" / "gpu_tests.txt") as f:
+        tests = [ln.strip() for ln in f if " passed" in ln][-1]
+    print(f"\nGPU tests on that machine: {tests} (the same requests give bit-identical logits in all three modes).")
+    print("\nThe first version let every kernel launch the next at its start, the tensor-core skinny tile (2..16 "
+          "rows, up to 160 KiB of shared memory) included (`pdl_first/`, one call):\n")
+    _steps_table([("PDL at start, all kernels", f"{base}/pdl_first/steps_pdlskinny.json"),
+                  ("off", f"{base}/pdl_first/steps_nopdlskinny.json")],
+                 ["decode:1x1024", "decode:1x8192", "decode:4x1024", "decode:8x1024", "decode:256x1024"])
+    print("\nSide by side with vLLM 0.22 on the one GPU, dummy Qwen3-8B bf16, vLLM's client (`sbs_long/`, then "
+          f"`sbs_c256/` on the same machine; kernels compiled while serving: "
+          f"{_compiles(f'{base}/sbs_long/pdserve.log.gz')}, {_compiles(f'{base}/sbs_c256/pdserve.log.gz')}):\n")
+    _side_by_side(load(f"{base}/sbs_long/comparison.json"))
+    print()
+    _side_by_side(load(f"{base}/sbs_c256/comparison.json"))
+    print("\n| workload | server | mean TTFT ms | mean TTFT after the first request ms | mean TPOT ms | median TPOT ms |"
+          "\n|---|---|---|---|---|---|")
+    for w in ("8192x16_c1", "32768x16_c1"):
+        for srv in ("vllm", "pdserve"):
+            r = load(f"{base}/sbs_long/{srv}_single_{w}.json")
+            after = 1e3 * sum(r["ttfts"][1:]) / (len(r["ttfts"]) - 1)
+            print(f"| {w} | {srv} | {r['mean_ttft_ms']:.1f} | {after:.1f} | {r['mean_tpot_ms']:.2f} | "
+                  f"{r['median_tpot_ms']:.2f} |")
+    print("\nThe splits of a decode row merged inside the decode kernel by the last of its programs, against the "
+          "merge kernel, alternating twice in one call (`merge_ab/`, branch `wip-fused-merge`; not landed):\n")
+    _steps_table([("in-kernel merge", f"{base}/merge_ab/steps_fused-merge.json"),
+                  ("merge kernel", f"{base}/merge_ab/steps_no-fused-merge.json"),
+                  ("in-kernel merge, 2nd", f"{base}/merge_ab/steps_fused-merge_2.json"),
+                  ("merge kernel, 2nd", f"{base}/merge_ab/steps_no-fused-merge_2.json")],
+                 ["decode:1x1024", "decode:1x8192", "decode:4x1024", "decode:8x1024", "decode:16x1024",
+                  "decode:256x1024", "mixed:256x1024+512"])
+
+
 def session11() -> None:
     """The session-11 lease (one H200): prefill attention reading the step's new K/V from k/v (A/B in one lease),
     dummy Qwen3-30B-A3B with fp8 KV and dense Qwen3-8B one prompt at a time against vLLM, and the clients on vLLM's
@@ -666,6 +755,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session12()
+    print()
     session11()
     print()
     session10()
