@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from pdserve.bench.ceilings import hbm_copy_gbps
+from pdserve.bench.ceilings import graph_us, hbm_copy_gbps
 from pdserve.bench.record import new_record, save_json
 from pdserve.ops.attention.common import as_storage, is_fp8
 from pdserve.ops.attention.decode import decode_tile, paged_decode
@@ -30,28 +30,6 @@ SHAPES = [(1, 1024), (1, 8192), (1, 32768), (4, 8192), (32, 4096), (128, 2048), 
 TILES = [(32, 4, 2)] + [(n, w, s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))]
 SPLITS = (0, 16, 64, 128)  # 0: the engine's (decode_splits); others for batches below SPLIT_ROWS
 SPLIT_ROWS = 8
-
-
-def graph_us(calls, reps: int = 10) -> float:
-    """Median microseconds per call of `calls` launched back to back in one CUDA graph."""
-    for c in calls:  # compile and warm outside the capture
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return float(np.median(times))
 
 
 def main(argv=None) -> int:

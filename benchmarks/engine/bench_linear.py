@@ -14,6 +14,7 @@ and for --table-rows rows ("N,K"); where cuBLAS measured fastest the entry says 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -22,7 +23,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from pdserve.bench.ceilings import hbm_copy_gbps
+from pdserve.bench.ceilings import graph_us, hbm_copy_gbps
 from pdserve.bench.record import new_record, save_json
 from pdserve.ops.linear import DEFAULT_CONFIG, ONE_ROW_CONFIG, SkinnyConfig, skinny_linear
 
@@ -82,33 +83,6 @@ def hbm_read_gbps(nbytes: int = 4 << 30) -> float:
     return nbytes / (statistics.median(times) * 1e-3) / 1e9
 
 
-def graph_us(fn, weights, x, out, reps: int = 10) -> float:
-    """Median microseconds per call of `fn(x, w, out)` replayed in a CUDA graph over every weight copy."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(x, w, out)  # compile / pick the cuBLAS kernel outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w, out)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(weights))
-    del graph
-    return statistics.median(times)
-
-
 def cublas(x, w, out):
     torch.mm(x, w.t(), out=out)
 
@@ -132,7 +106,7 @@ def bench_shape(name: str, n: int, k: int, args, rows: list[int], ceil: dict, re
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         r = {"shape": name, "n": n, "k": k, "rows": m, "impl": label}
         try:
-            us = graph_us(fn, weights, x, out[:m])
+            us = graph_us([functools.partial(fn, x, w, out[:m]) for w in weights])
         except Exception as e:  # a tile that does not compile or fit: recorded, not fatal
             r["error"] = repr(e)[:200]
         else:

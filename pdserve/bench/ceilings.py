@@ -24,6 +24,36 @@ def _time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_us(calls, reps: int = 10) -> float:
+    """Median microseconds per call of `calls` (callables) launched back to back in one CUDA graph: the kernels
+    of a captured step, with a graph's gaps between them and no launch overhead. Each call runs once first, on a
+    side stream (Triton compiles, cuBLAS picks its kernel), outside the capture."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
 def hbm_copy_gbps(device=None, nbytes: int = 4 << 30) -> float:
     """Device-to-device copy of a buffer far larger than L2, counting bytes read plus bytes written."""
     import torch
