@@ -183,20 +183,27 @@ def skinny_config(n: int, k: int, m: int = 1, device: torch.device | None = None
     """The tile for an [M, K] @ [N, K]^T product. Tables, first match wins: PDSERVE_SKINNY_CONFIG's file, then the
     one shipped for this GPU; in each, "N,K,m1" (one row only), "N,K" (any rows up to 16), then "default". Without
     an entry: ONE_ROW_CONFIG for one row (it beat cuBLAS on every shape measured), cuBLAS for more."""
-    tables = []
-    if path := envs.skinny_config_file():
-        tables.append(_load_table(path))
+    index = None
     if device is not None and device.type == "cuda":
-        tables.append(_device_table(device.index if device.index is not None else torch.cuda.current_device()))
-    keys = ((f"{n},{k},m1",) if m == 1 else ()) + (f"{n},{k}", "default")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    return _config(n, k, m == 1, index, envs.skinny_config_file())
+
+
+@lru_cache(maxsize=1024)
+def _config(n: int, k: int, one_row: bool, device_index: int | None, path: str | None) -> SkinnyConfig:
+    """skinny_config's lookup, once per shape (an eager step asks for every layer's projections)."""
+    tables = [_load_table(path)] if path else []
+    if device_index is not None:
+        tables.append(_device_table(device_index))
+    keys = ((f"{n},{k},m1",) if one_row else ()) + (f"{n},{k}", "default")
     for table in tables:
         for key in keys:
             if key in table:
                 cfg = table[key]
-                if m == 1 or cfg.kind != "sum":
+                if one_row or cfg.kind != "sum":
                     return cfg
                 return replace(cfg, kind="dot", block_n=max(16, cfg.block_n))
-    return ONE_ROW_CONFIG if m == 1 else CUBLAS
+    return ONE_ROW_CONFIG if one_row else CUBLAS
 
 
 _enabled = True
