@@ -36,6 +36,8 @@
 #   pdl        GPU tests (skinny linear, PDL bit-identity and graphs vs eager, decode attention, the warm-up compiles
 #              nothing); decode steps of dummy Qwen3-8B with PDL early, late and off, then with neither PDL nor the
 #              skinny kernel; the batch-1 8k decode step's kernels
+#   splits     the decode kernel's split rule on whole steps (dummy Qwen3-8B, bf16 then fp8 KV): today's (2 waves, 256
+#              keys a split at least) against 4 waves and 64 keys, alternating twice
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -217,6 +219,21 @@ case $STAGE in
     [ $left -gt 60 ] && timeout $left $B --profile "decode:1x8192" --top 14 --out "$W/profile.json" > "$W/profile.txt" 2>&1
     grep -v " INFO " "$W/profile.txt" | grep -A18 "^profile"
     tar czf "$OUT/pdl.tgz" -C "$OUT" pdl ;;
+  splits)
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --prefill= --max-model-len 40960 --iters 40"
+    for r in 1 2; do for v in "base" "w4k64"; do
+      a=""; [ $v = w4k64 ] && a="--decode-waves 4 --min-split-keys 64"
+      timeout 75 $B --decode 1x1024,1x8192,1x32768,4x8192,8x1024,16x1024,256x1024 --loop 1x8192 $a \
+        --out "$W/bf16_${v}_$r.json" > "$W/bf16_${v}_$r.txt" 2>&1
+      echo "== bf16 $v $r"; grep -E "^(decode|loop)[^ ]*:" "$W/bf16_${v}_$r.txt" | grep -v "async off"
+    done; done
+    for v in "base" "w4k64"; do
+      a=""; [ $v = w4k64 ] && a="--decode-waves 4 --min-split-keys 64"
+      timeout 60 $B --kv-cache-dtype fp8 --decode 1x1024,1x8192,1x32768,4x8192 --loop= $a \
+        --out "$W/fp8_${v}.json" > "$W/fp8_${v}.txt" 2>&1
+      echo "== fp8 $v"; grep -E "^decode[^ ]*:" "$W/fp8_${v}.txt"
+    done
+    tar czf "$OUT/splits.tgz" -C "$OUT" splits ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

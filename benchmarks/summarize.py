@@ -502,6 +502,18 @@ def session12() -> None:
             after = 1e3 * sum(r["ttfts"][1:]) / (len(r["ttfts"]) - 1)
             print(f"| {w} | {srv} | {r['mean_ttft_ms']:.1f} | {after:.1f} | {r['mean_tpot_ms']:.2f} | "
                   f"{r['median_tpot_ms']:.2f} |")
+    print("\nThe decode kernel's split rule on whole steps (`splits/`, one call, dummy Qwen3-8B, max-model-len 40960): "
+          "today's (programs for 2 waves, at least 256 keys a split) against 4 waves and 64 keys, bf16 twice "
+          "alternating, then an fp8 pool once each. The GPU tests with the second as the default then failed the "
+          "warm-up test (a mixed-step specialization the warm-up did not compile), so it is not the default:\n")
+    _steps_table([(f"{v} {r}", f"{base}/splits/bf16_{k}_{r}.json") for r in (1, 2)
+                  for v, k in (("2 waves, 256 keys", "base"), ("4 waves, 64 keys", "w4k64"))],
+                 ["decode:1x1024", "decode:1x8192", "decode:1x32768", "decode:4x8192", "decode:8x1024",
+                  "decode:16x1024", "decode:256x1024"])
+    print()
+    _steps_table([("fp8, 2 waves, 256 keys", f"{base}/splits/fp8_base.json"),
+                  ("fp8, 4 waves, 64 keys", f"{base}/splits/fp8_w4k64.json")],
+                 ["decode:1x1024", "decode:1x8192", "decode:1x32768", "decode:4x8192"])
     print("\nOne code path (main's: PDL early, the merge kernel) four times in one call (`merge_ab/`). The run was "
           "meant as an A/B of the splits merged inside the decode kernel (branch `wip-fused-merge`), but the engine's "
           "runner builds its attention metadata without the counters that path needs, so both arms ran the merge "

@@ -316,7 +316,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="programmatic dependent launch of the decode path's Triton kernels on sm_90+ "
                          "(pdserve.ops.pdl): the next kernel may launch at a kernel's start (early, the default), "
                          "after its wait (late), or not before it ends (off): an A/B in one lease")
+    ap.add_argument("--decode-waves", type=int, default=None,
+                    help="the decode kernel's split rule: programs for this many waves (pdserve default: "
+                         "decode.DECODE_WAVES)")
+    ap.add_argument("--min-split-keys", type=int, default=None,
+                    help="the decode kernel's split rule: at least this many keys a split (default: "
+                         "decode.MIN_SPLIT_KEYS)")
     args = ap.parse_args(argv)
+    from pdserve.ops.attention import decode as decode_mod
+    if args.decode_waves:
+        decode_mod.DECODE_WAVES = args.decode_waves
+    if args.min_split_keys:
+        decode_mod.MIN_SPLIT_KEYS = args.min_split_keys
     from pdserve.ops.pdl import set_pdl
     set_pdl(args.pdl)
     if not args.skinny:

@@ -178,12 +178,21 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# decode_splits' rule: programs for about DECODE_WAVES waves of the GPU, at least MIN_SPLIT_KEYS keys a split
+# (benchmarks/engine/bench_steps.py --decode-waves / --min-split-keys change them for an A/B in one process). 4 waves
+# and 64 keys measured faster at 4-16 rows and at 32k context (benchmarks/lease_s12/splits) but make the warm-up
+# miss a mixed-step specialization of the kernel (tests/engine/test_warmup.py): not the default until it covers it.
+DECODE_WAVES = 2
+MIN_SPLIT_KEYS = 256
+
+
 def decode_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, sliding_window: int | None,
                   device: torch.device) -> int:
-    """Splits per (row, KV head): enough programs for about two waves, at least 256 keys a split, at most 64."""
+    """Splits per (row, KV head): enough programs for about DECODE_WAVES waves, at least MIN_SPLIT_KEYS keys a
+    split, at most MERGE_SPLITS."""
     span = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
-    want = max(1, (2 * num_sms(device)) // max(1, num_rows * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max(span, 1), 256), MERGE_SPLITS))
+    want = max(1, (DECODE_WAVES * num_sms(device)) // max(1, num_rows * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max(span, 1), MIN_SPLIT_KEYS), MERGE_SPLITS))
 
 
 def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
