@@ -52,6 +52,13 @@ if [ -f /tmp/prefill_best.json ] && python3 -c "import json,sys; sys.exit(json.l
   export PDSERVE_PREFILL_CONFIG=/tmp/prefill_best.json  # measured best on this GPU by the attn stage
   echo "PDSERVE_PREFILL_CONFIG: $(cat /tmp/prefill_best.json | tr -d '\n ' | cut -c1-200)" | tee "$W/prefill_config.txt"
 fi
+# dummy Qwen3-8B decode steps (bench_steps.py) without the eager comparison, mixed or prefill cases
+STEPS_8B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --prefill="
+profile_b1_8k() {  # MIN_SECONDS TOP: the batch-1 8k decode step's kernels ($B) with what is left of the call
+  local left=$(( 560 - ($(date +%s) - t0) ))
+  [ $left -gt $1 ] && timeout $left $B --profile "decode:1x8192" --top $2 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+  grep -v " INFO " "$W/profile.txt" | grep -A$(( $2 + 4 )) "^profile"
+}
 case $STAGE in
   attn)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_prefill.py 2>&1 \
@@ -194,33 +201,29 @@ case $STAGE in
   skinny_steps)
     [ -f /tmp/skinny_best.json ] && export PDSERVE_SKINNY_CONFIG=/tmp/skinny_best.json
     echo "PDSERVE_SKINNY_CONFIG=${PDSERVE_SKINNY_CONFIG:-}"
-    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --prefill= --max-model-len 16384"
+    B="$STEPS_8B --max-model-len 16384"
     for sk in skinny no-skinny; do
       timeout 170 $B --decode 1x1024,1x8192,2x1024,4x1024,8x1024,16x1024 --loop 1x1024 --$sk \
         --out "$W/steps_$sk.json" > "$W/steps_$sk.txt" 2>&1
       echo "== --$sk"; grep -E "^(decode|loop)[^ ]*:|ceilings" "$W/steps_$sk.txt"
     done
-    left=$(( 560 - ($(date +%s) - t0) ))
-    [ $left -gt 90 ] && timeout $left $B --profile "decode:1x8192" --top 16 --out "$W/profile.json" > "$W/profile.txt" 2>&1
-    grep -v " INFO " "$W/profile.txt" | grep -A20 "^profile"
+    profile_b1_8k 90 16
     tar czf "$OUT/skinny_steps.tgz" -C "$OUT" skinny_steps ;;
   pdl)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short ${PDL_TESTS:-tests/ops/test_linear.py \
       tests/engine/test_cuda_graphs.py tests/ops/test_attention_decode.py tests/engine/test_warmup.py} 2>&1 \
       | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
-    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --prefill= --max-model-len 16384"
+    B="$STEPS_8B --max-model-len 16384"
     for ab in early late off "off --no-skinny"; do
       n=$(echo $ab | tr -d ' -')
       timeout 100 $B --decode 1x1024,1x8192,2x1024,4x1024,8x1024,16x1024,256x1024 --loop 1x1024,1x8192 --iters 40 --pdl $ab \
         --out "$W/steps_$n.json" > "$W/steps_$n.txt" 2>&1
       echo "== --pdl $ab"; grep -E "^(decode|loop)[^ ]*:|ceilings" "$W/steps_$n.txt"
     done
-    left=$(( 560 - ($(date +%s) - t0) ))
-    [ $left -gt 60 ] && timeout $left $B --profile "decode:1x8192" --top 14 --out "$W/profile.json" > "$W/profile.txt" 2>&1
-    grep -v " INFO " "$W/profile.txt" | grep -A18 "^profile"
+    profile_b1_8k 60 14
     tar czf "$OUT/pdl.tgz" -C "$OUT" pdl ;;
   splits)
-    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --prefill= --max-model-len 40960 --iters 40"
+    B="$STEPS_8B --max-model-len 40960 --iters 40"
     for r in 1 2; do for v in "base" "w4k64"; do
       a=""; [ $v = w4k64 ] && a="--decode-waves 4 --min-split-keys 64"
       timeout 75 $B --decode 1x1024,1x8192,1x32768,4x8192,8x1024,16x1024,256x1024 --loop 1x8192 $a \
