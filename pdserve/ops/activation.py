@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
-from pdserve.ops.pdl import pdl_args, pdl_enter
+from pdserve.ops.pdl import pdl_args
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "gelu": "gelu"}  # Hugging Face hidden_act -> the kernel's name
@@ -18,6 +18,8 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pdserve.ops.pdl import pdl_enter
 
     @triton.jit
     def _act_and_mul_kernel(X, Out, s_x, s_o, n, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from pdserve import envs
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
-from pdserve.ops.pdl import pdl_args, pdl_launch_early, pdl_wait
+from pdserve.ops.pdl import pdl_args
 
 SKINNY_MAX_ROWS = 16  # the dot tile's row count: every M up to it shares one compiled kernel
 
@@ -56,6 +56,8 @@ CUBLAS = SkinnyConfig(kind="cublas")
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pdserve.ops.pdl import pdl_launch_early, pdl_wait
 
     @triton.jit(do_not_specialize=["M"])  # one binary for every M up to 16 (decode graphs of 1..16 rows)
     def _skinny_dot_kernel(X, W, B, Out, M, N, K, s_xm, s_wn, s_om, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,

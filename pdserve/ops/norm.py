@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 
 from pdserve.ops.dispatch import HAS_TRITON, num_warps_for, use_fused
-from pdserve.ops.pdl import pdl_args, pdl_enter
+from pdserve.ops.pdl import pdl_args
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pdserve.ops.pdl import pdl_enter
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, ROWS, Out, ROut, s_x, s_r, s_o, s_ro, n_cols, eps, offset,

@@ -11,11 +11,13 @@ import torch
 
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
 from pdserve.ops.norm import rms_norm_ref
-from pdserve.ops.pdl import pdl_args, pdl_enter
+from pdserve.ops.pdl import pdl_args
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from pdserve.ops.pdl import pdl_enter
 
     @triton.jit
     def _qk_norm_rope_kernel(Q, K, POS, COS, SIN, QW, KW, s_qt, s_qh, s_kt, s_kh, s_cos, n_qh, n_kh, eps, offset,
