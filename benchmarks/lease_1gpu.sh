@@ -38,6 +38,10 @@
 #              skinny kernel; the batch-1 8k decode step's kernels
 #   splits     the decode kernel's split rule on whole steps (dummy Qwen3-8B, bf16 then fp8 KV): today's (2 waves, 256
 #              keys a split at least) against 4 waves and 64 keys, alternating twice
+#   s13        session 13's one call: the GPU tests of the warm-up (a burst compiles nothing), the KV pool's sizing and
+#              decode attention with the split rule's new defaults (4 waves, 64 keys a split); one pdserve server as the
+#              side-by-side starts it (KV sizing lines, KV tokens, start-up); then decode steps of dummy Qwen3-8B, the
+#              earlier rule (2 waves, 256 keys) and the new one in the order old, new, new, old (drift cancels)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -237,6 +241,34 @@ case $STAGE in
       echo "== fp8 $v"; grep -E "^decode[^ ]*:" "$W/fp8_${v}.txt"
     done
     tar czf "$OUT/splits.tgz" -C "$OUT" splits ;;
+  s13)
+    save() { tar czf "$OUT/s13.tgz" -C "$OUT" s13; }
+    timeout 210 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=6 \
+      tests/engine/test_warmup.py tests/engine/test_memory_profile.py tests/ops/test_attention_decode.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-700 | tail -16
+    save
+    echo "== pdserve serve, dummy Qwen3-8B, --gpu-memory-utilization 0.9, --max-model-len 40960"
+    T0=$(date +%s.%N)
+    pdserve serve --model qwen3-8b --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 120); do
+      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
+      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
+    done
+    python3 -c "import time,sys; print(f'first completion answered {time.time()-float(sys.argv[1]):.1f} s after launch')" $T0 \
+      | tee "$W/startup.txt"
+    grep -h "KV sizing\|KV cache\|blocks\|warm-up\|engine ready\|Error\|error" "$W/server.log" | grep -v " 200 " | cut -c1-600 | head -12
+    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
+    save
+    B="$STEPS_8B --max-model-len 40960 --iters 40 --decode 1x1024,1x8192,1x32768,4x8192,16x1024 --loop 1x8192"
+    for v in old1 new1 new2 old2; do
+      left=$(( 545 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in old*) a="--decode-waves 2 --min-split-keys 256" ;; esac
+      timeout $(( left < 80 ? left : 80 )) $B $a --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+      echo "== $v"; grep -E "^(decode|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off"
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -244,11 +244,13 @@ class Executor:
         infos = self.collective_rpc("mem_get_info")
         return min(f for f, _ in infos), min(t for _, t in infos)
 
-    def pool_memory(self) -> list[tuple[int, int, int, int]]:
-        """Per rank: (free, total, bytes its tensors hold, bytes in use when the engine opened its GPU)."""
+    def pool_memory(self) -> list[tuple[int, int, int, int, int]]:
+        """Per rank: (free, total, bytes its tensors hold, bytes in use when the engine opened its GPU, bytes free in
+        the blocks PyTorch's allocator keeps)."""
         infos = self.collective_rpc("mem_get_info")
         uses = self.collective_rpc("memory_in_use")
-        return [(free, total, tensors, baseline) for (free, total), (tensors, _, baseline) in zip(infos, uses)]
+        return [(free, total, tensors, baseline, reserved - tensors)
+                for (free, total), (tensors, _, baseline, reserved) in zip(infos, uses)]
 
     def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,
                     kv_dtype: torch.dtype, probe: bool = False) -> ModelRunner:

@@ -15,7 +15,8 @@ The requests, each group submitted at once and run to its end (`warmup_plan`):
     prompts of odd lengths that finish their prefill first and decode in the long one's mixed steps, some of them
     sampled (temperature, top-p/top-k, penalties, logprobs) rather than greedy; four such groups, with 3, 7, 12
     and 40 short prompts (MIXED_ROWS: each count of rows takes another decode-kernel variant);
-  - three short prompts alone (SHORT_ONLY), a 1-token one among them: a mixed step of few rows, all short.
+  - three short prompts alone (SHORT_ONLY), a 1-token one among them: a mixed step of few rows, all shorter than
+    one decode split's least keys (one split); then nine (SHORT_MANY), the many-row tile with one split.
 
 Afterwards the pool is whole, its blocks leave the prefix cache, and the counters a server reports are zero.
 """
@@ -43,8 +44,13 @@ SHORT_LENGTHS = (1, 7, 17, 33, 100, 257, 1000)  # odd lengths: none a multiple o
 # tile with several splits (rows x KV heads leave SMs idle); 40 make 41, one split. Each is its own Triton compile;
 # on an H200 the mixed small-row variant was the one compile left in a 1024/1024 c256 run (benchmarks/lease_s8).
 MIXED_ROWS = (3, len(SHORT_LENGTHS), 12, 40)
-# A mixed step of few rows all under 256 tokens (the 1-token prompt is a decode row): the small-row tile, one split.
-SHORT_ONLY = (1, 7, 100)
+# A mixed step of few rows, none longer than decode.MIN_SPLIT_KEYS (the 1-token prompt is a decode row): the
+# small-row tile with one split. With 100 tokens and 64 keys a split it took two, and a burst of short prompts then
+# compiled the one-split mixed variant while serving (benchmarks/lease_s12/splits/gpu_tests_w4k64.txt).
+SHORT_ONLY = (1, 7, 33)
+# The same with 8 rows and more (the many-row tile, one split): a wave of short prompts, e.g. a model with few KV
+# heads, where 41 rows beside a long prompt still take several splits.
+SHORT_MANY = (1, 7, 33, 2, 9, 20, 3, 12, 40)
 MAX_STEPS = 10_000  # a warm-up that has not ended after this many steps is a bug
 
 
@@ -82,7 +88,8 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
             n = shorts[i % len(shorts)]
             mixed.append(WarmupRequest(n, _sampled(out_tokens, i) if i % 2 else _greedy(out_tokens)))
         groups.append(mixed)
-    groups.append([WarmupRequest(n, _greedy(out_tokens)) for n in SHORT_ONLY if n <= longest])
+    for short in (SHORT_ONLY, SHORT_MANY):
+        groups.append([WarmupRequest(n, _greedy(out_tokens)) for n in short if n <= longest])
 
     def blocks(r: WarmupRequest) -> int:
         return -(-(r.prompt_len + r.params.max_tokens) // block_size)

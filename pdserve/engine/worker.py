@@ -173,14 +173,16 @@ class Worker:
         if self.device.type == "cuda" and WATCH.install():
             WATCH.arm()  # installed at __init__: the warm-up's compiles are the comparison's base
 
-    def memory_in_use(self) -> tuple[int, int, int]:
+    def memory_in_use(self) -> tuple[int, int, int, int]:
         """(bytes PyTorch's tensors hold, bytes in use on this rank's GPU in all, bytes that were in use when the
-        engine opened it); (0, 0, 0) on CPU. The first two differ by what lives outside PyTorch's tensors: the CUDA
-        context, cuBLAS and NCCL workspaces, cached free blocks."""
+        engine opened it, bytes PyTorch's allocator holds from the device); (0, 0, 0, 0) on CPU. The first two
+        differ by what lives outside PyTorch (the CUDA context, loaded kernels, NCCL buffers) and by the allocator's
+        free cached blocks (the last less the first)."""
         if self.device.type != "cuda":
-            return 0, 0, 0
+            return 0, 0, 0, 0
         free, total = torch.cuda.mem_get_info(self.device)
-        return torch.cuda.memory_allocated(self.device), total - free, self.baseline_used
+        return (torch.cuda.memory_allocated(self.device), total - free, self.baseline_used,
+                torch.cuda.memory_reserved(self.device))
 
     def init_runner(self, num_blocks: int, block_size: int, attention_backend: str,
                     kv_dtype: torch.dtype, probe: bool = False) -> dict:

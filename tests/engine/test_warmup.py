@@ -8,7 +8,8 @@ import pytest
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.warmup import MIXED_ROWS, SHORT_LENGTHS, SHORT_ONLY, warmup_plan
+from pdserve.engine.warmup import MIXED_ROWS, SHORT_LENGTHS, SHORT_MANY, SHORT_ONLY, warmup_plan
+from pdserve.ops.attention.decode import MIN_SPLIT_KEYS
 from pdserve.sampling_params import SamplingParams
 
 
@@ -16,7 +17,7 @@ def test_plan_covers_step_sizes_and_a_chunked_prompt():
     plan = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6)
     singles = [g[0].prompt_len for g in plan if len(g) == 1]
     assert singles == [16 * 2**i for i in range(10)]  # 16 .. 8192
-    groups = plan[-len(MIXED_ROWS) - 1:-1]
+    groups = plan[-len(MIXED_ROWS) - 2:-2]
     for rows, mixed in zip(MIXED_ROWS, groups):
         assert mixed[0].prompt_len == 2 * 8192 + 17  # three steps, the later two on a paged prefix
         assert len(mixed) == 1 + rows and {r.prompt_len for r in mixed[1:]} <= set(SHORT_LENGTHS)
@@ -24,8 +25,10 @@ def test_plan_covers_step_sizes_and_a_chunked_prompt():
     assert [r.prompt_len for r in groups[1][1:]] == list(SHORT_LENGTHS)
     step_rows = sorted(1 + r for r in MIXED_ROWS)  # the long prompt is a row of each of its steps
     assert step_rows[0] < 8 <= step_rows[1] < step_rows[2] <= 16 < step_rows[3]  # both tiles, split and not
-    assert [r.prompt_len for r in plan[-1]] == list(SHORT_ONLY)  # few rows, all short: one split
-    assert 1 in SHORT_ONLY and len(SHORT_ONLY) < 8 and max(SHORT_ONLY) <= 256
+    # short prompts alone, a 1-token one a decode row among them: one split, with few rows and with many
+    assert [r.prompt_len for r in plan[-2]] == list(SHORT_ONLY) and [r.prompt_len for r in plan[-1]] == list(SHORT_MANY)
+    assert 1 in SHORT_ONLY and len(SHORT_ONLY) < 8 and max(SHORT_ONLY) <= MIN_SPLIT_KEYS
+    assert 1 in SHORT_MANY and len(SHORT_MANY) >= 8 and max(SHORT_MANY) <= MIN_SPLIT_KEYS
 
 
 @pytest.mark.parametrize("max_model_len,capacity", [(64, 10**6), (40960, 600), (40960, 40)])
@@ -73,8 +76,8 @@ def test_warmed_engine_is_whole_clean_and_answers_the_same(tiny_model_dirs):
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_a_burst_after_the_warm_up_compiles_nothing():
     """On CUDA: after the warm-up, a first wave of prompts beside running requests (mixed steps of many decode rows
-    and prefill chunks, then decoding), a prompt arriving beside a few decoding requests and a few short prompts run
-    on kernels already compiled (pdserve.ops.jit_watch counts any other)."""
+    and prefill chunks, then decoding), a prompt arriving beside a few decoding requests, a few short prompts and then
+    a dozen run on kernels already compiled (pdserve.ops.jit_watch counts any other)."""
     import torch
 
     from pdserve.ops.jit_watch import WATCH
@@ -99,10 +102,12 @@ def test_a_burst_after_the_warm_up_compiles_nothing():
         core.add_request("arrives", list(range(1, 1200)), SamplingParams(max_tokens=4, temperature=0.0))
         while core.has_work():
             core.step()
-        for i, n in enumerate((1, 9, 60)):
-            core.add_request(f"short-{i}", [11] * n, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-        while core.has_work():
-            core.step()
+        for wave in ((1, 9, 60), (1, 9, 60, 2, 30, 1, 17, 44, 5, 1, 3, 25)):  # few rows, then many: one split
+            for i, n in enumerate(wave):
+                core.add_request(f"short-{len(wave)}-{i}", [11] * n,
+                                 SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            while core.has_work():
+                core.step()
         core.check_whole()
         assert WATCH.compiled_after_arm == before, f"{WATCH.compiled_after_arm - before} kernels compiled in the burst"
     finally:

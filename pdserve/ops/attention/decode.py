@@ -180,10 +180,12 @@ def num_sms(device: torch.device) -> int:
 
 # decode_splits' rule: programs for about DECODE_WAVES waves of the GPU, at least MIN_SPLIT_KEYS keys a split
 # (benchmarks/engine/bench_steps.py --decode-waves / --min-split-keys change them for an A/B in one process). 4 waves
-# and 64 keys measured faster at 4-16 rows and at 32k context (benchmarks/lease_s12/splits) but make the warm-up
-# miss a mixed-step specialization of the kernel (tests/engine/test_warmup.py): not the default until it covers it.
-DECODE_WAVES = 2
-MIN_SPLIT_KEYS = 256
+# and 64 keys against the earlier 2 and 256 (benchmarks/lease_s12/splits, whole steps of dummy Qwen3-8B on an H200):
+# 1 row at 8k 5.16 -> 4.84 and 5.02 -> 4.90 ms, at 32k 6.42 -> 6.12 and 5.88 -> 5.71, 4 rows at 8k 6.79 -> 6.68 and
+# 6.49 -> 6.30, 16 rows at 1k 6.36 -> 6.07 and 6.03 -> 5.91; 256 rows get one split either way. The warm-up's
+# few-row short step (engine/warmup.py SHORT_ONLY) stays under MIN_SPLIT_KEYS so that it still meets one split.
+DECODE_WAVES = 4
+MIN_SPLIT_KEYS = 64
 
 
 def decode_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, sliding_window: int | None,
