@@ -42,6 +42,9 @@
 #              decode attention with the split rule's new defaults (4 waves, 64 keys a split); one pdserve server as the
 #              side-by-side starts it (KV sizing lines, KV tokens, start-up); then decode steps of dummy Qwen3-8B, the
 #              earlier rule (2 waves, 256 keys) and the new one in the order old, new, new, old (drift cancels)
+#   loopgap    why the async decode loop at batch 1 and 8k stayed at 4.6 ms a step when the decode graph's step got
+#              faster (lease_s13): the loop under the torch profiler (bench_steps.py --profile-loop: the GPU's busy and
+#              idle time a step, its longest idle gaps), with the split rule's default and the earlier one
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -269,6 +272,14 @@ case $STAGE in
       echo "== $v"; grep -E "^(decode|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off"
       save
     done ;;
+  loopgap)
+    B="$STEPS_8B --max-model-len 40960 --iters 20 --decode 1x8192 --loop 1x8192 --profile-loop 1x8192 --loop-steps 50"
+    for v in new old; do
+      a=""; [ $v = old ] && a="--decode-waves 2 --min-split-keys 256"
+      timeout 150 $B $a --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|^  idle" "$W/loop_$v.txt" | grep -v "async off"
+    done
+    tar czf "$OUT/loopgap.tgz" -C "$OUT" loopgap ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -37,6 +37,7 @@ is eight whole prompts in one step; mixed:128x512+8x1008 is 128 decodes beside e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -233,9 +234,36 @@ def print_profile(label: str, p: dict) -> None:
         print(f"| {r['name'][:90]} | {r['count_per_step']:.0f} | {r['us_per_step']:.0f} | {r['share']:.1%} |")
 
 
+def gpu_timeline(prof, steps: int, top: int = 5) -> dict:
+    """From a profile of `steps` engine steps: the GPU's busy time (the union of its kernels' and copies'
+    intervals) against the span from the first to the last of them, per step, and the longest idle gaps with the
+    activity on either side."""
+    ivs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not ivs:
+        return {}
+    busy, gaps, cur_s, cur_e, prev = 0.0, [], ivs[0][0], ivs[0][1], ivs[0][2]
+    for s, e, name in ivs[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((s - cur_e, prev, name))
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+        if e >= cur_e:
+            prev = name
+    busy += cur_e - cur_s
+    span = ivs[-1][1] - ivs[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_us_per_step": span / steps, "busy_us_per_step": busy / steps,
+            "idle_us_per_step": (span - busy) / steps, "gaps_over_20us_per_step": sum(g[0] > 20 for g in gaps) / steps,
+            "longest_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]}
+
+
 def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup: int, async_on: bool,
-                     rng: random.Random) -> dict:
-    """Steady decoding of `batch` requests with ~`ctx` tokens of context through `EngineCore.step`."""
+                     rng: random.Random, profiled: bool = False) -> dict:
+    """Steady decoding of `batch` requests with ~`ctx` tokens of context through `EngineCore.step`; `profiled`:
+    under the torch profiler, with the GPU's busy and idle time per step (gpu_timeline)."""
     core.set_async_scheduling(async_on)
     vocab = core.hf_config.vocab_size
     tag = f"loop-{'async' if async_on else 'sync'}-{batch}x{ctx}"
@@ -260,20 +288,29 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
 
     core.executor.collect = timed_collect
     before = core.async_counts["overlapped"]
+    prof = None
+    if profiled:
+        from torch.profiler import ProfilerActivity, profile
+        prof = profile(activities=[ProfilerActivity.CPU]
+                       + ([ProfilerActivity.CUDA] if core.device.type == "cuda" else []))
     sync(core.device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    sync(core.device)
-    wall = time.perf_counter() - t
+    with prof if prof is not None else contextlib.nullcontext():
+        t = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        sync(core.device)
+        wall = time.perf_counter() - t
     del core.executor.collect
     overlapped = core.async_counts["overlapped"] - before
     for rid in rids:
         core.abort_request(rid)
     while core.has_work():
         core.step()
-    return {"async": async_on, "step_ms": wall / steps * 1e3, "host_ms": (wall - waited[0]) / steps * 1e3,
-            "collect_wait_ms": waited[0] / steps * 1e3, "overlapped_steps": overlapped, "steps": steps}
+    out = {"async": async_on, "step_ms": wall / steps * 1e3, "host_ms": (wall - waited[0]) / steps * 1e3,
+           "collect_wait_ms": waited[0] / steps * 1e3, "overlapped_steps": overlapped, "steps": steps}
+    if prof is not None:
+        out["gpu"] = gpu_timeline(prof, steps)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="batch x context of steady decode loops through the engine, with and without async "
                          "scheduling, comma-separated (empty: none)")
     ap.add_argument("--loop-steps", type=int, default=100)
+    ap.add_argument("--profile-loop", default="",
+                    help="batch x context, comma-separated: the async decode loop again under the torch profiler, "
+                         "with the GPU's busy and idle time per step and its longest idle gaps")
     ap.add_argument("--burst", default="", help="NxL: N prompts of L tokens at once, timed until every first token")
     ap.add_argument("--profile", default=None,
                     help="case names (e.g. decode:256x1024;prefill:8x1024), ';'-separated: profile them instead")
@@ -414,6 +454,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['case']} async {'on ' if async_on else 'off'}: {r['step_ms']:.2f} ms/step (host "
                   f"{r['host_ms']:.2f} ms, waiting for tokens {r['collect_wait_ms']:.2f} ms; "
                   f"{r['overlapped_steps']} of {r['steps']} steps overlapped)", flush=True)
+    for spec in filter(None, args.profile_loop.split(",")):
+        b, ctx = (int(x) for x in spec.split("x"))
+        r = {"case": f"loop:{spec}", **time_decode_loop(core, b, ctx, args.loop_steps, args.warmup, True, rng,
+                                                         profiled=True)}
+        loops.append(r)
+        g = r.get("gpu", {})
+        print(f"{r['case']} async on, profiled: {r['step_ms']:.2f} ms/step; GPU busy "
+              f"{g.get('busy_us_per_step', 0) / 1e3:.2f} ms and idle {g.get('idle_us_per_step', 0) / 1e3:.2f} ms a "
+              f"step ({g.get('gaps_over_20us_per_step', 0):.1f} gaps over 20 us a step)", flush=True)
+        for gap in g.get("longest_gaps", []):
+            print(f"  idle {gap['us']:.0f} us after {gap['after']} before {gap['before']}", flush=True)
     rec["bursts"] = bursts = []
     for spec in filter(None, args.burst.split(",")):
         n, length = (int(x) for x in spec.split("x"))

@@ -121,7 +121,6 @@ class EngineCore:
                 raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit of {model_max} "
                                  f"positions")
             self.step_peak: StepPeak | None = None  # the KV sizing probe's measurement (CUDA)
-            self.pool_cached_free = 0  # bytes free in PyTorch's cached blocks when the pool was sized (CUDA)
             num_blocks = config.num_gpu_blocks or self._size_pool(bb, kv_dtype)
             self.block_bytes = bb
             # the same block ids index every rank's pool; the block accounting below stays here, on rank 0
@@ -166,14 +165,13 @@ class EngineCore:
                                            self.max_model_len, cfg.block_size, cfg.attention_backend, kv_dtype,
                                            self.hf_config.vocab_size, self.eos_token_ids)
         ranks = self.executor.pool_memory()
-        budget = min(pool_budget(total, free, cfg.gpu_memory_utilization, self.step_peak.peak_bytes, base, cached)
-                     for free, total, _, base, cached in ranks)
+        budget = min(pool_budget(total, free, cfg.gpu_memory_utilization, self.step_peak.peak_bytes, base)
+                     for free, total, _, base, _ in ranks)
         free, total, tensors, base, cached = min(ranks, key=lambda r: r[0])
-        self.pool_cached_free = max(cached for *_, cached in ranks)  # pool_budget: may end in use beyond the share
         used = total - free
         log.info("KV sizing: %.2f GiB of %.2f GiB in use before the pool: %.2f GiB when the engine opened the GPU "
                  "(CUDA context, other processes: not counted, as in vLLM), %.2f GiB of tensors, %.2f GiB free in "
-                 "PyTorch's cached blocks (not counted, as in vLLM), %.2f GiB outside PyTorch; the pool gets %.2f GiB "
+                 "PyTorch's cached blocks, %.2f GiB outside PyTorch; the pool gets %.2f GiB "
                  "at gpu_memory_utilization %.2f", used / 2**30, total / 2**30, base / 2**30, tensors / 2**30,
                  cached / 2**30, (used - base - tensors - cached) / 2**30, max(budget, 0) / 2**30,
                  cfg.gpu_memory_utilization)

@@ -180,10 +180,11 @@ def num_sms(device: torch.device) -> int:
 
 # decode_splits' rule: programs for about DECODE_WAVES waves of the GPU, at least MIN_SPLIT_KEYS keys a split
 # (benchmarks/engine/bench_steps.py --decode-waves / --min-split-keys change them for an A/B in one process). 4 waves
-# and 64 keys against the earlier 2 and 256 (benchmarks/lease_s12/splits, whole steps of dummy Qwen3-8B on an H200):
-# 1 row at 8k 5.16 -> 4.84 and 5.02 -> 4.90 ms, at 32k 6.42 -> 6.12 and 5.88 -> 5.71, 4 rows at 8k 6.79 -> 6.68 and
-# 6.49 -> 6.30, 16 rows at 1k 6.36 -> 6.07 and 6.03 -> 5.91; 256 rows get one split either way. The warm-up's
-# few-row short step (engine/warmup.py SHORT_ONLY) stays under MIN_SPLIT_KEYS so that it still meets one split.
+# and 64 keys against the earlier 2 and 256, whole decode steps of dummy Qwen3-8B on an H200 in the order old, new,
+# new, old (benchmarks/lease_s13): 1 row at 1k 4.87/4.84 -> 4.86/4.56 ms, at 8k 5.20/5.22 -> 4.97/4.92, at 32k
+# 6.28/6.50 -> 5.88/5.78; 4 rows at 8k 6.81/6.79 -> 6.40/6.57; 16 rows at 1k 6.38/6.05 -> 6.06/6.01. The async
+# engine loop at 1 row and 8k did not move (4.63 ms a step either way). 256 rows get one split with both. The
+# warm-up's short-only steps (engine/warmup.py SHORT_ONLY, SHORT_MANY) stay under MIN_SPLIT_KEYS: one split.
 DECODE_WAVES = 4
 MIN_SPLIT_KEYS = 64
 
