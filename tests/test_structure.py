@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "pdserve"
@@ -161,3 +163,12 @@ def test_docs_modules_lists_every_module():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert (repo / "docs" / "modules.md").read_text() == gen.render(), "run `python docs/gen_modules.py`"
+
+
+def test_the_http_frontend_does_not_import_torch():
+    """The server process serves HTTP and talks to the engine process: importing torch there (seconds) delayed
+    every start before the engine was spawned. The engine process imports it."""
+    code = ("import sys; import pdserve.server.main, pdserve.server.app, pdserve.disagg.routes, "
+            "pdserve.engine.async_llm, pdserve.router.main; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1]).returncode == 0

@@ -1,6 +1,6 @@
 """Which prefill rank sends which KV heads to which decode rank, when the two instances' tensor-parallel sizes differ.
 
-Each rank's pool holds a range of the model's KV heads (`pdserve.model.parallel.kv_head_range`): an even split, or,
+Each rank's pool holds a range of the model's KV heads (`pdserve.parallel.ranges.kv_head_range`): an even split, or,
 with more ranks than KV heads, one replicated head per rank (Gemma 3 270M has one KV head: every rank holds it).
 Blocks are head-major, so the bytes of a head range of one block are one contiguous run on both sides: a push is one
 run per block and (source, destination) pair, or per head and layer when it goes layer by layer.
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.model.parallel import kv_head_range
-from pdserve.parallel.group import TPGroup
+from pdserve.parallel.ranges import RankOf, kv_head_range
 
 MAX_TP = 64  # ranks an instance may have, as far as a peer's notification or destination may claim
 
@@ -32,7 +31,7 @@ class HeadRun:
 
 def head_ranges(num_kv_heads: int, tp_size: int) -> list[tuple[int, int]]:
     """The KV heads each rank of a `tp_size` instance holds, in rank order."""
-    return [kv_head_range(num_kv_heads, TPGroup(r, tp_size)) for r in range(tp_size)]
+    return [kv_head_range(num_kv_heads, RankOf(r, tp_size)) for r in range(tp_size)]
 
 
 def push_plan(src: list[tuple[int, int]], dst: list[tuple[int, int]]) -> list[HeadRun]:

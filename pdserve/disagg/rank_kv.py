@@ -38,7 +38,7 @@ from pdserve.engine.kv_connector import KVPool
 from pdserve.engine.messages import POOL_REGION, KVDestination
 from pdserve.kv.descs import XferList
 from pdserve.kv.errors import TransportUnavailableError
-from pdserve.model.parallel import kv_head_range
+from pdserve.parallel.ranges import kv_head_range
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from pdserve.engine.scheduler import Scheduler, failed_outputs
 from pdserve.engine.warmup import warm_up
 from pdserve.kv.nvtx import mark, nvtx_range
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
-from pdserve.model.parallel import kv_head_range
 from pdserve.ops.jit_watch import WATCH
+from pdserve.parallel.ranges import kv_head_range
 from pdserve.sampling_params import SamplingParams
 from pdserve.stats import median
 from pdserve.validation import check_prompt_len, check_request_token_ids

@@ -38,9 +38,9 @@ from pdserve.engine.parent_watch import exit_with_parent
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_inputs import StepPlan
 from pdserve.model.loader import ModelSource, build_model
-from pdserve.model.parallel import kv_head_range
 from pdserve.ops.jit_watch import WATCH
 from pdserve.parallel.group import TPGroup, init_group, tp_context
+from pdserve.parallel.ranges import kv_head_range
 
 log = logging.getLogger(__name__)
 

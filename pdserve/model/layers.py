@@ -17,12 +17,13 @@ from torch import nn
 
 from pdserve.model.forward_context import attend
 from pdserve.model.merged import MergedLinearOwner, merge_linears
-from pdserve.model.parallel import RowParallelLinear, column_linear, even_range, kv_head_range
+from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
 from pdserve.ops.linear import linear
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.rotary import qk_norm_rope
 from pdserve.parallel.group import current_tp
+from pdserve.parallel.ranges import even_range, kv_head_range
 
 # Rows of one MLP pass: a longer step goes through in parts of this many tokens, so the MLP's [tokens, 3 x
 # intermediate / tp] temporaries (a prefill step's largest: 576 MiB at 8192 tokens of Qwen3-8B, which the KV pool

@@ -57,26 +57,6 @@ def shard_of(param: torch.Tensor) -> ShardSpec | None:
     return getattr(param, "shard", None)
 
 
-def even_range(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
-    """This rank's run of `total` items split evenly (they must divide)."""
-    if total % tp.size:
-        raise ValueError(f"{what} ({total}) must be divisible by the tensor-parallel size ({tp.size})")
-    n = total // tp.size
-    return tp.rank * n, (tp.rank + 1) * n
-
-
-def kv_head_range(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
-    """The KV heads this rank holds: an even split, or with more ranks than KV heads the one head its query heads
-    share (the size must then be a multiple of the KV head count)."""
-    if num_kv_heads >= tp.size:
-        return even_range(num_kv_heads, tp, "the number of KV heads")
-    if tp.size % num_kv_heads:
-        raise ValueError(f"the tensor-parallel size ({tp.size}) must be a multiple of the number of KV heads "
-                         f"({num_kv_heads}) when it exceeds it")
-    h = tp.rank * num_kv_heads // tp.size
-    return h, h + 1
-
-
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
     """KV heads in each rank's pool at `tp_size` ranks."""
     return max(1, num_kv_heads // tp_size)

@@ -12,11 +12,11 @@ from pdserve.model.parallel import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
-    kv_head_range,
     shard_of,
     vocab_range,
 )
 from pdserve.parallel.group import TPGroup, tp_context
+from pdserve.parallel.ranges import kv_head_range
 from tests.engine.tiny_models import TINY
 
 
