@@ -45,6 +45,9 @@
 #   loopgap    why the async decode loop at batch 1 and 8k stayed at 4.6 ms a step when the decode graph's step got
 #              faster (lease_s13): the loop under the torch profiler (bench_steps.py --profile-loop: the GPU's busy and
 #              idle time a step, its longest idle gaps), with the split rule's default and the earlier one
+#   s14        the next session's first call (written in session 13, not yet run): the KV sizing GPU tests and one
+#              pdserve server's sizing lines (did cuBLAS's early workspace free the 0.61 GiB of cached blocks the probe
+#              left?), then the loopgap stage's profile of the async decode loop
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -280,6 +283,19 @@ case $STAGE in
       echo "== $v"; grep -E "^(decode|loop)[^ ]*:|^  idle" "$W/loop_$v.txt" | grep -v "async off"
     done
     tar czf "$OUT/loopgap.tgz" -C "$OUT" loopgap ;;
+  s14)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_memory_profile.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-400 | tail -6
+    pdserve serve --model qwen3-8b --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 120); do
+      grep -q "serving " "$W/server.log" && break
+      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
+    done
+    grep -h "KV sizing\|engine ready" "$W/server.log" | cut -c1-600
+    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
+    tar czf "$OUT/s14.tgz" -C "$OUT" s14
+    OUT=$OUT bash "$0" loopgap ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
