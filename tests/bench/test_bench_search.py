@@ -73,9 +73,11 @@ def test_trial_size():
 # i * (P - 1/rate) when the lane cannot keep up and its TTFT is P + i * max(0, P - 1/rate): the p90 over N
 # samples (numpy's interpolation, position 0.9 * (N - 1)) is P + 0.9 * (N - 1) * max(0, P - 1/rate), and the
 # highest rate meeting p90 <= L is 1 / (P - (L - P) / (0.9 * (N - 1))).
-# The numbers put every trial's p90 at least 70 ms from the limit: a shared 2-core CI machine once delayed a trial's
-# first request by more than 33 ms, which shifts every TTFT of that trial by as much (the lane starts late).
+# Timing noise only adds latency (a late first request shifts every TTFT of its trial), and on a shared 2-core
+# machine it reached 95 ms: the test checks the search against what was measured, and against the model only where
+# noise cannot decide (a trial the model fails never passes; one at least NOISE under the limit passes).
 C, L, N = 0.0014, 0.3, 11
+NOISE = 0.15
 LENS = (80, 160)
 SEARCH = dict(start_rate=16.0, growth=2.0, tolerance=0.25, min_rate=0.5, max_rate=400.0)
 
@@ -111,9 +113,9 @@ def model_searches() -> list[list[tuple[float, bool, float]]]:
 
 @pytest.mark.timeout(300)
 def test_search_over_input_lengths_in_one_step_finds_each_lengths_max_rate(word_tokenizer_dir, tmp_path):
-    expected = model_searches()
-    # every trial's p90 is at least 70 ms (23% of the limit) away from it: timing noise cannot flip a verdict
-    assert min(abs(m) for seq in expected for _, _, m in seq) >= 0.07
+    expected = model_searches()  # without noise: both kinds of model check below come up along the way
+    assert any(model_p90(w, r) <= L - NOISE for seq, w in zip(expected, LENS) for r, *_ in seq)
+    assert any(model_p90(w, r) > L for seq, w in zip(expected, LENS) for r, *_ in seq)
     cmd = [sys.executable, "-m", "pdserve.bench", "search", "--tokenizer", str(word_tokenizer_dir),
            "--random-input-len", ",".join(map(str, LENS)), "--random-output-len", "2",
            "--slo", f"p90_ttft_ms<={L * 1000:g},p90_tpot_ms<=50", "--burstiness", "inf",
@@ -127,17 +129,34 @@ def test_search_over_input_lengths_in_one_step_finds_each_lengths_max_rate(word_
     rec = json.loads((tmp_path / "seeds.json").read_text())
     assert [s["input_len"] for s in rec["searches"]] == list(LENS)
     key = f"p90_ttft_ms<={L * 1000:g}"
-    for s, seq, words in zip(rec["searches"], expected, LENS):
+    start = SEARCH["start_rate"]
+    for s, words in zip(rec["searches"], LENS):
+        trials = s["trials"]
         measured = [(t["rate"], t["passed"], t["values"].get(key), round(model_p90(words, t["rate"]) * 1e3, 1))
-                    for t in s["trials"]]  # (rate, verdict, measured p90, the model's p90): shown if it fails
-        assert [(t["rate"], t["passed"]) for t in s["trials"]] == [(r, ok) for r, ok, _ in seq], measured
-        assert s["stop_reason"] == "converged" and s["max_rate"] <= model_max_rate(words) < s["min_failed_rate"]
-        for t in s["trials"]:
+                    for t in trials]  # (rate, verdict, measured p90, the model's p90): shown if a check fails
+        for t in trials:
+            p90, model = float(t["values"][key]), model_p90(words, t["rate"]) * 1e3
+            tpot = float(t["values"]["p90_tpot_ms<=50"])
+            assert t["passed"] == (p90 <= L * 1000 and tpot <= 50), measured  # the verdict is the measurement's
+            assert p90 >= 0.98 * model, measured  # nothing answers faster than the server's lane allows
+            if model > L * 1000:
+                assert not t["passed"], measured
+            if model <= (L - NOISE) * 1000:
+                assert t["passed"], measured
             run = rec["runs"][t["run_index"]]
             assert run["config"]["random_input_len"] == words and run["config"]["request_rate"] == t["rate"]
-            if t["passed"]:  # a full trial: the measured p90 TTFT is the model's plus client overhead, never less
-                model = model_p90(words, t["rate"]) * 1e3
-                assert 0.98 * model <= t["values"][key] <= model + 0.2 * L * 1e3, measured
+        # the search is search_max_rate's on these verdicts, starting at the previous length's result
+        verdicts = {t["rate"]: t["passed"] for t in trials}
+
+        async def replay(rate, left, verdicts=verdicts):
+            return Trial(rate=rate, passed=verdicts[rate])
+
+        res = asyncio.run(search_max_rate(replay, SearchConfig(**{**SEARCH, "start_rate": start})))
+        assert [t.rate for t in res.trials] == [t["rate"] for t in trials], measured
+        assert (s["max_rate"], s["min_failed_rate"], s["stop_reason"]) == (res.max_rate, res.min_failed_rate,
+                                                                           "converged"), measured
+        assert s["max_rate"] <= model_max_rate(words), measured  # the rate reported meets the SLO on the model
+        start = s["max_rate"]
     # one table across lengths: CSV, markdown and the JSON's searches; and one plot across lengths
     rows = list(csv.DictReader((tmp_path / "seeds.csv").open()))
     assert [(int(r["input_len"]), float(r["max_rate"])) for r in rows] == [
