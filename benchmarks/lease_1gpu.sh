@@ -69,6 +69,25 @@ profile_b1_8k() {  # MIN_SECONDS TOP: the batch-1 8k decode step's kernels ($B) 
   [ $left -gt $1 ] && timeout $left $B --profile "decode:1x8192" --top $2 --out "$W/profile.json" > "$W/profile.txt" 2>&1
   grep -v " INFO " "$W/profile.txt" | grep -A$(( $2 + 4 )) "^profile"
 }
+# one pdserve server of dummy Qwen3-8B as the side by side starts it (--gpu-memory-utilization 0.9, --max-model-len
+# 40960), model $1 (a dir or a shipped shape): its start-up (launch to first completion), KV sizing and warm-up lines
+sizing_server() {
+  echo "== pdserve serve, dummy Qwen3-8B, --gpu-memory-utilization 0.9, --max-model-len 40960"
+  local T0=$(date +%s.%N)
+  pdserve serve --model $1 --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+    --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & local S=$!
+  for i in $(seq 200); do
+    curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
+    kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
+  done
+  python3 -c "import time,sys; print(f'first completion answered {time.time()-float(sys.argv[1]):.1f} s after launch')" $T0 \
+    | tee "$W/startup.txt"
+  grep -h "KV sizing\|KV cache\|blocks\|warm-up\|engine ready\|Error\|error" "$W/server.log" | grep -v " 200 " \
+    | cut -c1-600 | head -16
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$W/mem.txt"
+  kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
+}
 case $STAGE in
   attn)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_prefill.py 2>&1 \
@@ -86,20 +105,7 @@ case $STAGE in
     timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=6 \
       tests/engine/test_memory_profile.py tests/engine/test_async_scheduling.py tests/ops/test_attention_decode.py \
       tests/ops/test_fp8_kv.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | tail -25
-    echo "== pdserve serve, dummy Qwen3-8B, --gpu-memory-utilization 0.9, --max-model-len 40960"
-    T0=$(date +%s.%N)
-    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
-      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
-    for i in $(seq 200); do
-      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
-        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
-      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
-    done
-    python3 -c "import time,sys; print(f'first completion answered {time.time()-float(sys.argv[1]):.1f} s after launch')" $T0 \
-      | tee "$W/startup.txt"
-    grep -h "KV sizing\|KV cache\|blocks\|warm-up\|engine ready\|Error\|error" "$W/server.log" | grep -v " 200 " | head -20
-    nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$W/mem.txt"
-    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
+    sizing_server $M
     left=$(( 540 - ($(date +%s) - t0) ))
     echo "== decode attention tile sweep (${left} s left)"
     [ $left -gt 60 ] && timeout $left python3 benchmarks/attention/sweep_decode.py --out "$W/decode_sweep.json" 2>&1 | tail -12
@@ -253,19 +259,7 @@ case $STAGE in
       tests/engine/test_warmup.py tests/engine/test_memory_profile.py tests/ops/test_attention_decode.py 2>&1 \
       | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-700 | tail -16
     save
-    echo "== pdserve serve, dummy Qwen3-8B, --gpu-memory-utilization 0.9, --max-model-len 40960"
-    T0=$(date +%s.%N)
-    pdserve serve --model qwen3-8b --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
-      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
-    for i in $(seq 120); do
-      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
-        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
-      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
-    done
-    python3 -c "import time,sys; print(f'first completion answered {time.time()-float(sys.argv[1]):.1f} s after launch')" $T0 \
-      | tee "$W/startup.txt"
-    grep -h "KV sizing\|KV cache\|blocks\|warm-up\|engine ready\|Error\|error" "$W/server.log" | grep -v " 200 " | cut -c1-600 | head -12
-    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
+    sizing_server qwen3-8b
     save
     B="$STEPS_8B --max-model-len 40960 --iters 40 --decode 1x1024,1x8192,1x32768,4x8192,16x1024 --loop 1x8192"
     for v in old1 new1 new2 old2; do
@@ -286,14 +280,7 @@ case $STAGE in
   s14)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_memory_profile.py 2>&1 \
       | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-400 | tail -6
-    pdserve serve --model qwen3-8b --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
-      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
-    for i in $(seq 120); do
-      grep -q "serving " "$W/server.log" && break
-      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
-    done
-    grep -h "KV sizing\|engine ready" "$W/server.log" | cut -c1-600
-    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
+    sizing_server qwen3-8b
     tar czf "$OUT/s14.tgz" -C "$OUT" s14
     OUT=$OUT bash "$0" loopgap ;;
   moe_tune)
