@@ -46,9 +46,9 @@ from pdserve.engine.step_inputs import (
     layout_bytes,
 )
 from pdserve.model.forward_context import ForwardContext, forward_context
-from pdserve.model.parallel import local_kv_heads
 from pdserve.model.shapes import head_dim
 from pdserve.ops.attention import AttentionMetadata, get_backend
+from pdserve.parallel.ranges import local_kv_heads
 
 log = logging.getLogger(__name__)
 

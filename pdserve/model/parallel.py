@@ -57,11 +57,6 @@ def shard_of(param: torch.Tensor) -> ShardSpec | None:
     return getattr(param, "shard", None)
 
 
-def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads in each rank's pool at `tp_size` ranks."""
-    return max(1, num_kv_heads // tp_size)
-
-
 def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
     """(start, stop, rows): the vocabulary rows this rank holds and its padded row count (equal on every rank)."""
     rows = -(-vocab_size // tp.size)

@@ -38,3 +38,8 @@ def kv_head_range(num_kv_heads: int, tp: Place) -> tuple[int, int]:
                          f"({num_kv_heads}) when it exceeds it")
     h = tp.rank * num_kv_heads // tp.size
     return h, h + 1
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads in each rank's pool at `tp_size` ranks."""
+    return max(1, num_kv_heads // tp_size)
