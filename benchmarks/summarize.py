@@ -476,6 +476,13 @@ def session13() -> None:
     print(f"\nThe async decode loop at batch 1 and 8k (the engine's serving path) did not move ({loop} ms a step, "
           f"same order), while the same shape through `runner.execute` did ({step} ms); why the two differ was not "
           "examined in this call.")
+    srv = load("lease_s12/sbs_long/pdserve_single_8192x16_c1.json")
+    steady = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*(x[1:-1] for x in srv["itls"]))]
+    loop = next(lp for lp in load("lease_s12/pdl/steps_early.json")["loops"] if lp["case"] == "loop:1x8192" and lp["async"])
+    print(f"\nA lead, from session 12's files (two machines, so not a measurement): served 8192/16 one at a time "
+          f"(`lease_s12/sbs_long`), pdserve's median gap between tokens position by position, the first and last left "
+          f"out, was {min(steady):.2f}-{max(steady):.2f} ms; the in-process async loop at 1x8192 (`lease_s12/pdl`, "
+          f"PDL early) took {loop['step_ms']:.2f} ms a step.")
 
 
 def session12() -> None:
