@@ -49,25 +49,6 @@ TAG_CONTROL = 0x43544C00  # "CTL"
 INIT_TIMEOUT_S = 60.0  # a started worker waits this long for its WorkerInit
 
 
-def claim_blas_workspace(device: torch.device, dtype: torch.dtype) -> None:
-    """Make cuBLAS take its workspace now, in a segment of its own.
-
-    cuBLAS takes its workspace (tens of MiB, kept for the process's life) from PyTorch's allocator at its first
-    product on a stream. Taken inside the KV sizing probe, it can be carved out of a large block that the probe's
-    temporaries freed, and the live workspace then keeps that whole segment from going back to the device when the
-    probe is released. For dummy Qwen3-8B on an H200, 0.61 GiB stayed in PyTorch's free cached blocks after the probe
-    (benchmarks/lease_s13), memory the pool could not have (memory_profile.pool_budget); the workspace is the
-    likeliest owner, not yet confirmed on a GPU (the sizing log line shows the cached bytes). With nothing cached, a
-    product now puts the workspace in a new segment of its own size."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    x = torch.zeros((16, 64), dtype=dtype, device=device)
-    w = torch.zeros((64, 64), dtype=dtype, device=device)
-    torch.nn.functional.linear(x, w)  # cuBLAS
-    torch.nn.functional.linear(x, w, torch.zeros(64, dtype=dtype, device=device))  # cuBLASLt (bias epilogue)
-    torch.cuda.synchronize(device)
-
-
 # ---- messages
 
 
@@ -178,8 +159,6 @@ class Worker:
         with tp_context(self.tp):
             self.model = build_model(self.hf_config, self.source, self.device, self.dtype, self.config.load_format,
                                      self.config.seed)
-        if self.device.type == "cuda":
-            claim_blas_workspace(self.device, self.dtype)
 
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes of this rank's GPU; (0, 0) on CPU."""
