@@ -48,6 +48,11 @@
 #   s14        the next session's first call (written in session 13, not yet run): the KV sizing GPU tests and one
 #              pdserve server's sizing lines (did cuBLAS's early workspace free the 0.61 GiB of cached blocks the probe
 #              left?), then the loopgap stage's profile of the async decode loop
+#   s14b       session 14's second machine, first call: what keeps 0.55-0.61 GiB of PyTorch's free cached blocks after the
+#              KV sizing probe (probe_memory.py: the segments that hold free bytes beside live blocks, and what
+#              allocated those), then the same with PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF, free pages go
+#              back to the device): the probe, the KV sizing GPU tests, one server's sizing lines, decode steps and the
+#              GPU tests of graphs and the warm-up; the sizing GPU tests without it (claim_blas_workspace reverted)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -283,6 +288,30 @@ case $STAGE in
     sizing_server qwen3-8b
     tar czf "$OUT/s14.tgz" -C "$OUT" s14
     OUT=$OUT bash "$0" loopgap ;;
+  s14b)
+    save() { tar czf "$OUT/s14b.tgz" -C "$OUT" s14b; }
+    timeout 120 python3 benchmarks/engine/probe_memory.py --out "$W/probe_default.json" > "$W/probe_default.txt" 2>&1
+    echo "== probe, default allocator"; grep -v " INFO " "$W/probe_default.txt" | cut -c1-400 | head -40
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_memory_profile.py 2>&1 \
+      | tee "$W/gpu_tests_default.txt" | grep -v "^\.*$" | cut -c1-400 | tail -4
+    save
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    timeout 120 python3 benchmarks/engine/probe_memory.py --out "$W/probe_expandable.json" > "$W/probe_expandable.txt" 2>&1
+    echo "== probe, expandable segments"; grep -v " INFO " "$W/probe_expandable.txt" | cut -c1-400 | head -12
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_memory_profile.py \
+      tests/engine/test_cuda_graphs.py tests/engine/test_warmup.py 2>&1 \
+      | tee "$W/gpu_tests_expandable.txt" | grep -v "^\.*$" | cut -c1-600 | tail -8
+    save
+    sizing_server qwen3-8b
+    save
+    left=$(( 550 - ($(date +%s) - t0) ))
+    for v in expandable default; do
+      [ $v = default ] && unset PYTORCH_CUDA_ALLOC_CONF
+      [ $left -gt 100 ] && timeout 60 $STEPS_8B --max-model-len 40960 --iters 40 --decode 1x8192,16x1024,256x1024 \
+        --loop 1x8192 --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+      echo "== steps, $v"; grep -E "^(decode|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off"
+    done
+    save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -1,0 +1,109 @@
+"""What keeps PyTorch's free cached blocks after the KV sizing probe (issue 10, KV capacity).
+
+The KV sizing log of dummy Qwen3-8B on an H200 showed 0.55-0.61 GiB of free blocks that PyTorch's caching allocator
+kept after the probe step was released and `empty_cache` ran (benchmarks/lease_s13, lease_s14). A segment goes back
+to the device only when none of its blocks is in use, so some tensor made during the probe and still alive after
+it shares a segment with those free blocks. This script records the allocator's history (with Python stacks)
+through the probe, takes a snapshot right after it, and prints every segment that holds free bytes beside live
+ones: its size, the free bytes, and each live block with the frames that allocated it.
+
+    python benchmarks/engine/probe_memory.py --model qwen3-8b --out $OUT/probe_memory.json
+
+CUDA only; the engine is built as `pdserve serve` builds it (no warm-up, which comes after the pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def _frames(block: dict, keep: int) -> list[str]:
+    out = []
+    for f in block.get("frames") or []:
+        name = f.get("filename", "")
+        if "pdserve" in name or ("torch" in name and "/torch/cuda/memory.py" not in name):
+            out.append(f"{name.split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}")
+        if len(out) >= keep:
+            break
+    return out
+
+
+def pinned_segments(snapshot: dict, frames: int = 6) -> dict:
+    """Segments with free bytes beside live blocks (what empty_cache cannot give back), largest free first."""
+    rows = []
+    for seg in snapshot["segments"]:
+        live = [b for b in seg["blocks"] if b["state"] != "inactive"]
+        free = sum(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
+        if live and free:
+            rows.append({"segment_bytes": seg["total_size"], "free_bytes": free, "stream": seg.get("stream"),
+                         "pool": str(seg.get("segment_pool_id")),
+                         "live": [{"bytes": b["size"], "requested": b.get("requested_size"), "state": b["state"],
+                                   "frames": _frames(b, frames)} for b in live]})
+    rows.sort(key=lambda r: -r["free_bytes"])
+    return {"segments": len(snapshot["segments"]), "pinned": rows,
+            "free_in_pinned_bytes": sum(r["free_bytes"] for r in rows),
+            "reserved_bytes": sum(s["total_size"] for s in snapshot["segments"]),
+            "live_bytes": sum(b["size"] for s in snapshot["segments"] for b in s["blocks"]
+                              if b["state"] != "inactive")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--max-model-len", type=int, default=40960)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--out", default="probe_memory.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_memory.py needs CUDA", file=sys.stderr)
+        return 2
+
+    import pdserve.engine.engine_core as engine_core
+    from pdserve.config import EngineConfig
+
+    real = engine_core.measure_step_peak
+    seen: dict = {}
+
+    def measured(*a, **k):
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                 max_entries=200_000)
+        out = real(*a, **k)
+        torch.cuda.synchronize()
+        seen["after_probe"] = pinned_segments(torch.cuda.memory._snapshot())
+        seen["after_probe"]["memory_reserved"] = torch.cuda.memory_reserved()
+        seen["after_probe"]["memory_allocated"] = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return out
+
+    engine_core.measure_step_peak = measured
+    t0 = time.time()
+    core = engine_core.EngineCore(EngineConfig(model=args.model, load_format=args.load_format, device="cuda",
+                                               dtype="bfloat16", max_model_len=args.max_model_len,
+                                               gpu_memory_utilization=args.gpu_memory_utilization, warmup=False))
+    try:
+        seen["num_blocks"] = core.kv.pool.num_blocks
+        seen["build_s"] = time.time() - t0
+    finally:
+        core.close()
+    r = seen["after_probe"]
+    print(f"after the probe: {r['reserved_bytes'] / 2**30:.3f} GiB reserved in {r['segments']} segments, "
+          f"{r['live_bytes'] / 2**30:.3f} GiB live; {r['free_in_pinned_bytes'] / 2**30:.3f} GiB free in "
+          f"{len(r['pinned'])} segments that also hold live blocks; pool {seen['num_blocks']} blocks")
+    for row in r["pinned"][:12]:
+        print(f"segment {row['segment_bytes'] / 2**20:.1f} MiB, {row['free_bytes'] / 2**20:.1f} MiB free, "
+              f"stream {row['stream']}, pool {row['pool']}; live blocks:")
+        for b in sorted(row["live"], key=lambda b: -b["bytes"])[:6]:
+            print(f"  {b['bytes'] / 2**20:.2f} MiB {b['state']}: " + " <- ".join(b["frames"][:4]))
+    with open(args.out, "w") as f:
+        json.dump(seen, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
