@@ -31,3 +31,36 @@ if not torch.cuda.is_available():
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
         _interp._patch_lang_tensor = _patch_lang_tensor
+
+    if _interp is not None and hasattr(_interp, "_patch_lang") and hasattr(_interp, "GridExecutor"):
+        # The interpreter re-patches triton.language at every call of a @triton.jit helper (inspect.getmembers
+        # over the whole package, ~a quarter of a kernel test's time), although the launch already patched it.
+        # Patch each language module once per launch instead: what a helper sees is the same (stock Triton's
+        # nested patches are never undone either; the launch's own scope is restored as before).
+        import inspect as _inspect
+
+        import triton.language as _tl
+
+        _orig_patch_lang = _interp._patch_lang
+        _orig_grid_call = _interp.GridExecutor.__call__
+        _launch: list[set[int]] = []  # ids of the language modules patched by the launch in progress
+
+        def _patch_lang(fn):
+            if not _launch:
+                return _orig_patch_lang(fn)
+            langs = {id(v) for v in fn.__globals__.values() if _inspect.ismodule(v) and v in (_tl, _tl.core)}
+            if langs and langs <= _launch[-1]:
+                return _interp._LangPatchScope()
+            scope = _orig_patch_lang(fn)
+            _launch[-1] |= langs
+            return scope
+
+        def _grid_call(self, *args, **kwargs):
+            _launch.append(set())
+            try:
+                return _orig_grid_call(self, *args, **kwargs)
+            finally:
+                _launch.pop()
+
+        _interp._patch_lang = _patch_lang
+        _interp.GridExecutor.__call__ = _grid_call
