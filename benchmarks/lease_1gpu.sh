@@ -53,6 +53,9 @@
 #              allocated those), then the same with PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF, free pages go
 #              back to the device): the probe, the KV sizing GPU tests, one server's sizing lines, decode steps and the
 #              GPU tests of graphs and the warm-up; the sizing GPU tests without it (claim_blas_workspace reverted)
+#   s14c       session 14's check of the KV sizing changes (merged projections allocate only their stack, no holes
+#              between the weights; the probe's peak counts what the allocator reserved): probe_memory.py, the KV sizing
+#              and transformers-agreement GPU tests, one server's sizing lines and KV tokens
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -311,6 +314,15 @@ case $STAGE in
         --loop 1x8192 --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
       echo "== steps, $v"; grep -E "^(decode|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off"
     done
+    save ;;
+  s14c)
+    save() { tar czf "$OUT/s14c.tgz" -C "$OUT" s14c; }
+    timeout 120 python3 benchmarks/engine/probe_memory.py --out "$W/probe.json" > "$W/probe.txt" 2>&1
+    echo "== probe"; grep -v " INFO " "$W/probe.txt" | cut -c1-300 | head -8
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_memory_profile.py \
+      tests/engine/test_vs_transformers.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-400 | tail -8
+    save
+    sizing_server qwen3-8b
     save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \

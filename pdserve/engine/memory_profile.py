@@ -4,7 +4,8 @@ scheduler can plan on a small probe pool, and the memory that step needed above 
 The probe step is the worst case of one step: `max_num_batched_tokens` tokens (one long prompt, capped by the
 model's length, beside one-token prompts) over `max_num_seqs` sequences, every one of them sampled with top-p,
 top-k, penalties and logprobs (the sampler's largest temporaries: a sort of every sampled row's logits). Its peak
-above what was allocated before it, on the tightest rank, is the activation reserve. The probe pool is then freed,
+above what was allocated before it, or above what the allocator reserved before it where that is more (its rounding
+and fragmentation: Worker.memory_peak), on the tightest rank, is the activation reserve. The probe pool is then freed,
 and the pool gets what `gpu_memory_utilization` leaves after the weights, whatever else the step left allocated
 outside PyTorch (cuBLAS workspaces, NCCL buffers: `mem_get_info` sees them), the measured peak and a margin for
 the allocator's rounding. As in vLLM, the share is of what the engine allocates after it opened the device: the

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pdserve.model.forward_context import attend
-from pdserve.model.merged import MergedLinearOwner, merge_linears
+from pdserve.model.merged import MergedLinearOwner, merge_linears, merged_parts
 from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
 from pdserve.ops.linear import linear
@@ -97,8 +97,9 @@ class GatedMLP(MergedLinearOwner):
             raise ValueError(f"unsupported activation {act!r}")
         tp = current_tp()
         lo, hi = even_range(intermediate, tp, "the MLP's intermediate size")
-        self.gate_proj = column_linear(hidden, intermediate, False, lo, hi, tp)
-        self.up_proj = column_linear(hidden, intermediate, False, lo, hi, tp)
+        with merged_parts():
+            self.gate_proj = column_linear(hidden, intermediate, False, lo, hi, tp)
+            self.up_proj = column_linear(hidden, intermediate, False, lo, hi, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, lo, hi, tp)
         self.act = ACTIVATIONS[act]
         merge_linears(self, "gate_up", [self.gate_proj, self.up_proj])
@@ -151,9 +152,10 @@ class PagedAttention(MergedLinearOwner):
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         d = head_dim
-        self.q_proj = column_linear(hidden, num_heads * d, bias, q0 * d, q1 * d, tp)
-        self.k_proj = column_linear(hidden, num_kv_heads * d, bias, k0 * d, k1 * d, tp)
-        self.v_proj = column_linear(hidden, num_kv_heads * d, bias, k0 * d, k1 * d, tp)
+        with merged_parts():
+            self.q_proj = column_linear(hidden, num_heads * d, bias, q0 * d, q1 * d, tp)
+            self.k_proj = column_linear(hidden, num_kv_heads * d, bias, k0 * d, k1 * d, tp)
+            self.v_proj = column_linear(hidden, num_kv_heads * d, bias, k0 * d, k1 * d, tp)
         self.o_proj = RowParallelLinear(num_heads * d, hidden, False, q0 * d, q1 * d, tp)
         merge_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
         if qk_norm_eps is not None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pdserve.model import MODEL_TYPE_TO_ARCH, get_model_class
+from pdserve.model.merged import stacked_at_build
 from pdserve.model.parallel import full_shape, load_param, shard_of, take_shard
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,7 @@ def build_model(cfg, source: ModelSource, device: torch.device, dtype: torch.dty
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device), _no_default_init():
+        with torch.device(device), _no_default_init(), stacked_at_build():
             model = cls(cfg)
     finally:
         torch.set_default_dtype(prev)
