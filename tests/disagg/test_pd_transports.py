@@ -61,6 +61,20 @@ def start_instance(role: str, transport: str, *extra: str) -> tuple[subprocess.P
     return _start(cmd, r"serving .* on (http://\S+)", timeout=400)
 
 
+def start_all(start, specs: dict[str, tuple]) -> dict[str, tuple[subprocess.Popen, str]]:
+    """start(*spec) for every spec at once (processes start in parallel); if any fails, the others are stopped."""
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+        futs = {name: pool.submit(start, *spec) for name, spec in specs.items()}
+        concurrent.futures.wait(futs.values())
+    failed = [f for f in futs.values() if f.exception() is not None]
+    if failed:
+        for f in futs.values():
+            if f.exception() is None:
+                stop(f.result()[0])
+        raise failed[0].exception()
+    return {name: f.result() for name, f in futs.items()}
+
+
 class Deployment:
     """One transport's instances (p0, p1 push to d0, d1) and routers, all processes."""
 
@@ -81,34 +95,54 @@ class Deployment:
             list(pool.map(stop, self.procs.values()))
 
 
+@pytest.fixture(scope="module")
+def tcp_prefill():
+    """The prefill instance on tcp that the mismatch test's decode instances order: the same for every transport,
+    so it starts once (with the first deployment's instances) and serves both deployments. It never computes (every
+    order it gets is refused), so nothing a deployment did to it can change what the next one sees."""
+    held: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        yield held
+    finally:
+        for proc, _ in held.values():
+            stop(proc)
+
+
 @pytest.fixture(scope="module", params=[pytest.param("mooncake", id="mooncake-tcp", marks=MOONCAKE),
                                         pytest.param("nccl", id="nccl-gloo")])
-def deployment(request):
+def deployment(request, tcp_prefill):
     """One transport at a time (an instance holds ~2 GB: two transports' worth at once thrash a small machine):
     p1 pushes layer by layer; p0 prefills in 16-token chunks, so the full blocks of a prompt's chunks before its last
     are pushed ahead (--kv-push-ahead, on by default) while the next chunk computes; d1 fails requests whose handover fails (d0 recomputes them); `tcp_p` is a prefill
-    instance on tcp (the mismatch test). Routers: r1 = 1P1D (p1 -> d0), r4 = 1P1D (p0 -> d0), r2 = 2P2D, r3 =
-    p0, p1 -> d0 (the kill test: a decode instance that recomputes what a dead prefill instance left)."""
+    instance on tcp (the mismatch test; shared by the deployments: tcp_prefill). Routers: r1 = 1P1D (p1 -> d0),
+    r4 = 1P1D (p0 -> d0), r2 = 2P2D, r3 = p0, p1 -> d0 (the kill test: a decode instance that recomputes what a
+    dead prefill instance left)."""
     t = request.param
     d = Deployment(t)
     specs = {"p0": ("prefill", t, "--max-num-batched-tokens", "16"), "p1": ("prefill", t, "--kv-layerwise", "on"),
              "d0": ("decode", t),
              "d1": ("decode", t, "--kv-fallback", "fail")}
-    specs["tcp_p"] = ("prefill", "tcp")
+    if "tcp_p" not in tcp_prefill:
+        specs["tcp_p"] = ("prefill", "tcp")
     try:
-        with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-            futs = {name: pool.submit(start_instance, *spec) for name, spec in specs.items()}
-            for name, fut in futs.items():
-                d.procs[name], d.urls[name] = fut.result()
+        for name, started in start_all(start_instance, specs).items():
+            if name == "tcp_p":
+                tcp_prefill[name] = started
+            else:
+                d.procs[name], d.urls[name] = started
         u = d.urls
-        d.procs["r1"], u["r1"] = start_router("--prefill", u["p1"], "--decode", u["d0"])
-        d.procs["r2"], u["r2"] = start_router("--prefill", u["p0"], u["p1"], "--decode", u["d0"], u["d1"],
-                                              "--decode-policy", "round_robin")
-        d.procs["r3"], u["r3"] = start_router("--prefill", u["p0"], u["p1"], "--decode", u["d0"])
-        d.procs["r4"], u["r4"] = start_router("--prefill", u["p0"], "--decode", u["d0"])  # 1P1D, chunked prefill
-        # decode instances on the deployment's transport ordering a prefill instance on tcp
-        d.procs["mis"], u["mis"] = start_router("--prefill", u["tcp_p"], "--decode", u["d0"])
-        d.procs["mis_fail"], u["mis_fail"] = start_router("--prefill", u["tcp_p"], "--decode", u["d1"])
+        u["tcp_p"] = tcp_prefill["tcp_p"][1]
+        routers = {
+            "r1": ("--prefill", u["p1"], "--decode", u["d0"]),
+            "r2": ("--prefill", u["p0"], u["p1"], "--decode", u["d0"], u["d1"], "--decode-policy", "round_robin"),
+            "r3": ("--prefill", u["p0"], u["p1"], "--decode", u["d0"]),
+            "r4": ("--prefill", u["p0"], "--decode", u["d0"]),  # 1P1D, chunked prefill
+            # decode instances on the deployment's transport ordering a prefill instance on tcp
+            "mis": ("--prefill", u["tcp_p"], "--decode", u["d0"]),
+            "mis_fail": ("--prefill", u["tcp_p"], "--decode", u["d1"]),
+        }
+        for name, (proc, url) in start_all(start_router, routers).items():
+            d.procs[name], u[name] = proc, url
         yield d
     finally:
         d.close()
