@@ -146,8 +146,9 @@ def test_the_largest_step_fits_beside_the_sized_pool(util):
     probe's step (every token of the budget, every sequence sampled) runs on the full pool, and the GPU's memory in
     use (caching allocator included), less what was in use when the engine opened the GPU, stays within
     gpu_memory_utilization of it."""
-    used, allowed, blocks = _largest_step_within(util)
-    assert blocks > 0 and used <= allowed, f"{used / 2**30:.2f} GiB in use, {allowed / 2**30:.2f} GiB allowed"
+    used, allowed, blocks, parts = _largest_step_within(util)
+    assert blocks > 0 and used <= allowed, (f"{used / 2**30:.2f} GiB in use, {allowed / 2**30:.2f} GiB allowed; "
+                                            + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in parts.items()))
 
 
 def _largest_step_within(util: float) -> tuple[int, int, int]:
@@ -166,9 +167,13 @@ def _largest_step_within(util: float) -> tuple[int, int, int]:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         baseline = core.executor.collective_rpc("memory_in_use")[0][2]  # in use before the engine: not its share
+        reserved = torch.cuda.memory_reserved()
+        parts = {"allocated": torch.cuda.memory_allocated(), "reserved": reserved,  # what the message reports
+                 "outside PyTorch": total - free - baseline - reserved, "probe peak": core.step_peak.peak_bytes,
+                 "in use before the engine": baseline}
         while core.has_work():
             core.step()
         core.check_whole()
-        return total - free - baseline, int(total * util), core.kv.pool.num_blocks
+        return total - free - baseline, int(total * util), core.kv.pool.num_blocks, parts
     finally:
         core.close()
