@@ -442,6 +442,115 @@ def _steps_table(runs: list[tuple[str, str]], cases: list[str]) -> None:
               + " |")
 
 
+def _srv_line(log_gz: str, key: str) -> str:
+    with gzip.open(B / log_gz, "rt") as f:
+        return next(ln for ln in f.read().splitlines() if key in ln)
+
+
+def _chunk_count(rel: str) -> str:
+    """Stream chunks a request (first, warm one, left out) against its output tokens: a chunk of several tokens
+    moves their decode time from TPOT into TTFT."""
+    d = load(rel)
+    per = [len(i) + 1 for i in d["itls"][1:]]
+    span = f"{min(per)}" if min(per) == max(per) else f"{min(per)}-{max(per)}"
+    return f"{span} chunks for {d['output_lens'][1]} tokens"
+
+
+def session14() -> None:
+    """Session 14 (one H200 at a time, three machines): KV sizing's free cached blocks found and removed, the side
+    by side with vLLM at 8k/32k one at a time (16 and 256 output tokens) and 1024/1024 c256, the two clients."""
+    base = "lease_s14"
+    print("Where KV sizing's free cached blocks were (`probe_memory.py`: PyTorch allocator history with Python stacks "
+          "through the KV sizing probe, dummy Qwen3-8B, --gpu-memory-utilization 0.9; a segment goes back to the device "
+          "only when none of its blocks is live):\n")
+    print("| run | segments | GiB free beside live blocks | of it beside blocks made before the probe | pool blocks |\n"
+          "|---|---|---|---|---|")
+    for name, rel in (("before (s14b, default allocator)", "s14b/probe_default.json"),
+                      ("before, expandable segments (s14b)", "s14b/probe_expandable.json"),
+                      ("merged projections allocate only their stack (s14c)", "s14c/probe.json")):
+        d = load(f"{base}/{rel}")
+        a = d["after_probe"]
+        pre = sum(r["free_bytes"] for r in a["pinned"] if not any(b["frames"] for b in r["live"]))
+        print(f"| {name} | {a['segments']} | {a['free_in_pinned_bytes'] / 2**30:.3f} | {pre / 2**30:.3f} | "
+              f"{d['num_blocks']:,} |")
+    d = load(f"{base}/s14b/probe_default.json")["after_probe"]
+    shapes: dict = {}
+    for r in d["pinned"]:
+        k = (r["segment_bytes"] >> 20, r["free_bytes"] >> 20, tuple(sorted(b["bytes"] >> 20 for b in r["live"])))
+        shapes[k] = shapes.get(k, 0) + 1
+    (seg, free, live), n = max(shapes.items(), key=lambda kv: kv[1])
+    print(f"\nBefore: {n} segments of {seg} MiB each held {free} MiB free beside live blocks of {' and '.join(map(str, live))}"
+          " MiB made before the probe (the weights: a QKV stack and an o_proj of Qwen3-8B); the holes were the q/k/v and "
+          "gate/up parts that each layer allocated, stacked, then freed. Now the parts are made on the meta device and "
+          "only the stack is allocated.\n")
+    for name, rel in (("s14 (session 13's code)", "s14/server.log.gz"), ("s14b (claim_blas_workspace reverted)",
+                                                                       "s14b/server.log.gz"),
+                      ("s14c (merged stacks only)", "s14c/server.log.gz")):
+        line = _srv_line(f"{base}/{rel}", "GiB in use before the pool").split("KV sizing: ")[1]
+        print(f"- {name}: \"{line}\"")
+    print("\nGPU tests in those calls:\n")
+    for name, rel in (("s14: test_memory_profile (session 13's code, claim_blas_workspace)", "s14/gpu_tests.txt"),
+                      ("s14b: test_memory_profile (claim_blas_workspace reverted)", "s14b/gpu_tests_default.txt"),
+                      ("s14b, expandable segments: test_memory_profile, test_cuda_graphs, test_warmup",
+                       "s14b/gpu_tests_expandable.txt"),
+                      ("s14c: test_memory_profile, test_vs_transformers (merged stacks only, reserved peak)",
+                       "s14c/gpu_tests.txt")):
+        with open(B / base / rel) as f:
+            lines = f.read().splitlines()
+        summary = [ln.strip() for ln in lines if " passed" in ln or " failed" in ln][-1]
+        failed = [ln.split("::")[-1].split(" ")[0] for ln in lines if ln.startswith("FAILED")]
+        over = [ln.split("AssertionError: ")[1] for ln in lines if "AssertionError: " in ln and "GiB in use" in ln]
+        print(f"- {name}: {summary}; failed: {', '.join(failed) or 'none'}" + (f" ({'; '.join(over)})" if over else ""))
+    print("\nSide by side with vLLM 0.22 (`lease_1gpu.sh sbs`: vLLM, then pdserve, on one H200; dummy Qwen3-8B bf16, "
+          "--gpu-memory-utilization 0.9; vLLM's `bench serve` on both). One machine per column group:\n")
+    print("| run | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
+          "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|---|")
+    kv = []
+    for run in ("sbs_long", "sbs_c256", "sbs_long2", "sbs_kv"):
+        c = load(f"{base}/{run}/comparison.json")
+        for w in sorted(c["workloads"], key=lambda w: w["workload"]):
+            if w.get("vllm") is None or w.get("pdserve") is None:
+                continue
+            v, p = w["vllm"], w["pdserve"]
+            print(f"| {run} | {w['workload']} | {v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
+                  f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / {p['mean_ttft_ms']:.1f}"
+                  f" | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.2f} | {v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} | "
+                  f"{p['mean_tpot_ms'] / v['mean_tpot_ms']:.2f} |")
+        srv = {n: load(f"{base}/{run}/{n}_single_server.json") for n in ("vllm", "pdserve")}
+        kv.append((run, srv))
+    print("\n| run | vLLM KV tokens | pdserve KV tokens | ratio | start-up vLLM / pdserve s |\n|---|---|---|---|---|")
+    for run, srv in kv:
+        v, p = srv["vllm"], srv["pdserve"]
+        print(f"| {run} | {v['kv_tokens']:,} | {p['kv_tokens']:,} | "
+              f"{p['kv_tokens'] / v['kv_tokens']:.4f} | {v['startup_s']:.1f} / {p['startup_s']:.1f} |")
+    print(f"\nStream chunks per request (sbs_kv): vLLM {_chunk_count(f'{base}/sbs_kv/vllm_single_8192x16_c1.json')} at "
+          f"8192/16 and {_chunk_count(f'{base}/sbs_kv/vllm_single_32768x16_c1.json')} at 32768/16; pdserve "
+          f"{_chunk_count(f'{base}/sbs_kv/pdserve_single_8192x16_c1.json')} and "
+          f"{_chunk_count(f'{base}/sbs_kv/pdserve_single_32768x16_c1.json')} (one a token, then the closing chunk). A chunk "
+          "of several tokens moves their decode time from TPOT into TTFT, so at 16 output tokens vLLM's TPOT is "
+          "smaller than its tokens' pace (at 32768/16 below any 32k decode step) and its TTFT larger; with 256 output "
+          "tokens the TPOT is the steady pace.")
+    print("\nThe two clients on vLLM's server (`sbs_clients`: c1 and c16, round 1 only, as round 2 repeated round 1's "
+          "prompts and was served from the prefix cache; `sbs_clients_c256`: each round its own --seed):\n")
+    print("| run | workload | round | metric | vLLM's client | pdserve's client | pdserve's / vLLM's |\n"
+          "|---|---|---|---|---|---|---|")
+    for run, w, rounds in (("sbs_clients", "8192x16_c1", [""]), ("sbs_clients", "1024x256_c16", [""]),
+                           ("sbs_clients_c256", "1024x1024_c256", ["", "_r2"])):
+        for i, r in enumerate(rounds):
+            a = load(f"{base}/{run}/vllm_single_{w}{r}.json")
+            b = load(f"{base}/{run}/vllm_single_{w}{r}_pdclient.json")
+            for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+                print(f"| {run} | {w} | {i + 1} | {k} | {a[k]:,.2f} | {b[k]:,.2f} | {b[k] / a[k]:.3f} |")
+    lg = load(f"{base}/loopgap/loop_new.json")
+    lp = next(x for x in lg["loops"] if x.get("gpu"))
+    g = lp["gpu"]
+    step = next(r for r in lg["results"] if r["case"] == "decode:1x8192")
+    print(f"\nThe async decode loop at 1x8192 under the profiler (`loopgap`, same machine as sbs_long): "
+          f"{lp['step_ms']:.2f} ms a step, GPU busy {g['busy_us_per_step'] / 1e3:.2f} ms and idle "
+          f"{g['idle_us_per_step'] / 1e3:.3f} ms a step; the loop is GPU-bound (the graph step through runner.execute, "
+          f"which waits for each step, took {step['step_ms_median']:.2f} ms against a floor of {step['floor_ms']:.2f} ms).")
+
+
 def session13() -> None:
     """The session-13 call (one H200, the only one the session's device time allowed): the decode split rule's new
     default, the warm-up's one-split short steps, and where the KV sizing's 0.77 GiB outside tensors lives."""
@@ -812,6 +921,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session14()
+    print()
     session13()
     print()
     session12()
