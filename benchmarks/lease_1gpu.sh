@@ -56,6 +56,9 @@
 #   s14c       session 14's check of the KV sizing changes (merged projections allocate only their stack, no holes
 #              between the weights; the probe's peak counts what the allocator reserved): probe_memory.py, the KV sizing
 #              and transformers-agreement GPU tests, one server's sizing lines and KV tokens
+#   s15        the next session's first call (written in session 14, not yet run): the KV sizing GPU tests (the failing
+#              largest-step case at 0.6 now names the parts of what was in use), then the chunks32k stage (the 32k
+#              prompt's 8k chunks against their floors and the last chunk's kernels: 32k TTFT is 1.12-1.19x vLLM's)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -324,6 +327,11 @@ case $STAGE in
     save
     sizing_server qwen3-8b
     save ;;
+  s15)
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_memory_profile.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-700 | tail -6
+    tar czf "$OUT/s15.tgz" -C "$OUT" s15
+    OUT=$OUT bash "$0" chunks32k ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
