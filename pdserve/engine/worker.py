@@ -215,9 +215,10 @@ class Worker:
         """What the step since `mark_memory` took at its peak (bytes; 0 on CPU, where the pool is sized from
         cpu_kv_cache_gb): the most it allocated above what was allocated then, or, where more, the most the
         allocator reserved from the device above what it held then. The second is the step's tensors with the
-        allocator's rounding and fragmentation, what the step will take again beside the pool: sized from the
-        first alone, dummy Qwen3-0.6B's largest step beside the pool at gpu_memory_utilization 0.6 took 0.10 GiB
-        more than the share on an H200 (test_memory_profile, lease_s14)."""
+        allocator's rounding and fragmentation, what the step will take again beside the pool. Counting it did not
+        close the gap it was meant for: dummy Qwen3-0.6B's largest step beside the pool at gpu_memory_utilization
+        0.6 still took 0.13 GiB more than the share on an H200 (test_memory_profile, benchmarks/lease_s14/s14c;
+        0.10 GiB before), for a cause not yet known."""
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
