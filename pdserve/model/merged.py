@@ -66,23 +66,19 @@ def merge_linears(owner: nn.Module, name: str, linears: list[nn.Linear]) -> None
         current = owner._buffers.get(attr)
         if current is not None and _aliased(current, parts):
             continue
-        if all(p.is_meta for p in parts):  # made by merged_parts: the stacked tensor is the only allocation
-            stacked = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
-            owner.register_buffer(attr, stacked, persistent=False)
-            off = 0
-            for lin, p in zip(linears, parts):
-                n = p.shape[0]
-                view = nn.Parameter(stacked[off : off + n], requires_grad=p.requires_grad)
-                view.__dict__.update(p.__dict__)  # what rides on the parameter (its tensor-parallel shard)
-                setattr(lin, suffix, view)
-                off += n
-            continue
-        stacked = torch.cat([p.detach() for p in parts], dim=0)
+        meta = all(p.is_meta for p in parts)  # made by merged_parts: the stacked tensor is the only allocation
+        stacked = (torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype) if meta
+                   else torch.cat([p.detach() for p in parts], dim=0))
         owner.register_buffer(attr, stacked, persistent=False)
         off = 0
-        for p in parts:
+        for lin, p in zip(linears, parts):
             n = p.shape[0]
-            p.data = stacked[off : off + n]
+            if meta:  # a meta parameter cannot take real storage through .data: a new one, with what rode on it
+                view = nn.Parameter(stacked[off : off + n], requires_grad=p.requires_grad)
+                view.__dict__.update(p.__dict__)  # (its tensor-parallel shard)
+                setattr(lin, suffix, view)
+            else:
+                p.data = stacked[off : off + n]
             off += n
 
 
