@@ -59,6 +59,8 @@
 #   s15        the next session's first call (written in session 14, not yet run): the KV sizing GPU tests (the failing
 #              largest-step case at 0.6 now names the parts of what was in use), then the chunks32k stage (the 32k
 #              prompt's 8k chunks against their floors and the last chunk's kernels: 32k TTFT is 1.12-1.19x vLLM's)
+#   s16a       the KV sizing test's step peaks, torch's SDPA backends (cuDNN) vs the Triton prefill on 32k chunks,
+#              the batch-1 8k decode step's kernels with PDL on
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -332,6 +334,19 @@ case $STAGE in
       | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-700 | tail -6
     tar czf "$OUT/s15.tgz" -C "$OUT" s15
     OUT=$OUT bash "$0" chunks32k ;;
+  s16a)  # the KV sizing GPU tests (the step's own allocated/reserved peaks in the message), torch's SDPA backends
+    # (cuDNN, flash, efficient) against the Triton prefill kernel on the 32k prompt's chunks, the batch-1 8k decode
+    # step's kernels with PDL on (as served)
+    save() { tar czf "$OUT/s16a.tgz" -C "$OUT" s16a; }
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_memory_profile.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    save
+    timeout 240 python3 benchmarks/attention/probe_sdpa_backends.py --out "$W/sdpa.json" > "$W/sdpa.txt" 2>&1
+    cut -c1-400 "$W/sdpa.txt" | grep -v "^  " | head -20; grep "^  " "$W/sdpa.txt" | sort | uniq | cut -c1-300 | head -8
+    save
+    B="$STEPS_8B --max-model-len 16384"
+    profile_b1_8k 60 24
+    save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -163,6 +163,9 @@ def _largest_step_within(util: float) -> tuple[int, int, int]:
             core.add_request(f"r{i}", torch.randint(0, 151000, (n,), generator=g).tolist(),
                              SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=50, logprobs=20,
                                             presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
         core.step()  # every prompt in one step: the probe's shape
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
@@ -170,7 +173,10 @@ def _largest_step_within(util: float) -> tuple[int, int, int]:
         reserved = torch.cuda.memory_reserved()
         parts = {"allocated": torch.cuda.memory_allocated(), "reserved": reserved,  # what the message reports
                  "outside PyTorch": total - free - baseline - reserved, "probe peak": core.step_peak.peak_bytes,
-                 "in use before the engine": baseline}
+                 "in use before the engine": baseline, "allocated before the step": before[0],
+                 "reserved before the step": before[1],
+                 "the step's allocated peak": torch.cuda.max_memory_allocated() - before[0],
+                 "the step's reserved peak": torch.cuda.max_memory_reserved() - before[1]}
         while core.has_work():
             core.step()
         core.check_whole()
