@@ -61,6 +61,7 @@
 #              prompt's 8k chunks against their floors and the last chunk's kernels: 32k TTFT is 1.12-1.19x vLLM's)
 #   s16a       the KV sizing test's step peaks, torch's SDPA backends (cuDNN) vs the Triton prefill on 32k chunks,
 #              the batch-1 8k decode step's kernels with PDL on
+#   s16b       cuDNN for long prefill rows: GPU tests, first calls, 4k chunks, the 32k chunks as engine steps A/B
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -347,6 +348,25 @@ case $STAGE in
     B="$STEPS_8B --max-model-len 16384"
     profile_b1_8k 60 24
     save ;;
+  s16b)  # cuDNN for long prefill rows: its GPU tests and the KV sizing tests, its first calls on new shapes and 4k
+    # chunks against Triton, then the 32k prompt's 8k chunks as engine steps with it (default) and without it
+    save() { tar czf "$OUT/s16b.tgz" -C "$OUT" s16b; }
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
+      tests/engine/test_memory_profile.py tests/ops/test_attention_backend.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
+    save
+    timeout 120 python3 benchmarks/attention/probe_sdpa_backends.py --out "$W/sdpa.json" \
+      --first-calls 0:3001,0:3002,0:5003,1234:8192,1235:8192,20000:8192 --cases 4096:4096,8192:4096,0:4096 \
+      > "$W/sdpa.txt" 2>&1
+    grep -E "^(first|ctx)|refused" "$W/sdpa.txt" | sed 's/ | efficient: RuntimeError//' | cut -c1-300
+    save
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --loop= --max-model-len 40960"
+    for lib in auto none; do
+      PDSERVE_PREFILL_LIBRARY=$lib timeout 120 $B --decode= --prefill 8192,8192+8192,16384+8192,24576+8192 \
+        --out "$W/steps_$lib.json" > "$W/steps_$lib.txt" 2>&1
+      echo "== PDSERVE_PREFILL_LIBRARY=$lib"; grep -E "^(prefill|decode)[^ ]*:|KV sizing: the largest|Error" "$W/steps_$lib.txt" | cut -c1-300
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -63,6 +63,16 @@ def skinny_config_file() -> str | None:
     return os.environ.get("PDSERVE_SKINNY_CONFIG") or None
 
 
+def prefill_library() -> str:
+    """`PDSERVE_PREFILL_LIBRARY`: `auto` (default) runs long prefill rows through cuDNN's fused attention where the
+    GPU and torch have it (pdserve.ops.attention.library_prefill says which rows and why); `none` keeps every row
+    on the Triton kernel."""
+    v = os.environ.get("PDSERVE_PREFILL_LIBRARY", "auto").strip().lower() or "auto"
+    if v not in ("auto", "none"):
+        raise ValueError(f"PDSERVE_PREFILL_LIBRARY must be auto or none, got {v!r}")
+    return v
+
+
 def prefill_config_file() -> str | None:
     """`PDSERVE_PREFILL_CONFIG`: a JSON file ({block_m, block_n, num_warps, num_stages[, g_pack]}) whose tiles replace
     the prefill attention kernel's default choice for bf16/fp16 models with head dim <= 128 on CUDA: what

@@ -123,10 +123,42 @@ def run_case(ctx: int, t: int, dev: torch.device) -> dict:
     return row
 
 
+def first_calls(dev: torch.device, cases: list[tuple[int, int]]) -> list[dict]:
+    """The Triton backend's attend on rows the library takes, each shape new to the process: the first call
+    (cuDNN builds an execution plan per shape) against the next one."""
+    import time
+
+    from pdserve.ops.attention import library_prefill as lib
+
+    rows = []
+    for ctx, t in cases:
+        n = ctx + t
+        pool = Pool(n + 1024, HK, D, BS, torch.bfloat16, dev)
+        builder = AttentionMetadataBuilder(dev, max(t, 1024), 4, -(-n // BS) + 8)
+        q = torch.randn((t, HQ, D), dtype=torch.bfloat16, device=dev)
+        k_new, v_new = new_kv(t, argparse.Namespace(hq=HQ, hk=HK, head_dim=D), dev)
+        times = []
+        for _ in range(3):
+            meta = step_meta(builder, pool, [n], [t])
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            TritonAttentionBackend().attend(q, pool.layer, meta, D ** -0.5, None, None, None, None, k_new=k_new,
+                                            v_new=v_new)
+            torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+        took = meta.library is not None and meta.library[0] is not None
+        rows.append({"ctx": ctx, "new": t, "library": took, "ms": times, "expand_kv": lib._expand_kv})
+        print(f"first calls ctx {ctx:6} + {t:6} ({'cuDNN' if took else 'Triton'}): "
+              + ", ".join(f"{x:.2f}" for x in times) + " ms", flush=True)
+        del pool, builder
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="0:8192,8192:8192,16384:8192,24576:8192,0:32768,0:2048,2048:2048,0:512")
+    ap.add_argument("--first-calls", default="", help="ctx:new,...: time the backend's first calls on new shapes")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -136,7 +168,9 @@ def main(argv=None) -> int:
     rec = new_record("sdpa_backends", vars(args))
     rec["ceilings"] = {"gpu": torch.cuda.get_device_name(dev), "bf16_matmul_tflops": tflops_ceiling}
     rec["rows"] = []
-    for case in args.cases.split(","):
+    if args.first_calls:
+        rec["first_calls"] = first_calls(dev, [tuple(int(x) for x in c.split(":")) for c in args.first_calls.split(",")])
+    for case in filter(None, args.cases.split(",")):
         ctx, t = (int(x) for x in case.split(":"))
         rec["rows"].append(run_case(ctx, t, dev))
         torch.cuda.empty_cache()

@@ -92,12 +92,32 @@ def measure_step_peak(executor: Executor, max_num_batched_tokens: int, max_num_s
         executor.collective_rpc("mark_memory")
         executor.execute(batch)
         peak = max(executor.collective_rpc("memory_peak"))
+        if attention_backend in ("auto", "triton"):
+            peak += max(executor.collective_rpc(library_reserve, max_num_batched_tokens, max_model_len, kv_dtype))
     finally:
         executor.release_runner()
     out = StepPeak(batch.total_tokens, len(batch.requests), peak)
     log.info("KV sizing: the largest step (%d tokens, %d sequences, all sampled) peaked at %.2f GiB above the "
              "weights", out.tokens, out.seqs, peak / 2**30)
     return out
+
+
+def library_reserve(worker, max_tokens: int, max_model_len: int, kv_dtype: torch.dtype) -> int:
+    """On a rank (Worker): what a step's prefill rows may hold in one layer's library attention
+    (pdserve.ops.attention.library_prefill: a chunk's prefix gathered out of the pool, two partial outputs), which
+    the probe's fresh rows do not show; 0 where that path is off. Added to the measured peak whole, an upper bound:
+    it is held during attention, while the peak the probe measured is mostly the MLP's."""
+    from pdserve.model.shapes import head_dim
+    from pdserve.ops.attention import library_prefill as lib
+    from pdserve.parallel.ranges import local_kv_heads
+
+    cfg = worker.hf_config
+    if (kv_dtype != worker.dtype or worker.dtype not in lib.DTYPES or head_dim(cfg) > lib.MAX_HEAD_DIM
+            or not lib.enabled(worker.device)):
+        return 0
+    tp = worker.tp.size
+    return lib.transient_bytes(max_tokens, max_model_len, max(1, cfg.num_attention_heads // tp),
+                               local_kv_heads(cfg.num_key_value_heads, tp), head_dim(cfg), worker.dtype)
 
 
 def pool_budget(total: int, free: int, utilization: float, peak_bytes: int, baseline_used: int = 0) -> int:

@@ -204,10 +204,16 @@ class Worker:
             torch.cuda.empty_cache()
 
     def mark_memory(self) -> None:
-        """Start measuring a step's peak: the device's peak statistics restart at what is allocated and reserved
-        now."""
+        """Start measuring a step's peak: the allocator gives its free cached blocks back to the device, and the
+        device's peak statistics restart at what is allocated and reserved now. Emptied, the allocator must reserve
+        the step's own segments as it will beside the real pool (made right after the probe, with almost nothing
+        cached): where the probe's step reused blocks that loading had left cached, its reserved growth stayed
+        within its allocated peak (0.506 GiB, dummy Qwen3-0.6B at 4096 tokens), while the same step beside the pool
+        reserved 0.637 GiB and overran the gpu_memory_utilization share by 0.13 GiB on an H200
+        (test_memory_profile, benchmarks/lease_s16)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             self._mark = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
 
@@ -215,10 +221,8 @@ class Worker:
         """What the step since `mark_memory` took at its peak (bytes; 0 on CPU, where the pool is sized from
         cpu_kv_cache_gb): the most it allocated above what was allocated then, or, where more, the most the
         allocator reserved from the device above what it held then. The second is the step's tensors with the
-        allocator's rounding and fragmentation, what the step will take again beside the pool. Counting it did not
-        close the gap it was meant for: dummy Qwen3-0.6B's largest step beside the pool at gpu_memory_utilization
-        0.6 still took 0.13 GiB more than the share on an H200 (test_memory_profile, benchmarks/lease_s14/s14c;
-        0.10 GiB before), for a cause not yet known."""
+        allocator's rounding and fragmentation, what the step will take again beside the pool (measured from an
+        emptied cache: mark_memory says why)."""
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)

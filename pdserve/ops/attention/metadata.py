@@ -32,6 +32,7 @@ class AttentionMetadata:
     query_start_loc_t: torch.Tensor | None = None  # [B+1] int32 on device
     prefill_tiles: torch.Tensor | None = None  # [n, 2] int32 on device: (row, first new token), rows -1 = padding
     has_decodes: bool | None = None  # some row has exactly one new token (None: read query_start_loc)
+    library: tuple | None = None  # (rows,) once the backend has asked which prefill rows a library kernel takes
 
     @property
     def num_seqs(self) -> int:

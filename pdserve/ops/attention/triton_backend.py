@@ -6,6 +6,10 @@ rows); the prefill kernel reads the new tokens' K/V from the step's k and v rath
 why). Every launch size comes from tensor shapes and host ints fixed for a padded batch (token count, row count,
 tile-table length, the KV-length bound in `max_seq_len`); per-row lengths and offsets are read on the device. So
 forward is capturable in a CUDA graph when the metadata comes from `AttentionMetadataBuilder` (static buffers).
+
+A step whose prefill rows are all long runs them through cuDNN's fused attention instead (library_prefill.py:
+which rows, and the measurements that chose them); that choice is made on the host from the step's row lengths,
+so it happens only where attention runs eagerly (piecewise graphs, eager steps), never in a full decode graph.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from pdserve.ops.attention.decode import paged_decode
 from pdserve.ops.attention.kv_write import write_kv
+from pdserve.ops.attention.library_prefill import library_prefill, library_rows
 from pdserve.ops.attention.metadata import AttentionMetadata
 from pdserve.ops.attention.prefill import PrefillConfig, paged_prefill
 
@@ -56,6 +61,10 @@ class TritonAttentionBackend:
         if meta.any_decodes():
             paged_decode(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.max_seq_len, scale,
                          query_start_loc=meta.query_start_loc_t, **common)
+        rows = library_rows(meta, q, kv_layer, k_new, sliding_window, softcap)
+        if rows is not None:  # every prefill row is long: cuDNN's kernel (library_prefill.py says when and why)
+            library_prefill(q, kv_layer, meta, rows, scale, k_new, v_new, out)
+            return out
         return paged_prefill(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.query_start_loc_t,
                              meta.prefill_tiles, scale, config=self.prefill_config, k_new=k_new, v_new=v_new,
                              **common)

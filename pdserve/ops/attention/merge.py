@@ -1,0 +1,70 @@
+"""Merging two attention results over disjoint key sets by their log-sum-exps (natural log, of the scaled scores):
+out = (o1 * e^(l1 - m) + o2 * e^(l2 - m)) / (e^(l1 - m) + e^(l2 - m)), m = max(l1, l2), in fp32.
+
+`merge_two` is one Triton kernel that reads both partial outputs ([H, L, D], any strides with D contiguous) and
+their log-sum-exps ([H, L]) and writes the merged rows straight into an [L, H, D] output (the attention output's
+rows of one sequence); `merge_two_reference` is the torch oracle it is tested against. A side whose keys were all
+masked has l = -inf and weight 0; rows with both sides empty get 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.ops.dispatch import use_fused
+
+
+@triton.jit
+def _merge_two_kernel(O1, L1, O2, L2, Out, L,
+                      s_o1h, s_o1t, s_o2h, s_o2t, s_l1h, s_l1t, s_l2h, s_l2t, s_ot, s_oh,
+                      D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    tm = t < L
+    m2 = tm[:, None] & (d < D)[None, :]
+    l1 = tl.load(L1 + h * s_l1h + t * s_l1t, mask=tm, other=float("-inf")).to(tl.float32)
+    l2 = tl.load(L2 + h * s_l2h + t * s_l2t, mask=tm, other=float("-inf")).to(tl.float32)
+    m = tl.maximum(l1, l2)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w1 = tl.exp(l1 - m)
+    w2 = tl.exp(l2 - m)
+    tot = w1 + w2
+    inv = tl.where(tot > 0.0, 1.0 / tl.where(tot > 0.0, tot, 1.0), 0.0)
+    o1 = tl.load(O1 + h * s_o1h + t[:, None] * s_o1t + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    o2 = tl.load(O2 + h * s_o2h + t[:, None] * s_o2t + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    o = o1 * (w1 * inv)[:, None] + o2 * (w2 * inv)[:, None]
+    tl.store(Out + t[:, None] * s_ot + h * s_oh + d[None, :], o.to(Out.dtype.element_ty), mask=m2)
+
+
+def merge_two_reference(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """[H, L, D] x2 and [H, L] x2 -> the merged [L, H, D] in o1's dtype (computed in fp32)."""
+    l1, l2 = l1.float(), l2.float()
+    m = torch.maximum(l1, l2)
+    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    tot = w1 + w2
+    inv = torch.where(tot > 0, 1.0 / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(tot))
+    o = o1.float() * (w1 * inv).unsqueeze(-1) + o2.float() * (w2 * inv).unsqueeze(-1)
+    return o.transpose(0, 1).to(o1.dtype)
+
+
+def merge_two(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the merge of (o1, l1) and (o2, l2) (o: [H, L, D], l: [H, L]) into out ([L, H, D])."""
+    h, n, d = o1.shape
+    if o2.shape != o1.shape or l1.shape != (h, n) or l2.shape != (h, n) or out.shape != (n, h, d):
+        raise ValueError(f"merge_two: o {tuple(o1.shape)}/{tuple(o2.shape)}, l {tuple(l1.shape)}/{tuple(l2.shape)}, "
+                         f"out {tuple(out.shape)}")
+    if o1.stride(-1) != 1 or o2.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("merge_two needs a contiguous last dimension")
+    if not use_fused(o1):
+        out.copy_(merge_two_reference(o1, l1, o2, l2))
+        return
+    block_t = 32
+    _merge_two_kernel[(h, triton.cdiv(n, block_t))](
+        o1, l1, o2, l2, out, n,
+        o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1), l1.stride(0), l1.stride(1), l2.stride(0),
+        l2.stride(1), out.stride(0), out.stride(1),
+        D=d, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), num_warps=4)

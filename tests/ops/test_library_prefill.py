@@ -1,0 +1,141 @@
+"""Long prefill rows through a library kernel (pdserve.ops.attention.library_prefill): the merge of two partial
+attentions by their log-sum-exps (Triton kernel and torch reference) against attention over all keys; which rows
+qualify; the prefix gather from the real pool layout; the whole path (gather, two calls, merge, output rows) against
+the torch reference backend, with cuDNN's call replaced on CPU by a torch one of the same contract; on CUDA, the
+Triton backend's forward taking that path with cuDNN itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import envs
+from pdserve.model.forward_context import layer_view
+from pdserve.ops.attention import library_prefill as lib
+from pdserve.ops.attention.merge import merge_two, merge_two_reference
+from pdserve.ops.attention.torch_ref import TorchAttentionBackend, gather_seq
+from pdserve.ops.dispatch import force_fused
+from tests.ops.attention_helpers import assert_close, make_problem, poisoned
+
+
+def _attention_with_lse(q, k, v, scale, causal):
+    """q [H, L, D], k/v [H, S, D] -> (out [H, L, D] fp32, lse [H, L] natural log); causal: top-left aligned."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), v.float()), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_merge_two_equals_attention_over_all_keys(dtype, fused):
+    g = torch.Generator().manual_seed(0)
+    h, n, d, s1, s2 = 3, 37, 80, 19, 45
+    q = torch.randn((h, n, d), generator=g)
+    k = torch.randn((h, s1 + s2, d), generator=g)
+    v = torch.randn((h, s1 + s2, d), generator=g)
+    full, _ = _attention_with_lse(q, k, v, 0.2, False)
+    o1, l1 = _attention_with_lse(q, k[:, :s1], v[:, :s1], 0.2, False)
+    o2, l2 = _attention_with_lse(q, k[:, s1:], v[:, s1:], 0.2, False)
+    out = poisoned(torch.empty((n, h, d), dtype=dtype))
+    with force_fused(fused):
+        merge_two(o1.to(dtype), l1, o2.to(dtype), l2, out)
+    assert not out.isnan().any()
+    assert_close(out.float(), full.transpose(0, 1), dtype, "merge_two")
+    assert_close(merge_two_reference(o1, l1, o2, l2), full.transpose(0, 1), torch.float32, "reference")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_merge_two_side_without_keys_weighs_nothing(fused):
+    g = torch.Generator().manual_seed(1)
+    h, n, d = 2, 5, 16
+    o1, o2 = torch.randn((h, n, d), generator=g), torch.randn((h, n, d), generator=g)
+    l1, l2 = torch.randn((h, n), generator=g), torch.full((h, n), float("-inf"))
+    l1[1] = float("-inf")  # head 1: both sides empty -> 0
+    out = torch.empty((n, h, d))
+    with force_fused(fused):
+        merge_two(o1, l1, o2, l2, out)
+    torch.testing.assert_close(out[:, 0], o1[0], atol=1e-6, rtol=1e-6)
+    assert (out[:, 1] == 0).all()
+
+
+def test_merge_two_refuses_mismatched_shapes():
+    o = torch.zeros((2, 4, 8))
+    with pytest.raises(ValueError, match="merge_two"):
+        merge_two(o, torch.zeros((2, 4)), o, torch.zeros((2, 5)), torch.zeros((4, 2, 8)))
+
+
+def test_rows_qualify_by_length_and_prefix():
+    assert lib.row_qualifies(lib.MIN_FRESH, 0) and not lib.row_qualifies(lib.MIN_FRESH - 1, 0)
+    assert lib.row_qualifies(lib.MIN_CHUNK, 1) and not lib.row_qualifies(lib.MIN_CHUNK - 1, 5000)
+    # decode rows (one new token) never count; one short prefill row sends the whole step to the Triton kernel
+    qsl, lens = [0, 1, 1 + lib.MIN_FRESH, 2 + lib.MIN_FRESH], [50, lib.MIN_FRESH, 9]
+    assert lib._qualifying_rows(qsl, lens) == [(1, 1, lib.MIN_FRESH, 0)]
+    qsl2, lens2 = [0, lib.MIN_FRESH, lib.MIN_FRESH + 2], [lib.MIN_FRESH, 2]
+    assert lib._qualifying_rows(qsl2, lens2) is None
+    assert lib._qualifying_rows([0, 1, 2], [7, 9]) is None  # decode only
+
+
+def test_off_on_cpu_and_by_environment(monkeypatch):
+    assert not lib.enabled(torch.device("cpu"))
+    monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY", "none")
+    assert envs.prefill_library() == "none" and not lib.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY", "cudnn-please")
+    with pytest.raises(ValueError, match="PDSERVE_PREFILL_LIBRARY"):
+        envs.prefill_library()
+    p = make_problem([lib.MIN_FRESH], [lib.MIN_FRESH], hq=2, hk=1, d=8, bs=16, write_new=True)
+    monkeypatch.delenv("PDSERVE_PREFILL_LIBRARY")
+    assert lib.library_rows(p.meta, p.q, p.kv_layer, p.k, None, None) is None  # CPU: the Triton path
+
+
+def test_gather_prefix_reads_the_real_pool_layout():
+    g = torch.Generator().manual_seed(2)
+    nb, hk, layers, bs, d = 9, 2, 3, 4, 8
+    pool = torch.randn((nb, hk, layers, 2, bs, d), generator=g)  # runner.kv_cache_shape's layout
+    layer = layer_view(pool, 1)
+    table = torch.tensor([5, 2, 7, 0], dtype=torch.int32)
+    k, v = lib.gather_prefix(layer, table, 13)
+    rk, rv = gather_seq(layer.contiguous(), table, 13)
+    assert k.shape == (13, hk, d)
+    assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def _torch_cudnn(q, k, v, scale, causal, lse):
+    """cuDNN's call as library_prefill makes it ([1, H, L, D] views, grouped K/V heads), done in torch."""
+    hq, hk = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    o, lse_ = _attention_with_lse(q[0], k[0], v[0], scale, causal)
+    return o.unsqueeze(0).to(q.dtype), lse_.unsqueeze(0).unsqueeze(-1)  # cuDNN's stats are [B, H, L, 1]
+
+
+def test_library_path_matches_the_reference_backend(monkeypatch):
+    """A fresh prompt and a chunk on a prefix in one step (block size 16, prefixes not block-aligned), GQA 4."""
+    monkeypatch.setattr(lib, "_cudnn", _torch_cudnn)
+    seq_lens, q_lens = [70, 93, 1], [70, 40, 1]
+    p = make_problem(seq_lens, q_lens, hq=8, hk=2, d=32, bs=16, write_new=True)
+    rows = [(0, 0, 70, 0), (1, 70, 40, 53)]  # below the GPU's length rule: the path itself is what is tested
+    out = poisoned(p.q)
+    lib.library_prefill(p.q, p.kv_layer, p.meta, rows, 0.3, p.k, p.v, out)
+    ref = TorchAttentionBackend().attend(p.q, p.kv_layer, p.meta, 0.3, k_new=p.k, v_new=p.v)
+    assert_close(out[:110], ref[:110], torch.float32, "library path")
+    assert out[110:].isnan().all()  # the decode row is not the library's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_backend_takes_cudnn_for_long_rows(dtype):
+    """On CUDA (sm_90+): a fresh 2048-token prompt, and an 8192-token chunk on a 1000-token prefix beside two decode
+    rows, through the Triton backend's forward: cuDNN takes the prefill rows, the output matches the reference."""
+    from pdserve.ops.attention.triton_backend import TritonAttentionBackend
+
+    if not lib.enabled(torch.device("cuda")):
+        pytest.skip("cuDNN attention needs compute capability 9.0+")
+    dev = torch.device("cuda")
+    for seq_lens, q_lens in (([lib.MIN_FRESH], [lib.MIN_FRESH]), ([9192, 300, 77], [lib.MIN_CHUNK, 1, 1])):
+        p = make_problem(seq_lens, q_lens, hq=32, hk=8, d=128, bs=16, dtype=dtype, device=dev)
+        out = TritonAttentionBackend().forward(p.q, p.k, p.v, p.kv_layer, p.meta, 128 ** -0.5)
+        assert p.meta.library is not None and p.meta.library[0] is not None
+        ref = TorchAttentionBackend().attend(p.q.float(), p.kv_layer.float(), p.meta, 128 ** -0.5,
+                                             k_new=p.k.float(), v_new=p.v.float())
+        assert_close(out.float(), ref, dtype, f"cuDNN rows {q_lens}")
