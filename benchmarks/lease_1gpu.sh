@@ -356,7 +356,7 @@ case $STAGE in
       | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
     save
     timeout 120 python3 benchmarks/attention/probe_sdpa_backends.py --out "$W/sdpa.json" \
-      --first-calls 0:3001,0:3002,0:5003,1234:8192,1235:8192,20000:8192 --cases 4096:4096,8192:4096,0:4096 \
+      --first-calls 0:3001,0:3002,0:3100,1234:8192,1235:8192,1300:8100,20000:8192,20100:8150 --cases 24576:8192,0:8192 \
       > "$W/sdpa.txt" 2>&1
     grep -E "^(first|ctx)|refused" "$W/sdpa.txt" | sed 's/ | efficient: RuntimeError//' | cut -c1-300
     save

@@ -108,31 +108,52 @@ def _torch_cudnn(q, k, v, scale, causal, lse):
     return o.unsqueeze(0).to(q.dtype), lse_.unsqueeze(0).unsqueeze(-1)  # cuDNN's stats are [B, H, L, 1]
 
 
-def test_library_path_matches_the_reference_backend(monkeypatch):
-    """A fresh prompt and a chunk on a prefix in one step (block size 16, prefixes not block-aligned), GQA 4."""
+@pytest.mark.parametrize("buckets", [None, (16, 32)])
+def test_library_path_matches_the_reference_backend(monkeypatch, buckets):
+    """A fresh prompt, chunks on prefixes (block size 16; prefixes not block-aligned, one a multiple of the prefix
+    bucket) and a decode row in one step, GQA 4; with the default buckets (no unmasked call at these lengths) and
+    with small ones (dummy query rows, padding, the unmasked call and the merge)."""
     monkeypatch.setattr(lib, "_cudnn", _torch_cudnn)
-    seq_lens, q_lens = [70, 93, 1], [70, 40, 1]
+    if buckets:
+        monkeypatch.setattr(lib, "QUERY_BUCKET", buckets[0])
+        monkeypatch.setattr(lib, "PREFIX_BUCKET", buckets[1])
+    seq_lens, q_lens = [70, 93, 84, 1], [70, 40, 20, 1]
     p = make_problem(seq_lens, q_lens, hq=8, hk=2, d=32, bs=16, write_new=True)
-    rows = [(0, 0, 70, 0), (1, 70, 40, 53)]  # below the GPU's length rule: the path itself is what is tested
+    rows = [(0, 0, 70, 0), (1, 70, 40, 53), (2, 110, 20, 64)]  # below the GPU's length rule: the path is tested
     out = poisoned(p.q)
     lib.library_prefill(p.q, p.kv_layer, p.meta, rows, 0.3, p.k, p.v, out)
     ref = TorchAttentionBackend().attend(p.q, p.kv_layer, p.meta, 0.3, k_new=p.k, v_new=p.v)
-    assert_close(out[:110], ref[:110], torch.float32, "library path")
-    assert out[110:].isnan().all()  # the decode row is not the library's
+    assert_close(out[:130], ref[:130], torch.float32, f"library path, buckets {buckets}")
+    assert out[130:].isnan().all()  # the decode row is not the library's
+
+
+def test_bucketed_shapes():
+    assert lib.bucketed_shapes(8192, 0) == (0, 8192, 8192, 0)
+    assert lib.bucketed_shapes(8000, 24576) == (24576, 8192, 8192, 0)
+    assert lib.bucketed_shapes(8150, 20000) == (19456, 8192, 8704, 544)  # 544 + 8150 = 8694 -> 8704
+    assert lib.bucketed_shapes(2049, 700) == (0, 2304, 2816, 700)
+
+
+def test_transient_bound_covers_the_8b_shapes():
+    b = lib.transient_bytes(8192, 40960, 32, 8, 128, torch.bfloat16)
+    prefix = 2 * 40960 * 8 * 128 * 2
+    assert prefix < b < prefix + 300 * 2**20
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_backend_takes_cudnn_for_long_rows(dtype):
-    """On CUDA (sm_90+): a fresh 2048-token prompt, and an 8192-token chunk on a 1000-token prefix beside two decode
-    rows, through the Triton backend's forward: cuDNN takes the prefill rows, the output matches the reference."""
+    """On CUDA (sm_90+), through the Triton backend's forward: cuDNN takes the prefill rows (a fresh prompt, chunks
+    on prefixes beside decode rows), and the output matches the reference."""
     from pdserve.ops.attention.triton_backend import TritonAttentionBackend
 
     if not lib.enabled(torch.device("cuda")):
         pytest.skip("cuDNN attention needs compute capability 9.0+")
     dev = torch.device("cuda")
-    for seq_lens, q_lens in (([lib.MIN_FRESH], [lib.MIN_FRESH]), ([9192, 300, 77], [lib.MIN_CHUNK, 1, 1])):
+    cases = (([lib.MIN_FRESH + 5], [lib.MIN_FRESH + 5]), ([lib.MIN_CHUNK + 2500, 300, 77], [lib.MIN_CHUNK, 1, 1]),
+             ([8192 + 1000], [8192]))  # fresh; a chunk with both calls and the merge; a prefix under one bucket
+    for seq_lens, q_lens in cases:
         p = make_problem(seq_lens, q_lens, hq=32, hk=8, d=128, bs=16, dtype=dtype, device=dev)
         out = TritonAttentionBackend().forward(p.q, p.k, p.v, p.kv_layer, p.meta, 128 ** -0.5)
         assert p.meta.library is not None and p.meta.library[0] is not None

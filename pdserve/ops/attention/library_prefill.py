@@ -7,23 +7,29 @@ probe_sdpa_backends.py): 894 vs 1281 us for a fresh 8192-token prompt, 6.7 vs 9.
 24576-token prefix. vLLM runs FlashAttention 3 there, which is what made the 32k prompt's TTFT 1.12-1.19x vLLM's.
 
 How, for one prefill row of q_len new tokens on ctx tokens already in the pool:
-- ctx == 0: one causal call over the step's own K/V (k_new/v_new, views of the fused projection; no copy).
 - ctx > 0: the prefix's K and V are gathered out of the pool (its blocks, in block-table order: 4 KiB a token for
-  8 x 128 bf16 heads), then two calls, the new tokens against the prefix (no mask) and against themselves
-  (causal), each with its log-sum-exp; `merge_two` combines them, a Triton kernel that writes the output rows in
-  place. torch's single call with a lower-right causal mask ran 1.6-1.7x slower than the two (it materializes the
-  mask), and 1.5x slower than Triton on a 2048-token chunk on a 2048 prefix, hence the row rule below.
-The calls are torch.ops.aten._scaled_dot_product_cudnn_attention, the op torch's SDPA dispatches to; grouped
-query heads go to cuDNN as they are (no repeat of K/V).
+  8 x 128 bf16 heads);
+- one causal call (top-left aligned) over the new tokens, with any prefix tokens past the last multiple of
+  PREFIX_BUCKET in front of them as dummy query rows (so the square is causal as a chunk needs), zero-padded at
+  the end to a multiple of QUERY_BUCKET;
+- where the prefix reaches PREFIX_BUCKET: one unmasked call of the new tokens (zero-padded likewise) against the
+  prefix up to its last multiple of PREFIX_BUCKET, and `merge_two` (a Triton kernel) combines the two by their
+  log-sum-exps, writing the output rows in place.
+Padding keeps the calls to a bounded set of shapes: cuDNN builds an execution plan the first time it sees a shape,
+which took 49-105 ms on an H200 (709 ms for the process's first chunk), and without buckets every new prompt
+length, and every chunk whose size the step's decode rows shifted, would pay that in its TTFT. torch's single call
+with a lower-right causal mask ran 1.6-1.7x slower than the two calls (it materializes the mask). The calls are
+torch.ops.aten._scaled_dot_product_cudnn_attention, the op torch's SDPA dispatches to; grouped query heads go to
+cuDNN as they are (no repeat of K/V).
 
 Which rows: a step uses the library only if every prefill row in it qualifies (decode rows still go to the Triton
 decode kernel): a fresh prompt of at least MIN_FRESH tokens, or a chunk of at least MIN_CHUNK tokens on a prefix;
 bf16/fp16, an unquantized pool, head dim <= 128, no sliding window or softcapping, the step's K/V given, a CUDA
 device of compute capability 9.0 or later with cuDNN. `PDSERVE_PREFILL_LIBRARY=none` turns it off.
 
-Memory: the gathered prefix, both partial outputs and their log-sum-exps live for one layer's attention;
-`transient_bytes` bounds them, and the KV sizing probe (whose short rows never take this path) adds that bound to
-the step peak it measured.
+Memory: the gathered prefix, the padded inputs, the partial outputs and their log-sum-exps live for one layer's
+attention; `transient_bytes` bounds them, and the KV sizing probe (whose rows are fresh prompts: no prefix to
+gather) adds that bound to the step peak it measured.
 """
 
 from __future__ import annotations
@@ -40,8 +46,11 @@ from pdserve.ops.attention.metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 MIN_FRESH = 2048  # a whole prompt: cuDNN 87 vs Triton 116 us at 2048 tokens, 14.7 vs 19.5 ms at 32768 (H200)
-MIN_CHUNK = 8192  # a chunk on a prefix: 1.32-1.44x faster at 8192 on 8k-24k prefixes, 1.5x slower at 2048 on 2048
+MIN_CHUNK = 4096  # a chunk on a prefix: 1.08-1.28x faster at 4096 on 4k-8k prefixes, 1.32-1.44x at 8192 on
+# 8k-24k, 1.5x slower at 2048 on 2048 (H200)
 MAX_HEAD_DIM = 128  # measured at 128
+QUERY_BUCKET = 256  # calls' query (and causal key) counts are rounded up to this: a bounded set of shapes
+PREFIX_BUCKET = 1024  # the unmasked call's prefix length is rounded down to this; the rest joins the causal call
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -94,15 +103,22 @@ def _qualifying_rows(qsl: list[int], lens: list[int]) -> list[tuple[int, int, in
 
 def transient_bytes(max_tokens: int, max_model_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
-    """An upper bound of what one layer's library attention holds beside the layer's own tensors: the gathered
-    prefix (K and V, at most max_model_len tokens, whole blocks), both partial outputs and their fp32
-    log-sum-exps, for up to max_tokens new tokens."""
+    """An upper bound of what one layer's library attention holds beside the layer's own tensors, for up to
+    max_tokens new tokens on a prefix of up to max_model_len: the gathered prefix (K and V), then either the
+    causal call's padded inputs or the unmasked call's padded queries, each beside the outputs and fp32
+    log-sum-exps live at that point (library_prefill's order)."""
     es = torch.empty((), dtype=dtype).element_size()
-    kv_heads = num_q_heads if _expand_kv else num_kv_heads  # repeated K/V (see _cudnn): the step's own too
-    prefix = 2 * max_model_len * kv_heads * head_dim * es
-    parts = 2 * max_tokens * num_q_heads * (head_dim * es + 4)
-    repeated = 2 * max_tokens * num_q_heads * head_dim * es if _expand_kv else 0
-    return prefix + parts + repeated + (4 << 20)  # + slack for the allocator's rounding of a handful of tensors
+    kvh = num_q_heads if _expand_kv else num_kv_heads  # repeated K/V (see _cudnn)
+    rows_b = max_tokens + PREFIX_BUCKET + QUERY_BUCKET  # the causal call's padded size
+    rows_a = max_tokens + QUERY_BUCKET  # the unmasked call's padded queries
+
+    def out(rows: int) -> int:
+        return rows * num_q_heads * (head_dim * es + 4)
+
+    prefix = 2 * max_model_len * kvh * head_dim * es
+    causal = rows_b * (num_q_heads + 2 * kvh) * head_dim * es + out(rows_b)
+    unmasked = rows_a * num_q_heads * head_dim * es + out(rows_a) + out(rows_b)
+    return prefix + max(causal, unmasked) + (4 << 20)  # + slack for the allocator's rounding of a few tensors
 
 
 _expand_kv = False  # set if this torch's cuDNN op refused grouped K/V heads or strided views (then: repeated, copied)
@@ -141,22 +157,51 @@ def gather_prefix(kv_layer: torch.Tensor, block_table_row: torch.Tensor, ctx: in
     return k, v
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _padded(rows: list[tuple[torch.Tensor, int]], length: int) -> torch.Tensor:
+    """[length, H, D] zeros with each (x, at) placed at row `at`: a bucketed call's input."""
+    x0 = rows[0][0]
+    buf = torch.zeros((length, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
+    for x, at in rows:
+        buf[at: at + x.shape[0]].copy_(x)
+    return buf
+
+
+def bucketed_shapes(q_len: int, ctx: int) -> tuple[int, int, int, int]:
+    """(prefix keys of the unmasked call, its padded query rows, the causal call's padded size, the prefix tokens
+    that go to the causal call): what library_prefill calls cuDNN with for a row (module docstring: why)."""
+    c0 = (ctx // PREFIX_BUCKET) * PREFIX_BUCKET
+    r = ctx - c0
+    return c0, _round_up(q_len, QUERY_BUCKET), _round_up(r + q_len, QUERY_BUCKET), r
+
+
 def library_prefill(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                     rows: list[tuple[int, int, int, int]], scale: float, k_new: torch.Tensor, v_new: torch.Tensor,
                     out: torch.Tensor) -> None:
     """Attention of the given prefill rows (library_rows) into their rows of `out` ([T, Hq, D])."""
     from pdserve.ops.attention.merge import merge_two
 
+    hq = q.shape[1]
     for row, q0, q_len, ctx in rows:
-        qq = _heads_first(q[q0: q0 + q_len])
-        kn, vn = _heads_first(k_new[q0: q0 + q_len]), _heads_first(v_new[q0: q0 + q_len])
-        if ctx == 0:
-            o, _ = _cudnn(qq, kn, vn, scale, True, False)
-            out[q0: q0 + q_len].copy_(o[0].transpose(0, 1))
+        c0, qa, sb, r = bucketed_shapes(q_len, ctx)
+        qr, kr, vr = q[q0: q0 + q_len], k_new[q0: q0 + q_len], v_new[q0: q0 + q_len]
+        kp = vp = None
+        if ctx:
+            kp, vp = gather_prefix(kv_layer, meta.block_tables[row], ctx)
+        # the causal call: r prefix tokens (dummy query rows for them), the new tokens, zero padding at the end
+        qb = _padded([(qr, r)], sb)
+        kb = _padded([(kp[c0:], 0), (kr, r)] if r else [(kr, 0)], sb)
+        vb = _padded([(vp[c0:], 0), (vr, r)] if r else [(vr, 0)], sb)
+        ob, lb = _cudnn(_heads_first(qb), _heads_first(kb), _heads_first(vb), scale, True, c0 > 0)
+        del qb, kb, vb
+        if c0 == 0:
+            out[q0: q0 + q_len].copy_(ob[0, :, r: r + q_len].transpose(0, 1))
             continue
-        kp, vp = gather_prefix(kv_layer, meta.block_tables[row], ctx)
-        o1, l1 = _cudnn(qq, _heads_first(kp), _heads_first(vp), scale, False, True)
-        del kp, vp
-        o2, l2 = _cudnn(qq, kn, vn, scale, True, True)
-        hq = q.shape[1]
-        merge_two(o1[0], l1.reshape(hq, q_len), o2[0], l2.reshape(hq, q_len), out[q0: q0 + q_len])
+        qa_buf = _padded([(qr, 0)], qa)
+        oa, la = _cudnn(_heads_first(qa_buf), _heads_first(kp[:c0]), _heads_first(vp[:c0]), scale, False, True)
+        del qa_buf, kp, vp
+        merge_two(oa[0, :, :q_len], la.reshape(hq, qa)[:, :q_len], ob[0, :, r: r + q_len],
+                  lb.reshape(hq, sb)[:, r: r + q_len], out[q0: q0 + q_len])
