@@ -456,6 +456,75 @@ def _chunk_count(rel: str) -> str:
     return f"{span} chunks for {d['output_lens'][1]} tokens"
 
 
+def session16() -> None:
+    """Session 16 (one H200 at a time, four machines): cuDNN's fused attention for long prefill rows, the KV sizing
+    test at 0.6, the side by side with vLLM at 8k/32k."""
+    base = "lease_s16"
+    print("Prefill attention of one row on the 32k prompt's chunks (`probe_sdpa_backends.py`, s16a: before the library "
+          "path; Hq x D = 32 x 128 over 8 KV heads, bf16; triton.testing.do_bench medians; TFLOP/s of the causal "
+          "pairs):\n")
+    print("| prefix + new | Triton us | TFLOP/s | cuDNN (one call, lower-right mask or causal) us | cuDNN split + merge us "
+          "| torch flash us | gather us |\n|---|---|---|---|---|---|---|")
+    for r in load(f"{base}/s16a/sdpa.json")["rows"] + [x for x in load(f"{base}/s16b_first/s16b/sdpa.json")["rows"]]:
+        tf = r["flops"] / r["triton_us"] / 1e6
+        print(f"| {r['ctx']} + {r['new']} | {r['triton_us']:.1f} | {tf:.0f} | {r.get('cudnn_us', float('nan')):.1f} | "
+              f"{_fmt(r.get('cudnn_split_us'))} | {r.get('flash_us', float('nan')):.1f} | {r['gather_us']:.1f} |")
+    print("\n(The s16b rows at 4096 decided MIN_CHUNK; s16a's 0 + 512 Triton time includes a first-call effect.)\n")
+    fc = load(f"{base}/s16b/sdpa.json")
+    print("First calls through the backend on shapes new to the process (s16b, with the padded shapes: queries to "
+          "multiples of 256, the unmasked prefix to multiples of 1024), ms of three calls in a row:\n")
+    print("| prefix + new | path | ms |\n|---|---|---|")
+    for r in fc["first_calls"]:
+        print(f"| {r['ctx']} + {r['new']} | {'cuDNN' if r['library'] else 'Triton'} | "
+              f"{', '.join(f'{x:.2f}' for x in r['ms'])} |")
+    print("\nThe 32k prompt's 8192-token chunks as engine steps (bench_steps, dummy Qwen3-8B, eager; floor = the "
+          "step's FLOPs at the matmul rate measured in the same run), with the library (auto) and without (none):\n")
+    print("| machine | step | auto ms | of floor | none ms | of floor |\n|---|---|---|---|---|---|")
+    for m, rel in (("3", "s16b_first/s16b"), ("4", "s16b")):
+        a, n = load(f"{base}/{rel}/steps_auto.json"), load(f"{base}/{rel}/steps_none.json")
+        tot = [0.0, 0.0]
+        for ra, rn in zip(a["results"], n["results"]):
+            tot[0] += ra["step_ms_median"]
+            tot[1] += rn["step_ms_median"]
+            print(f"| {m} | {ra['case']} | {ra['step_ms_median']:.1f} | {ra['fraction_of_floor']:.0%} | "
+                  f"{rn['step_ms_median']:.1f} | {rn['fraction_of_floor']:.0%} |")
+        print(f"| {m} | all four | {tot[0]:.1f} | | {tot[1]:.1f} | |")
+    print("\nGPU tests:\n")
+    for name, rel in (("s15 (session 14's code): test_memory_profile", "s15/gpu_tests.txt"),
+                      ("s16a: test_memory_profile with the step's peaks in the message", "s16a/gpu_tests.txt"),
+                      ("s16b machine 3: test_library_prefill, test_memory_profile (probe from an emptied cache), "
+                       "test_attention_backend", "s16b_first/s16b/gpu_tests.txt"),
+                      ("s16b machine 4: the same, padded shapes", "s16b/gpu_tests.txt")):
+        with open(B / base / rel) as f:
+            lines = f.read().splitlines()
+        summary = [ln.strip() for ln in lines if " passed" in ln or " failed" in ln][-1]
+        over = [ln.split("AssertionError: ")[1] for ln in lines if "AssertionError: " in ln and "GiB in use" in ln]
+        print(f"- {name}: {summary}" + (f" ({'; '.join(over)})" if over else ""))
+    print("\nSide by side with vLLM 0.22 (`lease_1gpu.sh sbs`, machine 4 after s16b: vLLM, then pdserve at 1518761; "
+          "dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both):\n")
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
+          "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
+    c = load(f"{base}/sbs/comparison.json")
+    for w in sorted(c["workloads"], key=lambda w: w["workload"]):
+        if w.get("vllm") is None or w.get("pdserve") is None:
+            continue
+        v, p = w["vllm"], w["pdserve"]
+        print(f"| {w['workload']} | {v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
+              f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / {p['mean_ttft_ms']:.1f}"
+              f" | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.3f} | {v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} | "
+              f"{p['mean_tpot_ms'] / v['mean_tpot_ms']:.3f} |")
+    print("\nPer-request TTFT (ms; the first requests repeat the client's warm-up prompt and hit the prefix cache):\n")
+    for w in ("32768x16_c1", "8192x16_c1"):
+        for n in ("vllm", "pdserve"):
+            t = [round(x * 1000) for x in load(f"{base}/sbs/{n}_single_{w}.json")["ttfts"]]
+            miss = [x for x in t if x > max(t) / 2]
+            print(f"- {w} {n}: {t}; mean of the misses {sum(miss) / len(miss):.1f}")
+    srv = {n: load(f"{base}/sbs/{n}_single_server.json") for n in ("vllm", "pdserve")}
+    v, p = srv["vllm"], srv["pdserve"]
+    print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
+          f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s.")
+
+
 def session14() -> None:
     """Session 14 (one H200 at a time, three machines): KV sizing's free cached blocks found and removed, the side
     by side with vLLM at 8k/32k one at a time (16 and 256 output tokens) and 1024/1024 c256, the two clients."""
@@ -921,6 +990,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session16()
+    print()
     session14()
     print()
     session13()
