@@ -18,7 +18,8 @@ The requests, each group submitted at once and run to its end (`warmup_plan`):
   - three short prompts alone (SHORT_ONLY), a 1-token one among them: a mixed step of few rows, all shorter than
     one decode split's least keys (one split); then nine (SHORT_MANY), the many-row tile with one split.
 
-Afterwards the pool is whole, its blocks leave the prefix cache, and the counters a server reports are zero.
+Then each rank builds the library prefill attention's call shapes for long rows (`warm_library`: cuDNN's plans,
+pdserve.ops.attention.library_prefill). Afterwards the pool is whole, its blocks leave the prefix cache, and the counters a server reports are zero.
 """
 
 from __future__ import annotations
@@ -124,11 +125,33 @@ def warm_up(core: EngineCore) -> dict:
             if steps > MAX_STEPS:
                 raise RuntimeError(f"the start-up warm-up did not end after {MAX_STEPS} steps")
     core.check_whole()
+    if cfg.attention_backend in ("auto", "triton"):
+        count_lib = max(core.executor.collective_rpc(warm_library, cfg.max_num_batched_tokens, core.max_model_len))
+    else:
+        count_lib = 0
     core.kv.pool.reset_prefix_cache()
     core.kv.pool.hits = core.kv.pool.queries = 0
     core.scheduler.num_preemptions = 0
     core.num_steps = 0
     core.async_counts = {"overlapped": 0, "waited": 0}
-    done = {"requests": count, "steps": steps, "seconds": round(time.time() - t0, 2)}
-    log.info("warm-up: %d requests in %d steps, %.1fs", done["requests"], done["steps"], done["seconds"])
+    done = {"requests": count, "steps": steps, "library_rows": count_lib, "seconds": round(time.time() - t0, 2)}
+    log.info("warm-up: %d requests in %d steps, %d library attention shapes, %.1fs", done["requests"],
+             done["steps"], count_lib, done["seconds"])
     return done
+
+
+def warm_library(worker, max_tokens: int, max_model_len: int) -> int:
+    """On a rank (Worker): build the library prefill's call shapes for this rank's heads
+    (pdserve.ops.attention.library_prefill.warm_up); cuDNN builds a plan the first time it meets a shape, 50-180 ms
+    each on an H200, which the first long prompts would otherwise pay in their TTFT."""
+    from pdserve.model.shapes import head_dim
+    from pdserve.ops.attention import library_prefill
+    from pdserve.parallel.ranges import local_kv_heads
+
+    runner = worker.runner
+    if runner is None or runner.kv_dtype != worker.dtype or worker.device.type != "cuda":
+        return 0
+    cfg, tp = worker.hf_config, worker.tp.size
+    return library_prefill.warm_up(worker.device, worker.dtype, max(1, cfg.num_attention_heads // tp),
+                                   local_kv_heads(cfg.num_key_value_heads, tp), head_dim(cfg), max_tokens,
+                                   max_model_len)

@@ -160,3 +160,27 @@ def test_triton_backend_takes_cudnn_for_long_rows(dtype):
         ref = TorchAttentionBackend().attend(p.q.float(), p.kv_layer.float(), p.meta, 128 ** -0.5,
                                              k_new=p.k.float(), v_new=p.v.float())
         assert_close(out.float(), ref, dtype, f"cuDNN rows {q_lens}")
+
+
+def test_warm_shapes_cover_fresh_buckets_and_full_chunks():
+    shapes = lib.warm_shapes(8192, 40960)
+    fresh = [n for n, c in shapes if c == 0]
+    assert fresh == list(range(2048, 8193, 256))
+    assert [c for n, c in shapes if c] == list(range(1024, 32769, 1024))
+    assert all(n == 8192 for n, c in shapes if c)
+    assert lib.warm_shapes(1000, 4096) == []  # no row of such an engine takes the library
+    assert lib.warm_shapes(3000, 4096) == [(n, 0) for n in (2048, 2304, 2560, 2816)] + [(3000, 0)]
+    assert len(lib.warm_shapes(8192, 10 ** 6)) == 25 + lib.WARM_MAX_PREFIXES
+
+
+def test_warm_up_is_a_no_op_without_the_library():
+    assert lib.warm_up(torch.device("cpu"), torch.bfloat16, 8, 2, 64, 8192, 40960) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_builds_every_shape_on_cuda():
+    if not lib.enabled(torch.device("cuda")):
+        pytest.skip("cuDNN attention needs compute capability 9.0+")
+    n = lib.warm_up(torch.device("cuda"), torch.bfloat16, 32, 8, 128, 4096, 8192)
+    assert n == len(lib.warm_shapes(4096, 8192)) > 0

@@ -51,6 +51,7 @@ MIN_CHUNK = 4096  # a chunk on a prefix: 1.08-1.28x faster at 4096 on 4k-8k pref
 MAX_HEAD_DIM = 128  # measured at 128
 QUERY_BUCKET = 256  # calls' query (and causal key) counts are rounded up to this: a bounded set of shapes
 PREFIX_BUCKET = 1024  # the unmasked call's prefix length is rounded down to this; the rest joins the causal call
+WARM_MAX_PREFIXES = 64  # start-up builds chunk shapes for prefixes up to this many PREFIX_BUCKETs (warm_shapes)
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -182,26 +183,73 @@ def library_prefill(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
                     rows: list[tuple[int, int, int, int]], scale: float, k_new: torch.Tensor, v_new: torch.Tensor,
                     out: torch.Tensor) -> None:
     """Attention of the given prefill rows (library_rows) into their rows of `out` ([T, Hq, D])."""
-    from pdserve.ops.attention.merge import merge_two
-
-    hq = q.shape[1]
     for row, q0, q_len, ctx in rows:
-        c0, qa, sb, r = bucketed_shapes(q_len, ctx)
-        qr, kr, vr = q[q0: q0 + q_len], k_new[q0: q0 + q_len], v_new[q0: q0 + q_len]
         kp = vp = None
         if ctx:
             kp, vp = gather_prefix(kv_layer, meta.block_tables[row], ctx)
-        # the causal call: r prefix tokens (dummy query rows for them), the new tokens, zero padding at the end
-        qb = _padded([(qr, r)], sb)
-        kb = _padded([(kp[c0:], 0), (kr, r)] if r else [(kr, 0)], sb)
-        vb = _padded([(vp[c0:], 0), (vr, r)] if r else [(vr, 0)], sb)
-        ob, lb = _cudnn(_heads_first(qb), _heads_first(kb), _heads_first(vb), scale, True, c0 > 0)
-        del qb, kb, vb
-        if c0 == 0:
-            out[q0: q0 + q_len].copy_(ob[0, :, r: r + q_len].transpose(0, 1))
-            continue
-        qa_buf = _padded([(qr, 0)], qa)
-        oa, la = _cudnn(_heads_first(qa_buf), _heads_first(kp[:c0]), _heads_first(vp[:c0]), scale, False, True)
-        del qa_buf, kp, vp
-        merge_two(oa[0, :, :q_len], la.reshape(hq, qa)[:, :q_len], ob[0, :, r: r + q_len],
-                  lb.reshape(hq, sb)[:, r: r + q_len], out[q0: q0 + q_len])
+        attend_row(q[q0: q0 + q_len], k_new[q0: q0 + q_len], v_new[q0: q0 + q_len], kp, vp, scale,
+                   out[q0: q0 + q_len])
+
+
+def attend_row(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, kp: torch.Tensor | None,
+               vp: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
+    """One row: new tokens' q/k/v ([q_len, H, D] rows), the gathered prefix's K/V ([ctx, Hk, D], None without a
+    prefix) -> out ([q_len, Hq, D])."""
+    from pdserve.ops.attention.merge import merge_two
+
+    hq, q_len = qr.shape[1], qr.shape[0]
+    ctx = 0 if kp is None else kp.shape[0]
+    c0, qa, sb, r = bucketed_shapes(q_len, ctx)
+    # the causal call: r prefix tokens (dummy query rows for them), the new tokens, zero padding at the end
+    qb = _padded([(qr, r)], sb)
+    kb = _padded([(kp[c0:], 0), (kr, r)] if r else [(kr, 0)], sb)
+    vb = _padded([(vp[c0:], 0), (vr, r)] if r else [(vr, 0)], sb)
+    ob, lb = _cudnn(_heads_first(qb), _heads_first(kb), _heads_first(vb), scale, True, c0 > 0)
+    del qb, kb, vb
+    if c0 == 0:
+        out.copy_(ob[0, :, r: r + q_len].transpose(0, 1))
+        return
+    qa_buf = _padded([(qr, 0)], qa)
+    oa, la = _cudnn(_heads_first(qa_buf), _heads_first(kp[:c0]), _heads_first(vp[:c0]), scale, False, True)
+    del qa_buf
+    merge_two(oa[0, :, :q_len], la.reshape(hq, qa)[:, :q_len], ob[0, :, r: r + q_len],
+              lb.reshape(hq, sb)[:, r: r + q_len], out)
+
+
+def warm_shapes(max_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
+    """(new tokens, prefix) of the rows whose call shapes start-up builds, ahead of the first requests: a fresh
+    prompt in each query bucket from MIN_FRESH to max_tokens, and a full chunk of max_tokens on each multiple of
+    PREFIX_BUCKET a prompt of max_model_len reaches (at most WARM_MAX_PREFIXES of them). The rest (chunks shifted by
+    decode rows, longer prefixes) build on first use."""
+    fresh = [(n, 0) for n in range(_round_up(MIN_FRESH, QUERY_BUCKET), max_tokens + 1, QUERY_BUCKET)]
+    if max_tokens >= MIN_FRESH and (not fresh or fresh[-1][0] != max_tokens):
+        fresh.append((max_tokens, 0))
+    chunks = []
+    if max_tokens >= MIN_CHUNK:
+        top = min(max_model_len - max_tokens, WARM_MAX_PREFIXES * PREFIX_BUCKET)
+        chunks = [(max_tokens, c) for c in range(PREFIX_BUCKET, top + 1, PREFIX_BUCKET)]
+    return fresh + chunks
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+            max_tokens: int, max_model_len: int) -> int:
+    """Build cuDNN's plans for `warm_shapes` (and compile the merge kernel) on zero inputs; returns how many rows
+    ran (0 where the library is off or these shapes do not take it)."""
+    if not (enabled(device) and dtype in DTYPES and head_dim <= MAX_HEAD_DIM):
+        return 0
+    shapes = warm_shapes(max_tokens, max_model_len)
+    if not shapes:
+        return 0
+    longest_new = max(n for n, _ in shapes)
+    q = torch.zeros((longest_new, num_q_heads, head_dim), dtype=dtype, device=device)
+    kv = torch.zeros((2, longest_new, num_kv_heads, head_dim), dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    for n, c in shapes:
+        kp = vp = None
+        if c:  # as gather_prefix returns it: a whole-block copy, cut to the prefix
+            kp = torch.zeros((c, num_kv_heads, head_dim), dtype=dtype, device=device)
+            vp = torch.zeros_like(kp)
+        attend_row(q[:n], kv[0, :n], kv[1, :n], kp, vp, 1.0, out[:n])
+        del kp, vp
+    torch.cuda.synchronize(device)
+    return len(shapes)
