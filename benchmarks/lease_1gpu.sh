@@ -62,6 +62,7 @@
 #   s16a       the KV sizing test's step peaks, torch's SDPA backends (cuDNN) vs the Triton prefill on 32k chunks,
 #              the batch-1 8k decode step's kernels with PDL on
 #   s16b       cuDNN for long prefill rows: GPU tests, first calls, 4k chunks, the 32k chunks as engine steps A/B
+#   s16c       the library prefill's warm-up: GPU tests, a server's start-up, the first long prompts' TTFT
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -367,6 +368,28 @@ case $STAGE in
       echo "== PDSERVE_PREFILL_LIBRARY=$lib"; grep -E "^(prefill|decode)[^ ]*:|KV sizing: the largest|Error" "$W/steps_$lib.txt" | cut -c1-300
       save
     done ;;
+  s16c)  # the library prefill's start-up warm-up: GPU tests (library, warm-up: nothing compiles after it), one server
+    # of dummy Qwen3-8B (start-up, the warm-up line), the first long prompts' TTFT on it, each length twice
+    save() { tar czf "$OUT/s16c.tgz" -C "$OUT" s16c; }
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
+      tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-700 | tail -8
+    save
+    T0=$(date +%s.%N)
+    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 200); do
+      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
+      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
+    done
+    python3 -c "import time,sys; print(f'first completion answered {time.time()-float(sys.argv[1]):.1f} s after launch')" $T0 \
+      | tee "$W/startup.txt"
+    grep -h "warm-up\|engine ready\|KV sizing: the largest\|Error" "$W/server.log" | cut -c1-300
+    timeout 200 python3 benchmarks/serve/first_long_requests.py --url http://127.0.0.1:8200 --model qwen3-dummy \
+      --out "$W/first.json" --lengths 8000,8100,5000,20000,33000,36000
+    grep -c "compiled a kernel while serving" "$W/server.log" | sed 's/^/kernels compiled while serving: /'
+    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
+    save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
