@@ -500,29 +500,55 @@ def session16() -> None:
         summary = [ln.strip() for ln in lines if " passed" in ln or " failed" in ln][-1]
         over = [ln.split("AssertionError: ")[1] for ln in lines if "AssertionError: " in ln and "GiB in use" in ln]
         print(f"- {name}: {summary}" + (f" ({'; '.join(over)})" if over else ""))
-    print("\nSide by side with vLLM 0.22 (`lease_1gpu.sh sbs`, machine 4 after s16b: vLLM, then pdserve at 1518761; "
-          "dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both):\n")
-    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
-          "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
-    c = load(f"{base}/sbs/comparison.json")
-    for w in sorted(c["workloads"], key=lambda w: w["workload"]):
-        if w.get("vllm") is None or w.get("pdserve") is None:
-            continue
-        v, p = w["vllm"], w["pdserve"]
-        print(f"| {w['workload']} | {v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
-              f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / {p['mean_ttft_ms']:.1f}"
-              f" | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.3f} | {v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} | "
-              f"{p['mean_tpot_ms'] / v['mean_tpot_ms']:.3f} |")
+    with open(B / base / "s16c/startup.txt") as f:
+        startup = f.read().strip()
+    warm = _srv_line(f"{base}/s16c/server.log.gz", "warm-up:").split("engine: ")[1]
+    print(f"\nStart-up builds the common shapes (s16c, machine 5, code 9bc86e8): \"{warm}\"; {startup}. A fresh "
+          "server's first long prompts, each length twice with different random tokens (first_long_requests.py), "
+          "TTFT ms:\n")
+    print("| tokens | first | second |\n|---|---|---|")
+    for r in load(f"{base}/s16c/first.json")["rows"]:
+        print(f"| {r['tokens']} | {r['ttft_ms'][0]:.1f} | {r['ttft_ms'][1]:.1f} |")
+    print("\nSide by side with vLLM 0.22 (`lease_1gpu.sh sbs`: vLLM, then pdserve, on one H200; dummy Qwen3-8B bf16, "
+          "--gpu-memory-utilization 0.9; vLLM's `bench serve` on both). `sbs`: machine 4 after s16b, code 1518761; "
+          "`sbs2`: machine 5 after s16c, code 9bc86e8 (start-up warm-up of the shapes):\n")
+    print("| run | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean "
+          "TPOT vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|---|")
+    for run in ("sbs", "sbs2"):
+        c = load(f"{base}/{run}/comparison.json")
+        for w in sorted(c["workloads"], key=lambda w: w["workload"]):
+            if w.get("vllm") is None or w.get("pdserve") is None:
+                continue
+            v, p = w["vllm"], w["pdserve"]
+            print(f"| {run} | {w['workload']} | {v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
+                  f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / "
+                  f"{p['mean_ttft_ms']:.1f} | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.3f} | {v['mean_tpot_ms']:.2f} / "
+                  f"{p['mean_tpot_ms']:.2f} | {p['mean_tpot_ms'] / v['mean_tpot_ms']:.3f} |")
     print("\nPer-request TTFT (ms; the first requests repeat the client's warm-up prompt and hit the prefix cache):\n")
-    for w in ("32768x16_c1", "8192x16_c1"):
+    for run, w in (("sbs", "32768x16_c1"), ("sbs2", "32768x16_c1"), ("sbs", "8192x16_c1")):
         for n in ("vllm", "pdserve"):
-            t = [round(x * 1000) for x in load(f"{base}/sbs/{n}_single_{w}.json")["ttfts"]]
+            t = [round(x * 1000) for x in load(f"{base}/{run}/{n}_single_{w}.json")["ttfts"]]
             miss = [x for x in t if x > max(t) / 2]
-            print(f"- {w} {n}: {t}; mean of the misses {sum(miss) / len(miss):.1f}")
-    srv = {n: load(f"{base}/sbs/{n}_single_server.json") for n in ("vllm", "pdserve")}
-    v, p = srv["vllm"], srv["pdserve"]
-    print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
-          f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s.")
+            print(f"- {run} {w} {n}: {t}; mean of the misses {sum(miss) / len(miss):.1f}")
+    print()
+    for run in ("sbs", "sbs2"):
+        srv = {n: load(f"{base}/{run}/{n}_single_server.json") for n in ("vllm", "pdserve")}
+        v, p = srv["vllm"], srv["pdserve"]
+        print(f"- {run}: KV tokens vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} "
+              f"({p['kv_tokens'] / v['kv_tokens']:.4f}x); start-up (launch to first completion): vLLM "
+              f"{v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s")
+    itl = {}
+    for n in ("vllm", "pdserve"):
+        d = load(f"{base}/sbs/{n}_single_8192x16_c1.json")
+        ms = [(sum(x[1:12]) / 11 * 1000, t * 1000) for x, t in zip(d["itls"], d["ttfts"])]
+        top = max(t for _, t in ms)
+        hit = [m for m, t in ms if t < top / 2]
+        miss = [m for m, t in ms if t >= top / 2]
+        itl[n] = (sum(hit) / len(hit), sum(miss) / len(miss))
+    print(f"\nAt 8192/16 the gaps between tokens 2-12 were longer after a prefill that ran than after a prefix-cache "
+          f"hit, on both servers (sbs): vLLM {itl['vllm'][0]:.2f} vs {itl['vllm'][1]:.2f} ms, pdserve "
+          f"{itl['pdserve'][0]:.2f} vs {itl['pdserve'][1]:.2f} ms (hit vs prefilled); the same held in sessions "
+          "12 and 14.")
 
 
 def session14() -> None:
