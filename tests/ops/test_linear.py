@@ -173,3 +173,75 @@ def test_captured_in_a_cuda_graph():
         x.copy_(randn((1, 4096), gen(seed), "cuda", torch.bfloat16, 4096 ** -0.5))
         graph.replay()
         _check(out, _ref(x, w, None))
+
+
+def _norm_linear_ref(x, r, nw, eps, offset, w, b):
+    """The two-kernel path's math in torch: (x + r) rounded to x's dtype, RMS-normed in float32 and rounded, then
+    the product."""
+    from pdserve.ops.norm import rms_norm_ref
+
+    s = x if r is None else (x.float() + r.float()).to(x.dtype)
+    return _ref(rms_norm_ref(s, nw, eps, offset), w, b), s
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n,k,block_n,block_k", [(40, 200, 8, 64), (48, 256, 16, 128), (33, 1100, 8, 1024)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("bias,offset", [(False, 0.0), (True, 1.0)])
+def test_norm_folded_into_the_one_row_kernel(device, dtype, n, k, block_n, block_k, residual, bias, offset,
+                                             monkeypatch):
+    """norm_linear on one row: the norm inside the skinny sum kernel matches the norm then the product, and x +
+    residual comes back (K below, equal to and above one tile; odd N; Gemma's (1 + weight) norm)."""
+    g = gen(n * 7 + k)
+    x = randn((1, k), g, device, dtype)
+    r = randn((1, k), g, device, dtype) if residual else None
+    nw = randn((k,), g, device, dtype, 0.5)
+    w = randn((n, k), g, device, dtype, k ** -0.5)
+    b = randn((n,), g, device, dtype) if bias else None
+    monkeypatch.setattr(lin, "skinny_config", lambda *a, **kw: SkinnyConfig(block_n, block_k, 4, 2, "sum"))
+    launched = []
+    monkeypatch.setattr(lin, "fused_add_rms_norm", lambda *a, **kw: launched.append("norm"))
+    monkeypatch.setattr(lin, "rms_norm", lambda *a, **kw: launched.append("norm"))
+    with force_fused():
+        y, r_out = lin.norm_linear(x, r, nw, 1e-6, offset, w, b)
+    assert not launched  # one kernel: the norm's own never ran
+    ref, s = _norm_linear_ref(x, r, nw, 1e-6, offset, w, b)
+    assert y.shape == (1, n) and y.dtype == dtype
+    _check(y, ref)
+    if residual:
+        assert torch.equal(r_out, s)
+    else:
+        assert r_out is None
+
+
+def test_norm_linear_falls_back_to_two_kernels():
+    """More than one row, fusion off, or a shape the table sends elsewhere: the norm kernel, then `linear`."""
+    g = gen(5)
+    x, r = randn((3, 64), g, "cpu", torch.float16), randn((3, 64), g, "cpu", torch.float16)
+    nw, w = randn((64,), g, "cpu", torch.float16), randn((32, 64), g, "cpu", torch.float16, 0.125)
+    ref, s = _norm_linear_ref(x, r, nw, 1e-5, 0.0, w, None)
+    for rows, fuse in ((3, True), (1, False)):
+        prev = lin.set_norm_fusion(fuse)
+        try:
+            with force_fused():
+                y, r_out = lin.norm_linear(x[:rows], r[:rows], nw, 1e-5, 0.0, w)
+        finally:
+            lin.set_norm_fusion(prev)
+        _check(y, ref[:rows])
+        torch.testing.assert_close(r_out, s[:rows])
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@pytest.mark.parametrize("n", [6144, 24576])
+def test_norm_folded_on_cuda_matches_two_kernels(n):
+    """bf16 on the GPU (with PDL where the card has it): the folded kernel against the norm kernel + skinny."""
+    from pdserve.ops.norm import fused_add_rms_norm
+
+    g = gen(n)
+    x, r = randn((1, 4096), g, "cuda", torch.bfloat16), randn((1, 4096), g, "cuda", torch.bfloat16)
+    nw, w = randn((4096,), g, "cuda", torch.bfloat16, 0.5), randn((n, 4096), g, "cuda", torch.bfloat16, 4096 ** -0.5)
+    y, r_out = lin.norm_linear(x, r, nw, 1e-6, 0.0, w)
+    normed, s = fused_add_rms_norm(x, r, nw, 1e-6)
+    _check(y, linear(normed, w))
+    assert torch.equal(r_out, s)
