@@ -63,7 +63,6 @@
 #              the batch-1 8k decode step's kernels with PDL on
 #   s16b       cuDNN for long prefill rows: GPU tests, first calls, 4k chunks, the 32k chunks as engine steps A/B
 #   s16c       the library prefill's warm-up: GPU tests, a server's start-up, the first long prompts' TTFT
-#   s16d       RMS norms folded into the one-row skinny projection: GPU tests, decode step/loop A/B
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -391,21 +390,6 @@ case $STAGE in
     grep -c "compiled a kernel while serving" "$W/server.log" | sed 's/^/kernels compiled while serving: /'
     kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
     save ;;
-  s16d)  # RMS norms folded into the one-row skinny projection: GPU tests (the kernel, model logits, graphs), then
-    # the batch-1 decode step and loop at 8k with and without, in alternating order
-    save() { tar czf "$OUT/s16d.tgz" -C "$OUT" s16d; }
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_linear.py \
-      tests/engine/test_vs_transformers.py tests/engine/test_cuda_graphs.py tests/engine/test_fused_engine.py 2>&1 \
-      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-700 | tail -8
-    save
-    B="$STEPS_8B --max-model-len 16384 --iters 60 --decode 1x8192,1x1024 --loop 1x8192"
-    for v in fused unfused unfused2 fused2; do
-      a=""; case $v in unfused*) a="--no-norm-fusion" ;; esac
-      left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
-      timeout $(( left < 75 ? left : 75 )) $B $a --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
-      echo "== $v"; grep -E "^(decode|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off"
-      save
-    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -349,9 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-new-kv", action=argparse.BooleanOptionalAction, default=True,
                     help="Triton backend: prefill rows read their new tokens' K/V from the step's k/v (default) or, "
                          "with --no-prefill-new-kv, from the pool as before (an A/B in one lease)")
-    ap.add_argument("--norm-fusion", action=argparse.BooleanOptionalAction, default=True,
-                    help="one-row steps fold each RMS norm into the skinny projection after it (default); "
-                         "--no-norm-fusion: the norm's own kernel (an A/B in one lease)")
     ap.add_argument("--skinny", action=argparse.BooleanOptionalAction, default=True,
                     help="few-row linear products (decode graphs of 1..16 rows) through the skinny Triton kernel "
                          "(default) or, with --no-skinny, through cuBLAS (an A/B in one lease)")
@@ -376,9 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skinny:
         from pdserve.ops.linear import set_skinny
         set_skinny(False)
-    if not args.norm_fusion:
-        from pdserve.ops.linear import set_norm_fusion
-        set_norm_fusion(False)
     if not args.prefill_new_kv:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.read_new_kv = False

@@ -19,7 +19,7 @@ from pdserve.model.forward_context import attend
 from pdserve.model.merged import MergedLinearOwner, merge_linears, merged_parts
 from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
-from pdserve.ops.linear import linear, norm_linear
+from pdserve.ops.linear import linear
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.rotary import qk_norm_rope
 from pdserve.parallel.group import current_tp
@@ -107,15 +107,7 @@ class GatedMLP(MergedLinearOwner):
     def _merged(self):
         return [("gate_up", [self.gate_proj, self.up_proj])]
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None):
-        """down(act(gate(x)) * up(x)); given `norm` (and the residual stream), x is first norm(x + residual), and
-        (output, x + residual) come back: one row folds the norm into the gate/up projection (norm_linear)."""
-        if norm is not None:
-            if x.shape[0] == 1:
-                h, residual = norm_linear(x, residual, norm.weight, norm.eps, norm.offset, self.gate_up_weight)
-                return self.down_proj(act_and_mul(h, self.act)), residual
-            x, residual = norm(x, residual)
-            return self.forward(x), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if n <= MLP_CHUNK_TOKENS:
             return self.down_proj(self._act(x))
@@ -181,18 +173,9 @@ class PagedAttention(MergedLinearOwner):
     def _merged(self):
         return [("qkv", [self.q_proj, self.k_proj, self.v_proj])]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None,
-                norm: RMSNorm | None = None):
-        """Attention's output; given `norm` (and the residual stream), x is first norm(x + residual), and
-        (output, x + residual) come back: one row folds the norm into the QKV projection (norm_linear)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        if norm is not None:
-            qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, norm.offset, self.qkv_weight,
-                                        self.qkv_bias)
-            return self._attend(positions, qkv, t), residual
-        return self._attend(positions, linear(x, self.qkv_weight, self.qkv_bias), t)
-
-    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor, t: int) -> torch.Tensor:
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

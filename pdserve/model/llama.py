@@ -45,12 +45,11 @@ class LlamaDecoderLayer(nn.Module):
         """(this layer's output, the residual stream before it): the next norm adds them."""
         if residual is None:
             residual = hidden
-            hidden = self.self_attn(positions, self.input_layernorm(hidden))
-        else:  # each norm goes to the projection after it (a single row: one kernel, layers.norm_linear)
-            hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
-        if isinstance(self.mlp, GatedMLP):
-            return self.mlp(hidden, residual, self.post_attention_layernorm)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)  # MoE blocks (qwen2_moe, qwen3_moe)
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 

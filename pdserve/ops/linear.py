@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from pdserve import envs
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
-from pdserve.ops.norm import fused_add_rms_norm, rms_norm
 from pdserve.ops.pdl import pdl_args
 
 SKINNY_MAX_ROWS = 16  # the dot tile's row count: every M up to it shares one compiled kernel
@@ -92,61 +91,25 @@ if HAS_TRITON:
                  mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _x_tile(X, R, NW, k, rk, K, rstd, offset, NORM: tl.constexpr, MASK_K: tl.constexpr):
-        """x[k : k + BLOCK_K] as float32; with NORM, the normed (x + residual) the RMS norm kernel would have
-        stored, rounded to x's dtype as it rounds (pdserve.ops.norm)."""
-        if MASK_K:
-            kmask = (k + rk) < K
-            x = tl.load(X + k + rk, mask=kmask, other=0.0)
-        else:
-            x = tl.load(X + k + rk)
-        if NORM == 0:
-            return x.to(tl.float32)
-        if NORM == 2:
-            if MASK_K:
-                r = tl.load(R + k + rk, mask=kmask, other=0.0)
-            else:
-                r = tl.load(R + k + rk)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        if MASK_K:
-            w = tl.load(NW + k + rk, mask=kmask, other=0.0)
-        else:
-            w = tl.load(NW + k + rk)
-        return (x.to(tl.float32) * rstd * (w.to(tl.float32) + offset)).to(X.dtype.element_ty).to(tl.float32)
-
-    @triton.jit
-    def _skinny_sum_kernel(X, W, B, Out, R, NW, ROut, N, K, s_wn, eps, offset, HAS_BIAS: tl.constexpr,
-                           EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           NORM: tl.constexpr, BLOCK_NORM: tl.constexpr, PDL: tl.constexpr):
-        """One row of x @ W^T. NORM 1: x is first RMS-normed with weight NW (eps, offset); NORM 2: x + R is, and
-        program 0 stores x + R into ROut (the residual stream the unfused norm kernel would have returned)."""
+    def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+                           EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl_launch_early(PDL)
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
         w_ptrs = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
+        x_ptrs = X + rk
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         k0 = 0
-        w = tl.zeros((BLOCK_N, BLOCK_K), dtype=W.dtype.element_ty)
         if PDL != 0:  # the first weight tile streams in under the previous kernel's tail (see pdserve.ops.pdl)
-            w = tl.load(w_ptrs, mask=nmask[:, None] & (rk < K)[None, :], other=0.0)
+            kmask = rk < K
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
             pdl_wait(PDL)
-        rstd = 1.0
-        if NORM != 0:  # the whole row's statistics first (from L2: every program reads the same row)
-            cols = tl.arange(0, BLOCK_NORM)
-            cm = cols < K
-            xs = tl.load(X + cols, mask=cm, other=0.0)
-            if NORM == 2:
-                xs = (xs.to(tl.float32) + tl.load(R + cols, mask=cm, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-                if pid == 0:
-                    tl.store(ROut + cols, xs, mask=cm)
-            xf = xs.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
-        if PDL != 0:
-            x = _x_tile(X, R, NW, 0, rk, K, rstd, offset, NORM, True)
-            acc += w.to(tl.float32) * x[None, :]
+            x = tl.load(x_ptrs, mask=kmask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
             k0 = BLOCK_K
         for k in range(k0, K, BLOCK_K):
             if EVEN_K:
@@ -154,13 +117,14 @@ if HAS_TRITON:
                     w = tl.load(w_ptrs)
                 else:
                     w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
-                x = _x_tile(X, R, NW, k, rk, K, rstd, offset, NORM, False)
+                x = tl.load(x_ptrs)
             else:
                 kmask = (k + rk) < K
                 w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-                x = _x_tile(X, R, NW, k, rk, K, rstd, offset, NORM, True)
-            acc += w.to(tl.float32) * x[None, :]
+                x = tl.load(x_ptrs, mask=kmask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -189,8 +153,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     common = dict(HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     if cfg.kind == "sum" and m == 1:
-        _skinny_sum_kernel[grid](x, weight, b, out, x, x, x, n, k, weight.stride(0), 0.0, 0.0, **common, NORM=0,
-                                 BLOCK_NORM=16, **pdl_args(x))
+        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), **common, **pdl_args(x))
     elif cfg.kind in ("dot", "sum"):
         # never with PDL: its shared memory, held while waiting, crowds out the kernel before it (pdserve.ops.pdl)
         _skinny_dot_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), **common)
@@ -270,45 +233,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if cfg.kind != "cublas":
             return skinny_linear(x, weight, bias, cfg)
     return F.linear(x, weight, bias)
-
-
-_fuse_norm = True
-
-
-def set_norm_fusion(enabled: bool) -> bool:
-    """Fold the RMS norm before a one-row projection into the skinny kernel (default), or run it as its own kernel
-    (an A/B in one process); returns the previous setting."""
-    global _fuse_norm
-    prev, _fuse_norm = _fuse_norm, enabled
-    return prev
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                offset: float, weight: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(linear(norm(x + residual)), x + residual): a pre-norm decoder's norm and the projection after it
-    (pdserve.ops.norm's fused_add_rms_norm, then `linear`; residual None: norm(x), and None comes back). A single
-    row whose projection takes the one-row skinny kernel gets both in that kernel: its programs each normalize
-    the row as they read it (one launch instead of two, the norm's output never stored), and program 0 writes
-    x + residual; what they compute is what the two kernels would, rounding included."""
-    if (_fuse_norm and x.dim() == 2 and x.shape[0] == 1 and use_skinny(x, weight) and x.is_contiguous()
-            and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))):
-        n, k = weight.shape
-        cfg = skinny_config(n, k, 1, x.device)
-        if cfg.kind == "sum" and n and k:
-            out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-            r_out = torch.empty_like(x) if residual is not None else None
-            b = bias if bias is not None else weight
-            _skinny_sum_kernel[(triton.cdiv(n, cfg.block_n),)](
-                x, weight, b, out, residual if residual is not None else x, norm_weight,
-                r_out if r_out is not None else x, n, k, weight.stride(0), float(eps), float(offset),
-                HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM=2 if residual is not None else 1,
-                BLOCK_NORM=triton.next_power_of_2(k), num_stages=cfg.num_stages, num_warps=cfg.num_warps,
-                **pdl_args(x))
-            return out, r_out
-    if residual is None:
-        return linear(rms_norm(x, norm_weight, eps, offset), weight, bias), None
-    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps, offset)
-    return linear(normed, weight, bias), residual
-
