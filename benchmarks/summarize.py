@@ -537,6 +537,14 @@ def session16() -> None:
         print(f"- {run}: KV tokens vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} "
               f"({p['kv_tokens'] / v['kv_tokens']:.4f}x); start-up (launch to first completion): vLLM "
               f"{v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s")
+    print("\nRMS norms folded into the one-row skinny projection (s16d, machine 6, code 46a2e08, reverted in the next "
+          "commit): dummy Qwen3-8B, batch 1, bench_steps in the order fused, unfused, unfused, fused; ms a step:\n")
+    print("| run | decode 1x8192 (graph) | decode 1x1024 (graph) | async loop 1x8192 |\n|---|---|---|---|")
+    for v in ("fused", "unfused", "unfused2", "fused2"):
+        d = load(f"{base}/s16d/steps_{v}.json")
+        res = {r["case"]: r["step_ms_median"] for r in d["results"]}
+        loop = [x["step_ms"] for x in d["loops"] if x["async"]][0]
+        print(f"| {v} | {res['decode:1x8192']:.2f} | {res['decode:1x1024']:.2f} | {loop:.2f} |")
     itl = {}
     for n in ("vllm", "pdserve"):
         d = load(f"{base}/sbs/{n}_single_8192x16_c1.json")
