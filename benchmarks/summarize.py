@@ -511,10 +511,11 @@ def session16() -> None:
         print(f"| {r['tokens']} | {r['ttft_ms'][0]:.1f} | {r['ttft_ms'][1]:.1f} |")
     print("\nSide by side with vLLM 0.22 (`lease_1gpu.sh sbs`: vLLM, then pdserve, on one H200; dummy Qwen3-8B bf16, "
           "--gpu-memory-utilization 0.9; vLLM's `bench serve` on both). `sbs`: machine 4 after s16b, code 1518761; "
-          "`sbs2`: machine 5 after s16c, code 9bc86e8 (start-up warm-up of the shapes):\n")
+          "`sbs2`: machine 5 after s16c, code 9bc86e8 (start-up warm-up of the shapes); `sbs3`: machine 6 after s16d, code "
+          "021b040 (the session's end):\n")
     print("| run | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean "
           "TPOT vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|---|")
-    for run in ("sbs", "sbs2"):
+    for run in ("sbs", "sbs2", "sbs3"):
         c = load(f"{base}/{run}/comparison.json")
         for w in sorted(c["workloads"], key=lambda w: w["workload"]):
             if w.get("vllm") is None or w.get("pdserve") is None:
@@ -525,13 +526,14 @@ def session16() -> None:
                   f"{p['mean_ttft_ms']:.1f} | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.3f} | {v['mean_tpot_ms']:.2f} / "
                   f"{p['mean_tpot_ms']:.2f} | {p['mean_tpot_ms'] / v['mean_tpot_ms']:.3f} |")
     print("\nPer-request TTFT (ms; the first requests repeat the client's warm-up prompt and hit the prefix cache):\n")
-    for run, w in (("sbs", "32768x16_c1"), ("sbs2", "32768x16_c1"), ("sbs", "8192x16_c1")):
+    for run, w in (("sbs", "32768x16_c1"), ("sbs2", "32768x16_c1"), ("sbs3", "32768x16_c1"), ("sbs", "8192x16_c1"),
+                   ("sbs3", "8192x16_c1")):
         for n in ("vllm", "pdserve"):
             t = [round(x * 1000) for x in load(f"{base}/{run}/{n}_single_{w}.json")["ttfts"]]
             miss = [x for x in t if x > max(t) / 2]
             print(f"- {run} {w} {n}: {t}; mean of the misses {sum(miss) / len(miss):.1f}")
     print()
-    for run in ("sbs", "sbs2"):
+    for run in ("sbs", "sbs2", "sbs3"):
         srv = {n: load(f"{base}/{run}/{n}_single_server.json") for n in ("vllm", "pdserve")}
         v, p = srv["vllm"], srv["pdserve"]
         print(f"- {run}: KV tokens vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} "
