@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.server.live_server import LiveServer, pd_headers
+from tests.server.live_server import LiveServer, pd_headers, start_servers
 
 DEAD = "http://127.0.0.1:1"  # nothing listens on port 1
 ARGS = ("--role", "decode", "--max-model-len", "512", "--num-gpu-blocks", "64", "--kv-transport", "tcp")
@@ -39,17 +39,22 @@ def wait_whole(server: LiveServer, timeout: float = 20.0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def recompute():
-    s = LiveServer(*ARGS)
-    yield s
-    s.stop()
+def servers():
+    """Both instances, started at once (loading the model dominates); each test uses its own."""
+    made = start_servers({"recompute": ARGS, "fail": (*ARGS, "--kv-fallback", "fail")})
+    yield made
+    for s in made.values():
+        s.stop()
 
 
 @pytest.fixture(scope="module")
-def fail():
-    s = LiveServer(*ARGS, "--kv-fallback", "fail")
-    yield s
-    s.stop()
+def recompute(servers):
+    return servers["recompute"]
+
+
+@pytest.fixture(scope="module")
+def fail(servers):
+    return servers["fail"]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from pdserve.model.dummy_tokenizer import wordlevel_tokenizer_dir
 from pdserve.model.loader import load_config, resolve_model
 from tests.engine.tiny_models import write_tiny_model
-from tests.server.live_server import LiveServer, parse_sse, pd_headers
+from tests.server.live_server import parse_sse, pd_headers, start_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -45,9 +45,11 @@ def test_prefill_tp2_to_decode_tp2_equals_colocated_tp1(tmp_path):
               "--dtype", "float32", "--kv-transport", "tcp")
     servers = []
     try:
-        for args in (("--role", "both"), ("--role", "prefill", "-tp", "2"), ("--role", "decode", "-tp", "2")):
-            servers.append(LiveServer(*common, *args))
-        ref, p, d = servers
+        # the three start at once (each start is mostly one process's work at a time)
+        started = start_servers({"ref": (*common, "--role", "both"), "p": (*common, "--role", "prefill", "-tp", "2"),
+                                 "d": (*common, "--role", "decode", "-tp", "2")})
+        servers = list(started.values())
+        ref, p, d = started["ref"], started["p"], started["d"]
         for stream in (False, True):
             for i, prompt in enumerate(PROMPTS):
                 body = {"model": ref.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream}

@@ -7,6 +7,7 @@ signed handover; every answer must equal the decode instance's own answer to the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 import urllib.request
@@ -35,10 +36,12 @@ def deployment():
         pytest.skip("pdserve.disagg is not available")
     procs = []
     try:
-        p = start_instance("prefill")
-        procs.append(p[0])
-        d = start_instance("decode")
-        procs.append(d[0])
+        # both instances start at once (loading the model dominates); every started one is stopped on any error
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(start_instance, role) for role in ("prefill", "decode")]
+            concurrent.futures.wait(futs)
+        procs.extend(f.result()[0] for f in futs if f.exception() is None)
+        p, d = (f.result() for f in futs)
         status = 0
         try:
             urllib.request.urlopen(urllib.request.Request(p[1] + PD_ROUTE, data=b"{}", method="POST"), timeout=10)

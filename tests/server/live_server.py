@@ -6,6 +6,7 @@ for a port, and "ready" means the model is loaded and the socket is listening.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import queue
@@ -90,3 +91,19 @@ class LiveServer:
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
                 raise RuntimeError(f"server did not stop within {STOP_TIMEOUT_S:g} s:\n{self.output()}") from None
         return self.proc.returncode
+
+
+def start_servers(specs: dict[str, tuple[str, ...]]) -> dict[str, LiveServer]:
+    """LiveServer(*args) for every spec at once: the processes load their models in parallel (one start is mostly one
+    process's work, so on a machine of two or more cores a set starts in little more than one's time). If any fails
+    to start, the others are stopped and its error is raised."""
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+        futs = {name: pool.submit(LiveServer, *args) for name, args in specs.items()}
+        concurrent.futures.wait(futs.values())
+    failed = [f for f in futs.values() if f.exception() is not None]
+    if failed:
+        for f in futs.values():
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0].exception()
+    return {name: f.result() for name, f in futs.items()}

@@ -10,16 +10,32 @@ import time
 import aiohttp
 import pytest
 
-from tests.server.live_server import LiveServer
+from tests.server.live_server import start_servers
 
 pytestmark = pytest.mark.timeout(600)
 
 
+BUDGET_S = 5.0  # --max-queue-wait, shortened from its default (30 s) so the test reaches overload within seconds
+
+
 @pytest.fixture(scope="module")
-def server():
-    s = LiveServer("--max-model-len", "256", "--max-num-seqs", "1", "--max-waiting", "1")
-    yield s
-    assert s.stop() == 0, s.output()
+def servers():
+    """Both tests' instances, started at once (loading the model dominates): `server` has room for one running and
+    one waiting request; `budget_server` a small batch so that three times its capacity is a modest request rate on
+    two shared cores, and every other admission setting (--max-waiting 4096 included) at its default."""
+    made = start_servers({
+        "server": ("--max-model-len", "256", "--max-num-seqs", "1", "--max-waiting", "1"),
+        "budget_server": ("--max-model-len", "256", "--max-num-seqs", "4", "--max-queue-wait", str(BUDGET_S)),
+    })
+    yield made
+    codes = {name: (s.stop(), s) for name, s in made.items()}
+    for name, (code, s) in codes.items():
+        assert code == 0, (name, s.output())
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["server"]
 
 
 def test_full_queue_answers_503_with_retry_after(server):
@@ -47,16 +63,9 @@ def test_full_queue_answers_503_with_retry_after(server):
     assert load["num_running"] == 0 and load["num_waiting"] == 0
 
 
-BUDGET_S = 5.0  # --max-queue-wait, shortened from its default (30 s) so the test reaches overload within seconds
-
-
 @pytest.fixture(scope="module")
-def budget_server():
-    # a small batch so that three times its capacity is a modest request rate on two shared cores; every other
-    # admission setting (--max-waiting 4096 included) at its default
-    s = LiveServer("--max-model-len", "256", "--max-num-seqs", "4", "--max-queue-wait", str(BUDGET_S))
-    yield s
-    assert s.stop() == 0, s.output()
+def budget_server(servers):
+    return servers["budget_server"]
 
 
 async def _timed_stream(s: aiohttp.ClientSession, url: str, body: dict) -> dict:
