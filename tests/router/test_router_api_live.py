@@ -30,6 +30,16 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
+def wait_for_engine_stats(url: str, timeout_s: float = 30.0) -> None:
+    """Until the instance's /load carries its engine's stats (num_steps, which the tests read before sending
+    anything): the engine sends its first ones up to a second after the ready line. (Started one after the other,
+    the prefill instance always had that second; started together, it may not.)"""
+    deadline = time.monotonic() + timeout_s
+    while "num_steps" not in get_json(url + "/load"):
+        assert time.monotonic() < deadline, f"{url}/load has no engine stats after {timeout_s:g} s"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def deployment():
     if not DISAGG_READY:
@@ -42,6 +52,8 @@ def deployment():
             concurrent.futures.wait(futs)
         procs.extend(f.result()[0] for f in futs if f.exception() is None)
         p, d = (f.result() for f in futs)
+        for url in (p[1], d[1]):
+            wait_for_engine_stats(url)
         status = 0
         try:
             urllib.request.urlopen(urllib.request.Request(p[1] + PD_ROUTE, data=b"{}", method="POST"), timeout=10)
