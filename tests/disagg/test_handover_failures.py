@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.server.live_server import LiveServer, pd_headers, start_servers
+from tests.server.live_server import LiveServer, pd_headers, start_servers, stop_servers
 
 DEAD = "http://127.0.0.1:1"  # nothing listens on port 1
 ARGS = ("--role", "decode", "--max-model-len", "512", "--num-gpu-blocks", "64", "--kv-transport", "tcp")
@@ -43,8 +43,7 @@ def servers():
     """Both instances, started at once (loading the model dominates); each test uses its own."""
     made = start_servers({"recompute": ARGS, "fail": (*ARGS, "--kv-fallback", "fail")})
     yield made
-    for s in made.values():
-        s.stop()
+    stop_servers(list(made.values()))
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,13 @@ exactly what a whole-block push does: the decode instance's greedy continuation 
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import time
 import urllib.request
 
 import pytest
 
-from tests.server.live_server import LiveServer, pd_headers
+from tests.server.live_server import pd_headers, start_servers, stop_servers
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of " * 6]
 
@@ -30,20 +29,9 @@ def servers():
     """One decode instance and a prefill instance per push mode, started at once (loading the model dominates)."""
     specs = {"on": ("--role", "prefill", "--kv-layerwise", "on"), "off": ("--role", "prefill", "--kv-layerwise", "off"),
              "decode": ("--role", "decode")}
-    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-        futs = {k: pool.submit(LiveServer, *v, *COMMON) for k, v in specs.items()}
-        made = {}
-        try:
-            for k, f in futs.items():
-                made[k] = f.result()
-        except BaseException:
-            for f in futs.values():
-                if f.done() and f.exception() is None:
-                    f.result().stop()
-            raise
+    made = start_servers({k: (*v, *COMMON) for k, v in specs.items()})
     yield made
-    for srv in made.values():
-        srv.stop()
+    stop_servers(list(made.values()))
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from pdserve.model.dummy_tokenizer import wordlevel_tokenizer_dir
 from pdserve.model.loader import load_config, resolve_model
 from tests.engine.tiny_models import write_tiny_model
-from tests.server.live_server import parse_sse, pd_headers, start_servers
+from tests.server.live_server import parse_sse, pd_headers, start_servers, stop_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -70,5 +70,4 @@ def test_prefill_tp2_to_decode_tp2_equals_colocated_tp1(tmp_path):
             assert time.monotonic() < deadline, loads
             time.sleep(0.2)
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers)

@@ -107,3 +107,14 @@ def start_servers(specs: dict[str, tuple[str, ...]]) -> dict[str, LiveServer]:
                 f.result().stop()
         raise failed[0].exception()
     return {name: f.result() for name, f in futs.items()}
+
+
+def stop_servers(servers: list[LiveServer]) -> list[int]:
+    """stop() every server at once (each waits for its own clean exit); their exit codes in order. Every one is
+    stopped before the first error (a server that would not stop) is raised."""
+    if not servers:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+        futs = [pool.submit(s.stop) for s in servers]
+        concurrent.futures.wait(futs)
+    return [f.result() for f in futs]

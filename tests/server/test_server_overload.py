@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.server.live_server import start_servers
+from tests.server.live_server import start_servers, stop_servers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,8 +28,8 @@ def servers():
         "budget_server": ("--max-model-len", "256", "--max-num-seqs", "4", "--max-queue-wait", str(BUDGET_S)),
     })
     yield made
-    codes = {name: (s.stop(), s) for name, s in made.items()}
-    for name, (code, s) in codes.items():
+    codes = stop_servers(list(made.values()))
+    for (name, s), code in zip(made.items(), codes):
         assert code == 0, (name, s.output())
 
 
