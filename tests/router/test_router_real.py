@@ -109,8 +109,8 @@ class Cluster:
         self.procs[name], self.urls[name] = started
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            stop(proc)
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.procs))) as pool:  # all at once
+            list(pool.map(stop, self.procs.values()))
 
 
 @pytest.fixture(scope="module")
