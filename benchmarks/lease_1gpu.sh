@@ -63,6 +63,7 @@
 #              the batch-1 8k decode step's kernels with PDL on
 #   s16b       cuDNN for long prefill rows: GPU tests, first calls, 4k chunks, the 32k chunks as engine steps A/B
 #   s16c       the library prefill's warm-up: GPU tests, a server's start-up, the first long prompts' TTFT
+#   s17a       a batch-256 decode step and a mixed step: steps, kernels, GPU idle time; cuBLAS at 64..2048 rows
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -390,6 +391,18 @@ case $STAGE in
     grep -c "compiled a kernel while serving" "$W/server.log" | sed 's/^/kernels compiled while serving: /'
     kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
     save ;;
+  s17a)  # where a batch-256 decode step and a mixed step (256 decodes + a 512-token chunk) go: steps, their kernels
+    # and the GPU's idle time, the async loop's GPU timeline at batch 256, and cuBLAS's products at 64..1024 rows
+    B="$STEPS_8B --max-model-len 16384"
+    timeout 150 $B --decode 256x1024,1x8192 --mixed 256x1024+512,256x1024+1024 --loop 256x1024 --iters 30 \
+      --profile-loop 256x1024 --loop-steps 40 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(decode|mixed|loop)[^ ]*:|^  idle|ceilings" "$W/steps.txt" | grep -v "async off"
+    timeout 170 $B --decode 256x1024 --mixed 256x1024+512 --loop= --top 45 \
+      --profile "decode:256x1024;mixed:256x1024+512" --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -A60 "^profile" | cut -c1-160
+    timeout 150 python3 benchmarks/engine/bench_gemm_rows.py --rows 64,128,256,512,768,1024,2048 \
+      --out "$W/gemm_rows.json" > "$W/gemm_rows.txt" 2>&1; cat "$W/gemm_rows.txt"
+    tar czf "$OUT/s17a.tgz" -C "$OUT" s17a ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

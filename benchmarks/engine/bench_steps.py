@@ -222,6 +222,7 @@ def profile_case(core: EngineCore, batch: ScheduledBatch, steps: int, top: int) 
     rows = sorted(((name, len(v) / steps, sum(v) / steps) for name, v in per_kernel.items()), key=lambda r: -r[2])
     total_us = sum(r[2] for r in rows)
     return {"steps": steps, "kernels_per_step": sum(r[1] for r in rows), "gpu_us_per_step": total_us,
+            "gpu": gpu_timeline(prof, steps),
             "top": [{"name": n, "count_per_step": c, "us_per_step": us, "share": us / total_us if total_us else 0}
                     for n, c, us in rows[:top]]}
 
@@ -232,6 +233,12 @@ def print_profile(label: str, p: dict) -> None:
     print("| kernel | per step | us/step | share |\n|---|---|---|---|")
     for r in p["top"]:
         print(f"| {r['name'][:90]} | {r['count_per_step']:.0f} | {r['us_per_step']:.0f} | {r['share']:.1%} |")
+    g = p.get("gpu")
+    if g:
+        print(f"  GPU busy {g['busy_us_per_step'] / 1e3:.2f} ms, idle {g['idle_us_per_step'] / 1e3:.2f} ms a step "
+              f"(span {g['span_us_per_step'] / 1e3:.2f} ms; {g['gaps_over_20us_per_step']:.0f} gaps over 20 us)")
+        for gap in g["longest_gaps"]:
+            print(f"    {gap['us']:.0f} us after {gap['after']} before {gap['before']}")
 
 
 def gpu_timeline(prof, steps: int, top: int = 5) -> dict:
