@@ -64,6 +64,7 @@
 #   s16b       cuDNN for long prefill rows: GPU tests, first calls, 4k chunks, the 32k chunks as engine steps A/B
 #   s16c       the library prefill's warm-up: GPU tests, a server's start-up, the first long prompts' TTFT
 #   s17a       a batch-256 decode step and a mixed step: steps, kernels, GPU idle time; cuBLAS at 64..2048 rows
+#   s17b       the async loop's batch-256 kernels; per-step cases on a zero KV pool and on a random one
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -403,6 +404,19 @@ case $STAGE in
     timeout 150 python3 benchmarks/engine/bench_gemm_rows.py --rows 64,128,256,512,768,1024,2048 \
       --out "$W/gemm_rows.json" > "$W/gemm_rows.txt" 2>&1; cat "$W/gemm_rows.txt"
     tar czf "$OUT/s17a.tgz" -C "$OUT" s17a ;;
+  s17b)  # why the async loop's batch-256 step (14.6 ms) took less GPU time than the same step run alone (18.1 ms,
+    # 16.4 of kernels): the loop's kernels; the per-step cases on a zero pool and on one filled with random values
+    B="$STEPS_8B --max-model-len 16384 --iters 30 --top 25"
+    timeout 200 $B --decode 1x1024,1x8192,256x1024 --loop 1x1024,1x8192,256x1024 --profile-loop 256x1024 \
+      --loop-steps 40 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -v " INFO " "$W/steps.txt" | grep -E "^(decode|loop)[^ ]*:|^  idle|ceilings|^\||^profile|GPU busy" \
+      | grep -v "async off" | cut -c1-170 | head -60
+    timeout 120 $B --decode 1x8192,256x1024 --loop= --fill-kv --out "$W/steps_fill.json" > "$W/steps_fill.txt" 2>&1
+    echo "== --fill-kv"; grep -E "^decode[^ ]*:" "$W/steps_fill.txt"
+    timeout 150 $B --decode 256x1024 --loop= --fill-kv --profile "decode:256x1024" \
+      --out "$W/profile_fill.json" > "$W/profile_fill.txt" 2>&1
+    grep -v " INFO " "$W/profile_fill.txt" | grep -A30 "^profile" | cut -c1-160
+    tar czf "$OUT/s17b.tgz" -C "$OUT" s17b ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -215,6 +215,11 @@ def profile_case(core: EngineCore, batch: ScheduledBatch, steps: int, top: int) 
         for _ in range(steps):
             runner.execute(batch)
         sync(core.device)
+    return {**kernel_table(prof, steps, top), "gpu": gpu_timeline(prof, steps)}
+
+
+def kernel_table(prof, steps: int, top: int) -> dict:
+    """From a profile of `steps` steps: kernels (and copies) per step, their time per step, the `top` of them."""
     per_kernel: dict[str, list[float]] = defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -222,7 +227,6 @@ def profile_case(core: EngineCore, batch: ScheduledBatch, steps: int, top: int) 
     rows = sorted(((name, len(v) / steps, sum(v) / steps) for name, v in per_kernel.items()), key=lambda r: -r[2])
     total_us = sum(r[2] for r in rows)
     return {"steps": steps, "kernels_per_step": sum(r[1] for r in rows), "gpu_us_per_step": total_us,
-            "gpu": gpu_timeline(prof, steps),
             "top": [{"name": n, "count_per_step": c, "us_per_step": us, "share": us / total_us if total_us else 0}
                     for n, c, us in rows[:top]]}
 
@@ -267,8 +271,16 @@ def gpu_timeline(prof, steps: int, top: int = 5) -> dict:
             "longest_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]}
 
 
+def loop_floor(sizes: dict, ceil: dict, batch: int, ctx: int, args, step_ms: float) -> dict:
+    """A decode loop's floor: a step of `batch` rows at the loop's mean context (ctx, plus the warm-up steps, plus
+    half the timed ones), against the loop's time a step."""
+    mean_ctx = ctx + args.warmup + args.loop_steps // 2
+    f = floors(sizes, ceil, [(mean_ctx, 1)] * batch, batch)
+    return {"mean_context": mean_ctx, "floor_ms": f["floor_ms"], "fraction_of_floor": f["floor_ms"] / step_ms}
+
+
 def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup: int, async_on: bool,
-                     rng: random.Random, profiled: bool = False) -> dict:
+                     rng: random.Random, profiled: bool = False, top: int = 20) -> dict:
     """Steady decoding of `batch` requests with ~`ctx` tokens of context through `EngineCore.step`; `profiled`:
     under the torch profiler, with the GPU's busy and idle time per step (gpu_timeline)."""
     core.set_async_scheduling(async_on)
@@ -303,8 +315,9 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
     sync(core.device)
     with prof if prof is not None else contextlib.nullcontext():
         t = time.perf_counter()
+        tokens = 0
         for _ in range(steps):
-            core.step()
+            tokens += len(core.step())
         sync(core.device)
         wall = time.perf_counter() - t
     del core.executor.collect
@@ -314,9 +327,11 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
     while core.has_work():
         core.step()
     out = {"async": async_on, "step_ms": wall / steps * 1e3, "host_ms": (wall - waited[0]) / steps * 1e3,
-           "collect_wait_ms": waited[0] / steps * 1e3, "overlapped_steps": overlapped, "steps": steps}
+           "collect_wait_ms": waited[0] / steps * 1e3, "overlapped_steps": overlapped, "steps": steps,
+           "outputs_per_step": tokens / steps}
     if prof is not None:
         out["gpu"] = gpu_timeline(prof, steps)
+        out["profile"] = kernel_table(prof, steps, top)
     return out
 
 
@@ -353,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--out", default="steps.json")
+    ap.add_argument("--fill-kv", action="store_true",
+                    help="fill the KV pool with random values first (it starts as zeros, which the per-step cases "
+                         "read as their context)")
     ap.add_argument("--prefill-new-kv", action=argparse.BooleanOptionalAction, default=True,
                     help="Triton backend: prefill rows read their new tokens' K/V from the step's k/v (default) or, "
                          "with --no-prefill-new-kv, from the pool as before (an A/B in one lease)")
@@ -391,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
                        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                        enforce_eager=args.enforce_eager, enable_prefix_caching=False)
     core = EngineCore(cfg)
+    if args.fill_kv:  # the pool starts as zeros; the per-step cases read whatever it holds (the loops write theirs)
+        torch.manual_seed(0)
+        core.runner.kv_cache.view(torch.uint8).random_(0, 256) if core.runner.kv_dtype.itemsize == 1 \
+            else core.runner.kv_cache.normal_(0.0, 1.0)
+        sync(core.device)
     rec["ceilings"] = ceil = ceilings(core.device)
     print("ceilings:", ceil, flush=True)
     sizes = model_sizes(core)
@@ -457,14 +480,16 @@ def main(argv: list[str] | None = None) -> int:
         for async_on in (False, True):
             r = {"case": f"loop:{spec}", **time_decode_loop(core, b, ctx, args.loop_steps, args.warmup, async_on,
                                                              rng)}
+            r.update(loop_floor(sizes, ceil, b, ctx, args, r["step_ms"]))
             loops.append(r)
             print(f"{r['case']} async {'on ' if async_on else 'off'}: {r['step_ms']:.2f} ms/step (host "
                   f"{r['host_ms']:.2f} ms, waiting for tokens {r['collect_wait_ms']:.2f} ms; "
-                  f"{r['overlapped_steps']} of {r['steps']} steps overlapped)", flush=True)
+                  f"{r['overlapped_steps']} of {r['steps']} steps overlapped; {r['outputs_per_step']:.1f} outputs a "
+                  f"step; floor {r['floor_ms']:.2f} ms, {r['fraction_of_floor']:.0%})", flush=True)
     for spec in filter(None, args.profile_loop.split(",")):
         b, ctx = (int(x) for x in spec.split("x"))
         r = {"case": f"loop:{spec}", **time_decode_loop(core, b, ctx, args.loop_steps, args.warmup, True, rng,
-                                                         profiled=True)}
+                                                         profiled=True, top=args.top)}
         loops.append(r)
         g = r.get("gpu", {})
         print(f"{r['case']} async on, profiled: {r['step_ms']:.2f} ms/step; GPU busy "
@@ -472,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
               f"step ({g.get('gaps_over_20us_per_step', 0):.1f} gaps over 20 us a step)", flush=True)
         for gap in g.get("longest_gaps", []):
             print(f"  idle {gap['us']:.0f} us after {gap['after']} before {gap['before']}", flush=True)
+        print_profile(f"{r['case']} async ({r['outputs_per_step']:.1f} outputs a step)", r["profile"])
     rec["bursts"] = bursts = []
     for spec in filter(None, args.burst.split(",")):
         n, length = (int(x) for x in spec.split("x"))
