@@ -271,12 +271,12 @@ def gpu_timeline(prof, steps: int, top: int = 5) -> dict:
             "longest_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]}
 
 
-def loop_floor(sizes: dict, ceil: dict, batch: int, ctx: int, args, step_ms: float) -> dict:
-    """A decode loop's floor: a step of `batch` rows at the loop's mean context (ctx, plus the warm-up steps, plus
-    half the timed ones), against the loop's time a step."""
-    mean_ctx = ctx + args.warmup + args.loop_steps // 2
-    f = floors(sizes, ceil, [(mean_ctx, 1)] * batch, batch)
-    return {"mean_context": mean_ctx, "floor_ms": f["floor_ms"], "fraction_of_floor": f["floor_ms"] / step_ms}
+def loop_floor(sizes: dict, ceil: dict, loop: dict) -> dict:
+    """A decode loop's floor: a step of its mean running rows at their mean KV context (both counted from the
+    scheduler before each timed step), against the loop's time a step."""
+    rows = round(loop["rows_per_step"])
+    f = floors(sizes, ceil, [(round(loop["mean_context"]), 1)] * rows, rows)
+    return {"floor_ms": f["floor_ms"], "fraction_of_floor": f["floor_ms"] / loop["step_ms"]}
 
 
 def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup: int, async_on: bool,
@@ -287,7 +287,11 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
     vocab = core.hf_config.vocab_size
     tag = f"loop-{'async' if async_on else 'sync'}-{batch}x{ctx}"
     rids = [f"{tag}-{i}" for i in range(batch)]
-    params = SamplingParams(max_tokens=steps + warmup + 8, temperature=0.0, ignore_eos=True)
+    # every request decodes through the timed steps: the first prompts start decoding while the last prefill
+    # (batch * ctx / the step's token budget steps earlier), so they need that many more tokens
+    prefill_steps = -(-batch * ctx // core.config.max_num_batched_tokens) + 2
+    params = SamplingParams(max_tokens=min(core.max_model_len - ctx, steps + warmup + prefill_steps + 8),
+                            temperature=0.0, ignore_eos=True)
     for rid in rids:
         core.add_request(rid, [rng.randrange(vocab) for _ in range(ctx)], params)
     started: set[str] = set()
@@ -315,8 +319,11 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
     sync(core.device)
     with prof if prof is not None else contextlib.nullcontext():
         t = time.perf_counter()
-        tokens = 0
+        tokens = rows = context = 0
         for _ in range(steps):
+            running = core.scheduler.running
+            rows += len(running)
+            context += sum(r.num_computed_tokens for r in running)
             tokens += len(core.step())
         sync(core.device)
         wall = time.perf_counter() - t
@@ -328,7 +335,8 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
         core.step()
     out = {"async": async_on, "step_ms": wall / steps * 1e3, "host_ms": (wall - waited[0]) / steps * 1e3,
            "collect_wait_ms": waited[0] / steps * 1e3, "overlapped_steps": overlapped, "steps": steps,
-           "outputs_per_step": tokens / steps}
+           "outputs_per_step": tokens / steps, "rows_per_step": rows / steps,
+           "mean_context": context / max(rows, 1)}
     if prof is not None:
         out["gpu"] = gpu_timeline(prof, steps)
         out["profile"] = kernel_table(prof, steps, top)
@@ -480,12 +488,13 @@ def main(argv: list[str] | None = None) -> int:
         for async_on in (False, True):
             r = {"case": f"loop:{spec}", **time_decode_loop(core, b, ctx, args.loop_steps, args.warmup, async_on,
                                                              rng)}
-            r.update(loop_floor(sizes, ceil, b, ctx, args, r["step_ms"]))
+            r.update(loop_floor(sizes, ceil, r))
             loops.append(r)
             print(f"{r['case']} async {'on ' if async_on else 'off'}: {r['step_ms']:.2f} ms/step (host "
                   f"{r['host_ms']:.2f} ms, waiting for tokens {r['collect_wait_ms']:.2f} ms; "
-                  f"{r['overlapped_steps']} of {r['steps']} steps overlapped; {r['outputs_per_step']:.1f} outputs a "
-                  f"step; floor {r['floor_ms']:.2f} ms, {r['fraction_of_floor']:.0%})", flush=True)
+                  f"{r['overlapped_steps']} of {r['steps']} steps overlapped; {r['rows_per_step']:.1f} rows and "
+                  f"{r['outputs_per_step']:.1f} outputs a step at {r['mean_context']:.0f} tokens of context; floor "
+                  f"{r['floor_ms']:.2f} ms, {r['fraction_of_floor']:.0%})", flush=True)
     for spec in filter(None, args.profile_loop.split(",")):
         b, ctx = (int(x) for x in spec.split("x"))
         r = {"case": f"loop:{spec}", **time_decode_loop(core, b, ctx, args.loop_steps, args.warmup, True, rng,

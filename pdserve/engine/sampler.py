@@ -236,6 +236,11 @@ def _sample_rows(logits: torch.Tensor, reqs: list[Request], w_max: int | None):
     when it is 0."""
     n = len(reqs)
     dev = logits.device
+    if w_max is None and all(_is_light(r) for r in reqs):
+        # greedy with nothing that changes the logits: the argmax of the logits as they are. Widening to float32 is
+        # exact and keeps their order (ties resolve to the first index either way), so the ids are the same without
+        # the [rows, vocab] float copy (at 256 rows of a 152k vocabulary on an H200: ~0.15 ms of a ~17 ms step)
+        return logits.argmax(-1), None, None, None
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if w_max is not None else None
     logits = process_logits(logits, reqs)
     vocab = logits.shape[-1]

@@ -65,6 +65,21 @@ def test_a_greedy_batch_is_one_argmax(monkeypatch):
     assert run(logits, reqs).token_ids == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_greedy_batch_of_16_bit_logits_takes_their_argmax_without_a_float_copy(dtype):
+    """Every row greedy with nothing that changes the logits: the argmax runs on the logits' own dtype, and gives the
+    float32 argmax's ids, ties included (rows with repeated maxima after rounding pick the first)."""
+    logits = (torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    logits[0, 7] = logits[0, 300] = logits[0].max() + 1  # a tie: the first index wins in both
+    reqs = [Request(f"g{i}", [1], SamplingParams(temperature=0.0), frozenset()) for i in range(12)]
+    assert run(logits, reqs).token_ids == logits.float().argmax(-1).tolist()
+    assert run(logits, reqs).token_ids[0] == 7
+    mode = LiveBytes()
+    with mode:
+        S.sample_async(logits, reqs).result()
+    assert mode.peak < logits.numel() * 4  # no [rows, vocab] float32 copy
+
+
 def peak_bytes(logits: torch.Tensor, reqs: list[Request]) -> int:
     mode = LiveBytes()
     with mode:
