@@ -65,6 +65,7 @@
 #   s16c       the library prefill's warm-up: GPU tests, a server's start-up, the first long prompts' TTFT
 #   s17a       a batch-256 decode step and a mixed step: steps, kernels, GPU idle time; cuBLAS at 64..2048 rows
 #   s17b       the async loop's batch-256 kernels; per-step cases on a zero KV pool and on a random one
+#   s17c       the decode kernel's many-program tile and the greedy bf16 argmax: GPU tests, steps and loops A/B
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -417,6 +418,21 @@ case $STAGE in
       --out "$W/profile_fill.json" > "$W/profile_fill.txt" 2>&1
     grep -v " INFO " "$W/profile_fill.txt" | grep -A30 "^profile" | cut -c1-160
     tar czf "$OUT/s17b.tgz" -C "$OUT" s17b ;;
+  s17c)  # the decode kernel's many-program tile (64 keys, 3 stages) and the greedy argmax on bf16 logits: GPU tests
+    # (decode attention, a burst after the warm-up compiles nothing, graphs, async); then whole steps and the steady
+    # decode loop with the tile and without it, in the order new, old, new, old
+    timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      tests/engine/test_warmup.py tests/engine/test_cuda_graphs.py tests/engine/test_async_gpu.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
+    B="$STEPS_8B --max-model-len 16384 --iters 30"
+    for v in new1 old1 new2 old2; do
+      left=$(( 540 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in old*) a="--many-programs-tile none" ;; esac
+      timeout $(( left < 75 ? left : 75 )) $B $a --decode 256x1024,128x2048,64x1024,1x8192 --mixed 256x1024+512 \
+        --loop 1x8192,256x1024 --loop-steps 60 --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+      echo "== $v"; grep -E "^(decode|mixed|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-230
+    done
+    tar czf "$OUT/s17c.tgz" -C "$OUT" s17c ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

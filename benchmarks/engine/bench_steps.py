@@ -395,8 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-split-keys", type=int, default=None,
                     help="the decode kernel's split rule: at least this many keys a split (default: "
                          "decode.MIN_SPLIT_KEYS)")
+    ap.add_argument("--many-programs-tile", default=None,
+                    help="the decode kernel's tile once rows x KV heads fill decode.MANY_PROGRAM_WAVES waves: "
+                         "'keys,warps,stages', or 'none' (the table alone): an A/B in one lease")
     args = ap.parse_args(argv)
     from pdserve.ops.attention import decode as decode_mod
+    if args.many_programs_tile:
+        decode_mod.MANY_PROGRAMS_TILE = (None if args.many_programs_tile == "none"
+                                         else tuple(int(x) for x in args.many_programs_tile.split(",")))
     if args.decode_waves:
         decode_mod.DECODE_WAVES = args.decode_waves
     if args.min_split_keys:

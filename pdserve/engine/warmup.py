@@ -71,9 +71,10 @@ def _sampled(max_tokens: int, i: int) -> SamplingParams:
 
 
 def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int,
-                capacity_tokens: int) -> list[list[WarmupRequest]]:
+                capacity_tokens: int, many_rows: int = 0) -> list[list[WarmupRequest]]:
     """Groups of requests, each group submitted at once; every prompt fits the model's length with its output, and
-    every group fits the pool."""
+    every group fits the pool. `many_rows` (0: none): a mixed step of that many rows, from which the decode kernel
+    takes its many-program tile (decode.many_program_rows)."""
     out_tokens = 4
     longest = max_model_len - out_tokens
     groups: list[list[WarmupRequest]] = []
@@ -82,6 +83,10 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
         groups.append([WarmupRequest(n, _greedy(2))])
         n *= 2
     long_len = min(2 * max_num_batched_tokens + 17, longest)
+    if many_rows > 1:  # short prompts first (all prefilled in the first step), then the long one, chunked beside them
+        group = [WarmupRequest(min(SHORT_MANY[i % len(SHORT_MANY)], longest), _greedy(out_tokens))
+                 for i in range(many_rows - 1)]
+        groups.append(group + [WarmupRequest(long_len, _greedy(out_tokens))])
     shorts = [x for x in SHORT_LENGTHS if x <= longest]
     for rows in MIXED_ROWS:
         mixed = [WarmupRequest(long_len, _greedy(out_tokens))]
@@ -109,8 +114,9 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
 def warm_up(core: EngineCore) -> dict:
     """Run the warm-up requests through `core`; returns what ran (requests, steps, seconds)."""
     cfg = core.config
+    many = many_program_rows(core)
     plan = warmup_plan(cfg.max_num_batched_tokens, core.max_model_len, cfg.block_size,
-                       core.kv.pool.num_blocks * cfg.block_size)
+                       core.kv.pool.num_blocks * cfg.block_size, many if many <= cfg.max_num_seqs else 0)
     gen = torch.Generator().manual_seed(cfg.seed)
     vocab = int(core.hf_config.vocab_size)
     t0, steps, count = time.time(), 0, 0
@@ -138,6 +144,21 @@ def warm_up(core: EngineCore) -> dict:
     log.info("warm-up: %d requests in %d steps, %d library attention shapes, %.1fs", done["requests"],
              done["steps"], count_lib, done["seconds"])
     return done
+
+
+def many_program_rows(core: EngineCore) -> int:
+    """Rows of a step from which the Triton decode kernel takes its many-program tile on this engine's GPU, for one
+    rank's KV heads; 0 where that tile is not used (other backends, fp8 pools, CPU)."""
+    from pdserve.engine.runner import kv_cache_torch_dtype
+    from pdserve.ops.attention import decode
+    from pdserve.parallel.ranges import local_kv_heads
+
+    kv_dtype = kv_cache_torch_dtype(core.config.kv_cache_dtype, core.dtype)
+    if (core.device.type != "cuda" or core.config.attention_backend not in ("auto", "triton")
+            or decode.MANY_PROGRAMS_TILE is None or kv_dtype not in (torch.bfloat16, torch.float16)):
+        return 0
+    hk = local_kv_heads(core.hf_config.num_key_value_heads, core.config.tensor_parallel_size)
+    return decode.many_program_rows(hk, core.device)
 
 
 def warm_library(worker, max_tokens: int, max_model_len: int) -> int:

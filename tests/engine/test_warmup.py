@@ -31,6 +31,19 @@ def test_plan_covers_step_sizes_and_a_chunked_prompt():
     assert 1 in SHORT_MANY and len(SHORT_MANY) >= 8 and max(SHORT_MANY) <= MIN_SPLIT_KEYS
 
 
+def test_plan_has_a_mixed_step_of_the_many_program_rows_when_asked():
+    plain = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6)
+    plan = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6,
+                       many_rows=66)
+    extra = [g for g in plan if g not in plain]
+    assert len(plan) == len(plain) + 1 and len(extra) == 1
+    group = extra[0]
+    # 65 short prompts, all prefilled in the first step, then the long one chunked beside them decoding: 66 rows
+    assert len(group) == 66 and group[-1].prompt_len == 2 * 8192 + 17
+    assert sum(r.prompt_len for r in group[:-1]) < 8192 and max(r.prompt_len for r in group[:-1]) <= MIN_SPLIT_KEYS
+    assert plan[-len(MIXED_ROWS) - 2:] == plain[-len(MIXED_ROWS) - 2:]
+
+
 @pytest.mark.parametrize("max_model_len,capacity", [(64, 10**6), (40960, 600), (40960, 40)])
 def test_plan_fits_the_model_length_and_the_pool(max_model_len, capacity):
     plan = warmup_plan(max_num_batched_tokens=256, max_model_len=max_model_len, block_size=16,
@@ -89,9 +102,10 @@ def test_a_burst_after_the_warm_up_compiles_nothing():
         assert WATCH.armed
         before = WATCH.compiled_after_arm
         g = torch.Generator().manual_seed(0)
-        for i in range(96):  # 1000-token prompts: two per step, the earlier ones decoding beside them
+        for i in range(96):  # 1000-token prompts: two per step, the earlier ones decoding beside them (up to 80
+            # decode rows: past decode.many_program_rows, 66 for Qwen3-0.6B's 8 KV heads on an H200)
             ids = torch.randint(0, 151000, (1000 + i % 3,), generator=g).tolist()
-            core.add_request(f"burst-{i}", ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            core.add_request(f"burst-{i}", ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
         while core.has_work():
             core.step()
         # a prompt arriving while a few requests decode (mixed steps of few rows), then short prompts only

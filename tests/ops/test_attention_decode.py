@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.ops.attention import decode as D
 from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.decode import paged_decode
 from pdserve.ops.attention.torch_ref import TorchAttentionBackend
@@ -59,6 +60,30 @@ def test_mixed_batch_leaves_prefill_rows_alone(splits):
     assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed decode rows")
 
 
+def test_many_programs_take_the_many_program_tile():
+    cpu = torch.device("cpu")  # the Triton interpreter counts 8 SMs: 32 programs are MANY_PROGRAM_WAVES waves
+    assert D.num_sms(cpu) * D.MANY_PROGRAM_WAVES == 32
+    assert D.decode_tile(64, torch.float16, False, 16, 32, cpu) == D.MANY_PROGRAMS_TILE
+    assert D.decode_tile(64, torch.float16, False, 16, 31, cpu) == D.DECODE_TILES[(False, True)]
+    assert D.decode_tile(64, torch.float16, True, 16, 64, cpu) == D.DECODE_TILES[(True, True)]  # fp8: the table's
+    assert D.many_program_rows(2, cpu) == 16
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decode_of_many_rows_matches_reference(mixed):
+    """16 rows x 2 KV heads, one split: the many-program tile (64 keys, 3 stages) on the interpreter's 8 SMs."""
+    lens = [1, 17, 130, 64, 45, 16, 33, 200, 90, 2, 31, 64, 65, 120, 7, 80]
+    q_lens = [1] * 16 if not mixed else [1] * 7 + [20] + [1] * 8
+    p = make_problem(lens, q_lens, hq=8, hk=2, d=64, bs=16, dtype=torch.float16, seed=5)
+    out = _run(p, 0.125, mixed=mixed, splits=1)
+    ref = _reference(p, 0.125, None, None)
+    if mixed:
+        dec, pre = row_kinds(p.meta)
+        assert torch.isnan(out[pre]).all()
+        out, ref = out[dec], ref[dec]
+    assert_close(out, ref, torch.float16, "decode, many programs")
+
+
 def test_padded_rows_give_zeros_and_read_nothing():
     # padded rows: KV length 0 and block table -1 (a negative block must never be addressed)
     p = make_problem([40, 3], [1, 1], hq=4, hk=2, d=32, bs=16, pad={"num_tokens": 4, "num_seqs": 4})
@@ -84,7 +109,7 @@ GPU_CASES = [
 
 @gpu
 @pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window", GPU_CASES)
-@pytest.mark.parametrize("lens", [[1, 17, 1000, 4097, 300], [32768, 20000], [777] * 64])
+@pytest.mark.parametrize("lens", [[1, 17, 1000, 4097, 300], [32768, 20000], [777] * 64, [300, 1500] * 40])
 def test_decode_matches_reference_cuda(hq, hk, d, bs, dtype, kv_dtype, window, lens):
     p = make_problem(lens, [1] * len(lens), hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype, seed=len(lens))
     scale = d ** -0.5

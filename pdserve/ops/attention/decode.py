@@ -166,9 +166,29 @@ DECODE_TILES = {(False, False): (64, 4, 2), (False, True): (128, 4, 3), (True, F
                 (True, True): (128, 4, 3)}
 
 
-def decode_tile(head_dim: int, dtype: torch.dtype, fp8: bool, num_rows: int = 8) -> tuple[int, int, int]:
+# Rows x KV heads x splits for at least MANY_PROGRAM_WAVES waves of the GPU (a batch-256 step of Qwen3-8B: 2048
+# programs of 1024 keys, one split) take 64-key tiles with 3 stages on a 16-bit pool: on an H200 they read 128 x 2048
+# at 98.9 % of the HBM copy rate and 256 x 1024 at 98.2 %, against 95.3 % and 95.4 % with the 128-key tile, which
+# stays ahead where fewer programs have more keys each (32 x 4096: 91.3 % against 76.2 %)
+# (benchmarks/attention/results_h200/decode_sweep_fp16dot.json). None: the table alone (an A/B in bench_steps.py).
+MANY_PROGRAMS_TILE: tuple[int, int, int] | None = (64, 4, 3)
+MANY_PROGRAM_WAVES = 4
+
+
+def many_program_rows(num_kv_heads: int, device: torch.device) -> int:
+    """Decode rows from which a step's decode kernel takes MANY_PROGRAMS_TILE (one split; the warm-up runs a mixed
+    step of that many rows so serving compiles nothing)."""
+    return triton.cdiv(MANY_PROGRAM_WAVES * num_sms(device), max(1, num_kv_heads))
+
+
+def decode_tile(head_dim: int, dtype: torch.dtype, fp8: bool, num_rows: int = 8, num_programs: int = 0,
+                device: torch.device | None = None) -> tuple[int, int, int]:
+    """(keys per step, warps, stages) for a launch of `num_programs` programs (rows x KV heads x splits)."""
     if dtype == torch.float32:
         return decode_block_n(16, head_dim, dtype), 4, 2
+    if (not fp8 and MANY_PROGRAMS_TILE is not None and device is not None
+            and num_programs >= MANY_PROGRAM_WAVES * num_sms(device)):
+        return MANY_PROGRAMS_TILE
     return DECODE_TILES[(fp8, num_rows >= 8)]
 
 
@@ -226,7 +246,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     splits = num_splits or decode_splits(b, hk, max_seq_len, sliding_window, q.device)
     single = splits == 1
     block_d = triton.next_power_of_2(d)
-    block_n, warps, stages = tile or decode_tile(d, q.dtype, fp8, b)
+    block_n, warps, stages = tile or decode_tile(d, q.dtype, fp8, b, b * hk * splits, q.device)
     if single:
         part_o = part_m = part_l = out
         s_p = (0, 0, 0)
