@@ -456,6 +456,99 @@ def _chunk_count(rel: str) -> str:
     return f"{span} chunks for {d['output_lens'][1]} tokens"
 
 
+def _kernel_groups(prof: dict) -> list[tuple[str, float, float]]:
+    """A profiled step's kernels in groups: (name, count a step, us a step), cuBLAS's GEMM kernels together."""
+    groups: dict[str, list[float]] = {}
+    for r in prof["top"]:
+        name = r["name"]
+        key = "cuBLAS GEMMs (nvjet, splitK reduce)" if name.startswith("nvjet") or "splitKreduce" in name else name[:60]
+        g = groups.setdefault(key, [0.0, 0.0])
+        g[0] += r["count_per_step"]
+        g[1] += r["us_per_step"]
+    return sorted(((k, c, us) for k, (c, us) in groups.items()), key=lambda x: -x[2])
+
+
+def session17() -> None:
+    """Session 17 (one H200 at a time, three machines): where a batch-256 decode step goes, the steady decode loop
+    measured right, the decode kernel's many-program tile, the greedy argmax on bf16 logits, the side by side."""
+    base = "lease_s17"
+    prof = load(f"{base}/s17a/profile.json")
+    print("Where a batch-256 decode step and a mixed step go (s17a, machine 1, `bench_steps.py --profile`, CUDA graphs; "
+          "each step run and waited for, so the GPU idles while the host prepares the next):\n")
+    for p in prof["profiles"]:
+        g = p["graphs"] if "graphs" in p else p
+        print(f"{p['case']}: {g['kernels_per_step']:.0f} kernels, {g['gpu_us_per_step'] / 1e3:.2f} ms of kernels a step; "
+              f"GPU busy {g['gpu']['busy_us_per_step'] / 1e3:.2f} ms, idle {g['gpu']['idle_us_per_step'] / 1e3:.2f} ms\n")
+        print("| kernels | a step | us a step |\n|---|---|---|")
+        for name, c, us in _kernel_groups(g)[:9]:
+            print(f"| {name} | {c:.0f} | {us:,.0f} |")
+        print()
+    gr = load(f"{base}/s17a/gemm_rows.json")
+    c = gr["ceilings"]
+    print(f"cuBLAS on Qwen3-8B's projections (s17a, `bench_gemm_rows.py`, graphs over weight copies larger than L2; same "
+          f"run's ceilings: HBM copy {c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s; "
+          "floor = the larger of FLOPs at the matmul rate and the weight at the copy rate):\n")
+    print("| projection | rows | us | TFLOP/s | of floor |\n|---|---|---|---|---|")
+    for r in gr["results"]:
+        if r["rows"] in (256, 768):
+            print(f"| {r['shape']} {r['n']}x{r['k']} | {r['rows']} | {r['us']:.1f} | {r['tflops']:.0f} | "
+                  f"{r['of_floor']:.0%} |")
+    b = load(f"{base}/s17b/steps.json")
+    lp = [x for x in b["loops"] if x["case"] == "loop:256x1024" and "profile" in x][0]
+    print(f"\nThe steady decode loop as session 16 measured it (s17b, machine 2): loop:256x1024 took {lp['step_ms']:.2f} ms "
+          f"a step with {lp['profile']['gpu_us_per_step'] / 1e3:.2f} ms of kernels, less than the same step alone; it "
+          f"ran {lp['outputs_per_step']:.1f} outputs a step, not 256: the first prompts started decoding while the "
+          "last prefilled and finished early. The loop now gives every request enough tokens, counts its rows and "
+          "context before each step, and takes its floor from them. The step alone on a pool of random values "
+          "(`--fill-kv`) against zeros:\n")
+    zero = {r["case"]: r for r in b["results"]}
+    fill = {r["case"]: r for r in load(f"{base}/s17b/steps_fill.json")["results"]}
+    print("| step | zero pool ms | random pool ms |\n|---|---|---|")
+    for k in fill:
+        print(f"| {k} | {zero[k]['step_ms_median']:.2f} | {fill[k]['step_ms_median']:.2f} |")
+    print("\nThe decode kernel's many-program tile (64 keys, 3 stages, from 4 waves of programs) against the table's "
+          "128-key tile, with the greedy argmax on bf16 logits in both (s17c, machine 3, order new, old, new, old; "
+          "the loops through `EngineCore.step` with async scheduling, their floor at the rows and context counted "
+          "before each step):\n")
+    runs = [(v, load(f"{base}/s17c/steps_{v}.json")) for v in ("new1", "old1", "new2", "old2")]
+    print("| step | floor ms | " + " | ".join(f"{v} ms (of floor)" for v, _ in runs) + " |\n|---|---|"
+          + "---|" * len(runs))
+    for i, r0 in enumerate(runs[0][1]["results"]):
+        print(f"| {r0['case']} | {r0['floor_ms']:.2f} | " + " | ".join(
+            f"{d['results'][i]['step_ms_median']:.2f} ({d['results'][i]['fraction_of_floor']:.0%})" for _, d in runs)
+            + " |")
+    for i, l0 in enumerate(runs[0][1]["loops"]):
+        if not l0["async"]:
+            continue
+        print(f"| {l0['case']} steady, async ({l0['rows_per_step']:.0f} rows at {l0['mean_context']:.0f}) | "
+              f"{l0['floor_ms']:.2f} | " + " | ".join(
+                  f"{d['loops'][i]['step_ms']:.2f} ({d['loops'][i]['fraction_of_floor']:.0%})" for _, d in runs) + " |")
+    with open(B / base / "s17c/gpu_tests.txt") as f:
+        dots = f.read().count(".")
+    print(f"\nGPU tests in s17c (test_attention_decode, test_warmup, test_cuda_graphs, test_async_gpu): {dots} passed "
+          "before the stage's 230 s limit cut the run (37 decode attention tests, the warm-up burst that compiles "
+          "nothing with up to 80 decode rows, 6 of 7 graph tests); no failure before it.\n")
+    c = load(f"{base}/sbs/comparison.json")
+    print("Side by side with vLLM 0.22 (machine 3 after s17c, `lease_1gpu.sh sbs`: vLLM, then pdserve, on the one H200; "
+          "dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both):\n")
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
+          "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
+    for w in sorted(c["workloads"], key=lambda w: w["workload"]):
+        v, p = w["vllm"], w["pdserve"]
+        print(f"| {w['workload']} | {v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
+              f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / "
+              f"{p['mean_ttft_ms']:.1f} | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.3f} | {v['mean_tpot_ms']:.2f} / "
+              f"{p['mean_tpot_ms']:.2f} | {p['mean_tpot_ms'] / v['mean_tpot_ms']:.3f} |")
+    srv = {n: load(f"{base}/sbs/{n}_single_server.json") for n in ("vllm", "pdserve")}
+    v, p = srv["vllm"], srv["pdserve"]
+    print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
+          f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s.")
+    for n in ("vllm", "pdserve"):
+        d = load(f"{base}/sbs/{n}_single_8192x16_c1.json")
+        print(f"- 8192x16 {n}: TPOT mean {d['mean_tpot_ms']:.2f} ms, median {d['median_tpot_ms']:.2f}, p90 "
+              f"{d['p90_tpot_ms']:.2f}")
+
+
 def session16() -> None:
     """Session 16 (one H200 at a time, four machines): cuDNN's fused attention for long prefill rows, the KV sizing
     test at 0.6, the side by side with vLLM at 8k/32k."""
@@ -1026,6 +1119,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session17()
+    print()
     session16()
     print()
     session14()
