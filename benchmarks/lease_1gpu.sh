@@ -66,6 +66,7 @@
 #   s17a       a batch-256 decode step and a mixed step: steps, kernels, GPU idle time; cuBLAS at 64..2048 rows
 #   s17b       the async loop's batch-256 kernels; per-step cases on a zero KV pool and on a random one
 #   s17c       the decode kernel's many-program tile and the greedy bf16 argmax: GPU tests, steps and loops A/B
+#   s17d       the steady async loop at batch 256 under the profiler: kernels and idle gaps
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -433,6 +434,14 @@ case $STAGE in
       echo "== $v"; grep -E "^(decode|mixed|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-230
     done
     tar czf "$OUT/s17c.tgz" -C "$OUT" s17c ;;
+  s17d)  # the steady async loop at batch 256 under the profiler: its kernels against the same step alone, and
+    # where the GPU idles between them (longest gaps, with the kernels on either side)
+    B="$STEPS_8B --max-model-len 16384 --iters 20 --top 30"
+    timeout 250 $B --decode 256x1024 --loop 256x1024 --profile-loop 256x1024 --loop-steps 40 \
+      --out "$W/loop.json" > "$W/loop.txt" 2>&1
+    grep -v " INFO " "$W/loop.txt" | grep -E "^(decode|loop)[^ ]*:|^  idle|^\||^profile|GPU busy" \
+      | grep -v "async off" | cut -c1-200 | head -60
+    tar czf "$OUT/s17d.tgz" -C "$OUT" s17d ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
