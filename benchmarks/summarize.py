@@ -547,6 +547,19 @@ def session17() -> None:
         d = load(f"{base}/sbs/{n}_single_8192x16_c1.json")
         print(f"- 8192x16 {n}: TPOT mean {d['mean_tpot_ms']:.2f} ms, median {d['median_tpot_ms']:.2f}, p90 "
               f"{d['p90_tpot_ms']:.2f}")
+    lp = load(f"{base}/s17d/loop.json")["loops"][-1]
+    print(f"\nThe steady loop at batch 256 under the profiler (s17d, machine 5, code 2f06dfe): {lp['step_ms']:.2f} ms a "
+          f"step at {lp['rows_per_step']:.0f} rows, {lp['profile']['gpu_us_per_step'] / 1e3:.2f} ms of kernels, GPU idle "
+          f"{lp['gpu']['idle_us_per_step'] / 1e3:.2f} ms a step; the same loop unprofiled "
+          + ", ".join(f"{x['step_ms']:.2f} ms ({x['fraction_of_floor']:.0%} of {x['floor_ms']:.2f})"
+                      for x in load(f"{base}/s17d/loop.json")["loops"] if x["async"] and "profile" not in x)
+          + ". Its kernels:\n")
+    print("| kernels | a step | us a step |\n|---|---|---|")
+    for name, c, us in _kernel_groups(lp["profile"])[:8]:
+        print(f"| {name} | {c:.0f} | {us:,.0f} |")
+    print("\nThe two clients on vLLM's server (sbs_clients, machine 5 after s17d; rounds alternating, pdserve's client "
+          "with `--trust-env` as vLLM's session sets it):\n")
+    _client_rounds_on_vllm(f"{base}/sbs_clients", "pdserve's (--trust-env)")
 
 
 def session16() -> None:
