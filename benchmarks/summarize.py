@@ -545,8 +545,11 @@ def session17() -> None:
           f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s.")
     for n in ("vllm", "pdserve"):
         d = load(f"{base}/sbs/{n}_single_8192x16_c1.json")
-        print(f"- 8192x16 {n}: TPOT mean {d['mean_tpot_ms']:.2f} ms, median {d['median_tpot_ms']:.2f}, p90 "
-              f"{d['p90_tpot_ms']:.2f}")
+        gaps = sorted(g for r in d["itls"] for g in r if g > 1e-3)  # gaps between chunks; the near-zero last ones out
+        chunks = sum(len(r) + 1 for r in d["itls"]) / len(d["itls"])
+        print(f"- 8192x16 {n}: TPOT mean {d['mean_tpot_ms']:.2f} ms, median {d['median_tpot_ms']:.2f}; "
+              f"{chunks:.1f} chunks a request for 16 tokens; median gap between chunks {1e3 * gaps[len(gaps) // 2]:.2f} "
+              f"ms; mean E2EL {d['mean_e2el_ms']:.1f} ms")
     lp = load(f"{base}/s17d/loop.json")["loops"][-1]
     print(f"\nThe steady loop at batch 256 under the profiler (s17d, machine 5, code 2f06dfe): {lp['step_ms']:.2f} ms a "
           f"step at {lp['rows_per_step']:.0f} rows, {lp['profile']['gpu_us_per_step'] / 1e3:.2f} ms of kernels, GPU idle "

@@ -17,7 +17,8 @@ Qwen3-8B tokenizer); the server's dump carries a hash of every prompt so this is
 
 Ablations of the replica (one vLLM session setting changed; not run by default): vllm-notrustenv
 (ClientSession(trust_env=False)), vllm-pdconnector (pdserve's TCPConnector(limit=0, ttl_dns_cache=300)), and
-vllm-notrustenv-pdconnector (both); pick them with --clients.
+vllm-notrustenv-pdconnector (both); and pdserve's client with `--trust-env` (pd-asyncio-trustenv, on plain asyncio);
+pick them with --clients.
 
 Run (about 1.5 minutes for the 6 default runs on a 2-core machine; uvloop must be importable for pd-uvloop):
   python benchmarks/vs_vllm/client_intake.py --out benchmarks/lease_s11/client_intake
@@ -42,10 +43,12 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_ROOT = "/tmp/vllm_src"
 DEFAULT_TOKENIZER = str(REPO / ".vllm-stage" / "model")
 CLIENTS = ("vllm", "pd-uvloop", "pd-asyncio")
+# pdserve's client with --trust-env (vLLM's session setting; not run by default)
+PD_VARIANTS = ("pd-asyncio-trustenv",)
 # ablations of the vLLM replica (not run by default): one session setting changed each
 VLLM_VARIANTS = {"vllm": {}, "vllm-notrustenv": {"trust_env": False}, "vllm-pdconnector": {"pd_connector": True},
                  "vllm-notrustenv-pdconnector": {"trust_env": False, "pd_connector": True}}
-ALL_CLIENTS = CLIENTS + tuple(v for v in VLLM_VARIANTS if v not in CLIENTS)
+ALL_CLIENTS = CLIENTS + tuple(v for v in VLLM_VARIANTS if v not in CLIENTS) + PD_VARIANTS
 MODEL = "fake-model"
 
 
@@ -252,9 +255,11 @@ def run_pdserve_client(args) -> int:
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--num-warmups", str(args.num_warmups),
             "--request-id-prefix", args.prefix, "--disable-tqdm", "--no-plots"]
+    if args.client.endswith("-trustenv"):
+        argv.append("--trust-env")
     rc = main(argv)
     lr = captured["lr"]
-    out = {"client": "pd-asyncio" if args.no_uvloop else "pd-uvloop", "loop": captured["loop"], "t0": lr.t0,
+    out = {"client": args.client, "loop": captured["loop"], "t0": lr.t0,
            "duration": lr.duration, "rc": rc, "requests": [
                {"request_id": r.request_id, "start": r.start, "ttft": r.ttft if r.num_chunks else None,
                 "success": r.success, "error": r.error or None} for r in lr.results]}
@@ -457,7 +462,7 @@ def main() -> int:
     if args.cmd == "_client":
         if args.client in VLLM_VARIANTS:
             return run_vllm_client(args)
-        args.no_uvloop = args.client == "pd-asyncio"
+        args.no_uvloop = args.client.startswith("pd-asyncio")
         return run_pdserve_client(args)
     return orchestrate(args)
 
