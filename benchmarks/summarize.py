@@ -456,6 +456,15 @@ def _chunk_count(rel: str) -> str:
     return f"{span} chunks for {d['output_lens'][1]} tokens"
 
 
+def _sbs_cells(v: dict, p: dict, digits: int = 3) -> str:
+    """A side-by-side row's cells after its label: output tok/s of both and their ratio, then mean TTFT and mean TPOT
+    of both with the ratio (`digits` decimals)."""
+    return (f"{v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
+            f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / "
+            f"{p['mean_ttft_ms']:.1f} | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.{digits}f} | {v['mean_tpot_ms']:.2f} / "
+            f"{p['mean_tpot_ms']:.2f} | {p['mean_tpot_ms'] / v['mean_tpot_ms']:.{digits}f} |")
+
+
 def _kernel_groups(prof: dict) -> list[tuple[str, float, float]]:
     """A profiled step's kernels in groups: (name, count a step, us a step), cuBLAS's GEMM kernels together."""
     groups: dict[str, list[float]] = {}
@@ -534,11 +543,7 @@ def session17() -> None:
     print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
           "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
     for w in sorted(c["workloads"], key=lambda w: w["workload"]):
-        v, p = w["vllm"], w["pdserve"]
-        print(f"| {w['workload']} | {v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
-              f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / "
-              f"{p['mean_ttft_ms']:.1f} | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.3f} | {v['mean_tpot_ms']:.2f} / "
-              f"{p['mean_tpot_ms']:.2f} | {p['mean_tpot_ms'] / v['mean_tpot_ms']:.3f} |")
+        print(f"| {w['workload']} | {_sbs_cells(w['vllm'], w['pdserve'])}")
     srv = {n: load(f"{base}/sbs/{n}_single_server.json") for n in ("vllm", "pdserve")}
     v, p = srv["vllm"], srv["pdserve"]
     print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
@@ -629,11 +634,7 @@ def session16() -> None:
         for w in sorted(c["workloads"], key=lambda w: w["workload"]):
             if w.get("vllm") is None or w.get("pdserve") is None:
                 continue
-            v, p = w["vllm"], w["pdserve"]
-            print(f"| {run} | {w['workload']} | {v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
-                  f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / "
-                  f"{p['mean_ttft_ms']:.1f} | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.3f} | {v['mean_tpot_ms']:.2f} / "
-                  f"{p['mean_tpot_ms']:.2f} | {p['mean_tpot_ms'] / v['mean_tpot_ms']:.3f} |")
+            print(f"| {run} | {w['workload']} | {_sbs_cells(w['vllm'], w['pdserve'])}")
     print("\nPer-request TTFT (ms; the first requests repeat the client's warm-up prompt and hit the prefix cache):\n")
     for run, w in (("sbs", "32768x16_c1"), ("sbs2", "32768x16_c1"), ("sbs3", "32768x16_c1"), ("sbs", "8192x16_c1"),
                    ("sbs3", "8192x16_c1")):
@@ -725,11 +726,7 @@ def session14() -> None:
         for w in sorted(c["workloads"], key=lambda w: w["workload"]):
             if w.get("vllm") is None or w.get("pdserve") is None:
                 continue
-            v, p = w["vllm"], w["pdserve"]
-            print(f"| {run} | {w['workload']} | {v['output_throughput']:,.1f} | {p['output_throughput']:,.1f} | "
-                  f"{p['output_throughput'] / v['output_throughput']:.2f} | {v['mean_ttft_ms']:.1f} / {p['mean_ttft_ms']:.1f}"
-                  f" | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.2f} | {v['mean_tpot_ms']:.2f} / {p['mean_tpot_ms']:.2f} | "
-                  f"{p['mean_tpot_ms'] / v['mean_tpot_ms']:.2f} |")
+            print(f"| {run} | {w['workload']} | {_sbs_cells(w['vllm'], w['pdserve'], 2)}")
         srv = {n: load(f"{base}/{run}/{n}_single_server.json") for n in ("vllm", "pdserve")}
         kv.append((run, srv))
     print("\n| run | vLLM KV tokens | pdserve KV tokens | ratio | start-up vLLM / pdserve s |\n|---|---|---|---|---|")
