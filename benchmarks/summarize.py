@@ -568,6 +568,15 @@ def session17() -> None:
     print("\nThe two clients on vLLM's server (sbs_clients, machine 5 after s17d; rounds alternating, pdserve's client "
           "with `--trust-env` as vLLM's session sets it):\n")
     _client_rounds_on_vllm(f"{base}/sbs_clients", "pdserve's (--trust-env)")
+    ci = load(f"{base}/client_intake/summary.json")
+    print(f"\nThe clients' intake on this 2-core CPU machine (`client_intake.py`, a scripted server in its own process: "
+          f"first token {ci['setup']['ttft_s'] * 1e3:.0f} ms after arrival; {ci['setup']['num_prompts']} prompts of "
+          f"{ci['setup']['input_len']} tokens at concurrency {ci['setup']['max_concurrency']}; the first wave's "
+          "server arrival minus the client's recorded start, and the TTFT the client reports for that wave):\n")
+    print("| round | client | arrival - start mean ms | client TTFT mean ms |\n|---|---|---|---|")
+    for r in ci["runs"]:
+        print(f"| {r['round']} | {r['client']} | {r['arrival_minus_start_ms']['mean']:.1f} | "
+              f"{r['wave_client_ttft_ms']['mean']:.1f} |")
 
 
 def session16() -> None:
