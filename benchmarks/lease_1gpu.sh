@@ -67,6 +67,7 @@
 #   s17b       the async loop's batch-256 kernels; per-step cases on a zero KV pool and on a random one
 #   s17c       the decode kernel's many-program tile and the greedy bf16 argmax: GPU tests, steps and loops A/B
 #   s17d       the steady async loop at batch 256 under the profiler: kernels and idle gaps
+#   s17e       the session's GPU tests at its final engine code, in four groups
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -442,6 +443,17 @@ case $STAGE in
     grep -v " INFO " "$W/loop.txt" | grep -E "^(decode|loop)[^ ]*:|^  idle|^\||^profile|GPU busy" \
       | grep -v "async off" | cut -c1-200 | head -60
     tar czf "$OUT/s17d.tgz" -C "$OUT" s17d ;;
+  s17e)  # the session's GPU tests at its final engine code, one pytest per file group (a group's failure is its own)
+    for g in "tests/ops/test_attention_decode.py tests/engine/test_warmup.py" \
+             "tests/engine/test_cuda_graphs.py tests/engine/test_async_gpu.py" \
+             "tests/engine/test_vs_transformers.py tests/engine/test_fused_engine.py" \
+             "tests/engine/test_memory_profile.py tests/ops/test_library_prefill.py"; do
+      left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 30 ] && { echo "no time left for: $g"; break; }
+      echo "== $g"
+      timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=line $g 2>&1 \
+        | tee -a "$W/gpu_tests.txt" | grep -E "passed|failed|Error" | cut -c1-300 | tail -4
+    done
+    tar czf "$OUT/s17e.tgz" -C "$OUT" s17e ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
