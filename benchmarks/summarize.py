@@ -537,6 +537,11 @@ def session17() -> None:
     print(f"\nGPU tests in s17c (test_attention_decode, test_warmup, test_cuda_graphs, test_async_gpu): {dots} passed "
           "before the stage's 230 s limit cut the run (37 decode attention tests, the warm-up burst that compiles "
           "nothing with up to 80 decode rows, 6 of 7 graph tests); no failure before it.\n")
+    with open(B / base / "s17e/gpu_tests.txt") as f:
+        groups = [ln.strip() for ln in f if " passed" in ln or " failed" in ln]
+    print("The session's GPU tests at its final engine code (s17e, an H100: no H200 could be started then; "
+          "test_attention_decode + test_warmup, test_cuda_graphs + test_async_gpu, test_vs_transformers + "
+          "test_fused_engine, test_memory_profile + test_library_prefill): " + "; ".join(groups) + ".\n")
     c = load(f"{base}/sbs/comparison.json")
     print("Side by side with vLLM 0.22 (machine 3 after s17c, `lease_1gpu.sh sbs`: vLLM, then pdserve, on the one H200; "
           "dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both):\n")
