@@ -38,7 +38,7 @@ from tests.router.test_router_real import (
     start_router,
     stop,
 )
-from tests.server.live_server import pd_headers
+from tests.server.live_server import pd_headers, start_in_parallel
 
 pytestmark = pytest.mark.slow
 
@@ -62,17 +62,8 @@ def start_instance(role: str, transport: str, *extra: str) -> tuple[subprocess.P
 
 
 def start_all(start, specs: dict[str, tuple]) -> dict[str, tuple[subprocess.Popen, str]]:
-    """start(*spec) for every spec at once (processes start in parallel); if any fails, the others are stopped."""
-    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-        futs = {name: pool.submit(start, *spec) for name, spec in specs.items()}
-        concurrent.futures.wait(futs.values())
-    failed = [f for f in futs.values() if f.exception() is not None]
-    if failed:
-        for f in futs.values():
-            if f.exception() is None:
-                stop(f.result()[0])
-        raise failed[0].exception()
-    return {name: f.result() for name, f in futs.items()}
+    """start(*spec) for every spec at once; if any fails, the others are stopped."""
+    return start_in_parallel(start, specs, lambda started: stop(started[0]))
 
 
 class Deployment:

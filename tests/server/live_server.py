@@ -93,20 +93,25 @@ class LiveServer:
         return self.proc.returncode
 
 
-def start_servers(specs: dict[str, tuple[str, ...]]) -> dict[str, LiveServer]:
-    """LiveServer(*args) for every spec at once: the processes load their models in parallel (one start is mostly one
+def start_in_parallel(start, specs: dict[str, tuple], stop) -> dict:
+    """start(*spec) for every spec at once: the processes load their models in parallel (one start is mostly one
     process's work, so on a machine of two or more cores a set starts in little more than one's time). If any fails
-    to start, the others are stopped and its error is raised."""
+    to start, stop(result) is called on each of the others and its error is raised."""
     with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-        futs = {name: pool.submit(LiveServer, *args) for name, args in specs.items()}
+        futs = {name: pool.submit(start, *spec) for name, spec in specs.items()}
         concurrent.futures.wait(futs.values())
     failed = [f for f in futs.values() if f.exception() is not None]
     if failed:
         for f in futs.values():
             if f.exception() is None:
-                f.result().stop()
+                stop(f.result())
         raise failed[0].exception()
     return {name: f.result() for name, f in futs.items()}
+
+
+def start_servers(specs: dict[str, tuple[str, ...]]) -> dict[str, LiveServer]:
+    """LiveServer(*args) for every spec at once (start_in_parallel)."""
+    return start_in_parallel(LiveServer, specs, LiveServer.stop)
 
 
 def stop_servers(servers: list[LiveServer]) -> list[int]:
