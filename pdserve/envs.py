@@ -63,13 +63,6 @@ def skinny_config_file() -> str | None:
     return os.environ.get("PDSERVE_SKINNY_CONFIG") or None
 
 
-def tile_linear_config_file() -> str | None:
-    """`PDSERVE_TILE_LINEAR_CONFIG`: a JSON file {"N,K,R": {block_m, block_n, block_k, num_warps, num_stages, kind}}
-    of the tile linear kernel's tiles (pdserve.ops.tile_linear) for products of R or fewer rows (above the previous
-    entry's R) on CUDA: what `benchmarks/engine/bench_tile_linear.py --best-out FILE` measured best on this GPU."""
-    return os.environ.get("PDSERVE_TILE_LINEAR_CONFIG") or None
-
-
 def prefill_library() -> str:
     """`PDSERVE_PREFILL_LIBRARY`: `auto` (default) runs long prefill rows through cuDNN's fused attention where the
     GPU and torch have it (pdserve.ops.attention.library_prefill says which rows and why); `none` keeps every row

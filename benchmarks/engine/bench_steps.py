@@ -385,9 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skinny", action=argparse.BooleanOptionalAction, default=True,
                     help="few-row linear products (decode graphs of 1..16 rows) through the skinny Triton kernel "
                          "(default) or, with --no-skinny, through cuBLAS (an A/B in one lease)")
-    ap.add_argument("--tile-linear", action=argparse.BooleanOptionalAction, default=True,
-                    help="products of 17..1024 rows through the tile Triton kernel where its table names a tile "
-                         "(default) or, with --no-tile-linear, through cuBLAS (an A/B in one lease)")
     ap.add_argument("--pdl", choices=["early", "late", "off"], default="early",
                     help="programmatic dependent launch of the decode path's Triton kernels on sm_90+ "
                          "(pdserve.ops.pdl): the next kernel may launch at a kernel's start (early, the default), "
@@ -415,9 +412,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skinny:
         from pdserve.ops.linear import set_skinny
         set_skinny(False)
-    if not args.tile_linear:
-        from pdserve.ops.tile_linear import set_tile_linear
-        set_tile_linear(False)
     if not args.prefill_new_kv:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.read_new_kv = False

@@ -1,15 +1,24 @@
 """Linear products of a few hundred rows (large decode batches, small mixed steps) on this GPU: cuBLAS (torch.mm)
-against the tile Triton kernel (pdserve.ops.tile_linear) over a model's projection shapes, each against its floor
-(FLOPs at the matmul rate, the weight at the HBM copy rate, both measured in the same run).
+against a Triton tile GEMM (below) over a model's projection shapes, each against its floor (FLOPs at the matmul
+rate, the weight at the HBM copy rate, both measured in the same run).
+
+Why: at 256 rows cuBLAS tiles an [M, 4096] output with 128x128 tiles, 2 x 32 = 64 programs on a 132-SM card, and the
+o and down projections of an 8B model ran at 60-76 % of their floor (bench_gemm_rows.py, lease_s17). This kernel
+gives each program one output tile (block_m x block_n, e.g. 128x64: 128 programs) and the whole of K; program p takes
+row tile p % row_tiles of column tile p // row_tiles, so programs sharing a weight tile run together. The last row
+tile's rows past M re-read rows from the top (index mod M) instead of masking loads, and are not stored.
+
+Result (lease_s18/s18a, H200): it lost to cuBLAS at every shape and row count from 32 to 1024 rows except lm_head at
+64 rows (3.5 %); at 256 rows it took 1.23-1.53x cuBLAS's time, so pdserve's engine does not use it (it was wired in at commit eba5aa1 and
+taken out after this measurement). A competitive kernel would need TMA loads and warp specialisation.
 
 Each timing replays a CUDA graph of calls over distinct copies of the weight (together larger than L2, as the layers
 of a step are), so every call reads its weight from HBM and pays the gaps of a graph, as in a step.
 
     python benchmarks/engine/bench_tile_linear.py --model qwen3-8b,qwen3-30b-a3b --best-out tile.json --out tiles.json
 
-`--best-out` writes the table `PDSERVE_TILE_LINEAR_CONFIG` reads (and configs/tile_linear/ ships): per shape and row
-count "N,K,R" the fastest tile where it beat cuBLAS by more than --margin, else kind "cublas". Every tile written is
-first checked against torch.mm on the same operands.
+`--best-out` writes per shape and row count "N,K,R" the fastest tile where it beat cuBLAS by more than --margin, else
+kind "cublas". Every tile written is first checked against torch.mm on the same operands.
 """
 
 from __future__ import annotations
@@ -19,13 +28,82 @@ import functools
 import itertools
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from pdserve.bench.ceilings import graph_us, hbm_copy_gbps, matmul_tflops
 from pdserve.bench.record import new_record, save_json
-from pdserve.ops.tile_linear import TileConfig, tile_linear
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch shape: the output tile (block_m rows x block_n columns), K per inner step, warps, pipeline stages;
+    kind `cublas` in the written table: torch.mm measured faster for that shape and row count."""
+
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    kind: str = "tile"
+
+
+@triton.jit(do_not_specialize=["M"])  # one binary for every row count (the decode and mixed graph sizes)
+def _tile_kernel(X, W, B, Out, M, N, K, s_xm, s_wn, s_om, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % row_tiles
+    pid_n = pid // row_tiles
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + (rm % M).to(tl.int64)[:, None] * s_xm + rk[None, :]
+    w_ptrs = W + (rn % N).to(tl.int64)[:, None] * s_wn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            kmask = (k + rk) < K
+            x = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Out + rm.to(tl.int64)[:, None] * s_om + rn[None, :], acc.to(Out.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: TileConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (unit stride along K) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, on the tile kernel
+    (`config`, else TileConfig())."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"tile_linear takes x [M, K] and weight [N, K] with unit stride along K; got "
+                         f"{tuple(x.shape)} @ {tuple(weight.shape)}^T")
+    cfg = config or TileConfig()
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _tile_kernel[grid](x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0),
+                       out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
 
 PRESETS = {
     "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from pdserve import envs
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
 from pdserve.ops.pdl import pdl_args
-from pdserve.ops.tile_linear import tile_config, tile_enabled, tile_linear
 
 SKINNY_MAX_ROWS = 16  # the dot tile's row count: every M up to it shares one compiled kernel
 
@@ -220,28 +219,17 @@ def set_skinny(enabled: bool) -> bool:
     return prev
 
 
-def _gpu_16bit(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and use_fused(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_enabled and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and use_fused(x)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _enabled and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and _gpu_16bit(x, weight)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with rows <= SKINNY_MAX_ROWS of a 16-bit CUDA tensor through the skinny kernel, and a few hundred
-    rows through the tile kernel (pdserve.ops.tile_linear) where its table measured a tile faster than cuBLAS."""
-    if x.dim() == 2 and _gpu_16bit(x, weight):
-        m = x.shape[0]
-        if m <= SKINNY_MAX_ROWS:
-            if _enabled:
-                cfg = skinny_config(weight.shape[0], weight.shape[1], m, x.device)
-                if cfg.kind != "cublas":
-                    return skinny_linear(x, weight, bias, cfg)
-        elif tile_enabled():
-            tcfg = tile_config(weight.shape[0], weight.shape[1], m, x.device)
-            if tcfg.kind != "cublas":
-                return tile_linear(x, weight, bias, tcfg)
+    """F.linear, with rows <= SKINNY_MAX_ROWS of a 16-bit CUDA tensor through the skinny kernel."""
+    if use_skinny(x, weight):
+        cfg = skinny_config(weight.shape[0], weight.shape[1], x.shape[0], x.device)
+        if cfg.kind != "cublas":
+            return skinny_linear(x, weight, bias, cfg)
     return F.linear(x, weight, bias)
