@@ -12,7 +12,7 @@
 # <name>_<in>x<out>_c<conc>_pdclient.json), CLIENT_ROUNDS (k > 1: the clients alternate k times, rounds after the
 # first written as <name>_<in>x<out>_c<conc>_r<k>[_pdclient].json, so run-to-run drift is measured beside the clients'
 # difference), DETAILED=1 (both clients keep per-request start times and TTFTs: compact_detail.py), SERVERS (with
-# SINGLE_GPU=1: "vllm" or "pdserve" alone), PDCLIENT_ARGS (extra flags for pdserve's client, e.g. --trust-env), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), WORKLOADS
+# SINGLE_GPU=1: "vllm" or "pdserve" alone), PDCLIENT_ARGS (extra flags for pdserve's client, e.g. --trust-env), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), SAME_SEED (1: every round's prompts seed 0), WORKLOADS
 # ("in:out:prompts:concurrency ...", default "1024:1024:512:256 8192:16:16:1 32768:16:8:1").
 # Each server's start-up time (launch -> first completion answered) and KV capacity (tokens, from its log) are
 # written to $OUT/<name>_server.json; each workload to $OUT/<name>_<in>x<out>_c<conc>.json (vLLM's format).
@@ -100,25 +100,30 @@ gpus_idle() {  # up to 60 s for every GPU's memory to be given back (the next se
   echo "GPU memory still in use after 60 s:"; nvidia-smi --query-gpu=index,memory.used --format=csv
 }
 bench() {  # NAME PORT: every workload, vLLM's client; with CLIENTS="vllm pdserve" also pdserve's, CLIENT_ROUNDS times
-  local w i o n c f r rf
+  local w i o n c rate f r rf load seed
   for w in $WORKLOADS; do
-    IFS=: read i o n c <<< "$w"; f=$1_${i}x${o}_c$c
+    IFS=: read i o n c rate <<< "$w"; f=$1_${i}x${o}_c$c
+    # c 0: no concurrency limit; a fifth field: Poisson arrivals at that many requests/s (<name>_..._c0_rate<R>)
+    load=""; [ "$c" -gt 0 ] && load="--max-concurrency $c"
+    [ -n "${rate:-}" ] && { load="$load --request-rate $rate"; f=${f}_rate$rate; }
     for r in $(seq ${CLIENT_ROUNDS:-1}); do
       rf=$f; [ $r -gt 1 ] && rf=${f}_r$r  # rounds after the first: <name>_r<k>[_pdclient].json, in ABAB order
       # each round its own prompts (--seed): a round repeating the last one's prompts is served from the prefix
-      # cache (session 14: TTFT 34-66 ms in round 2 against 216-258 ms in round 1)
+      # cache (session 14: TTFT 34-66 ms in round 2 against 216-258 ms in round 1). SAME_SEED=1 (servers started
+      # without prefix caching): every round, both clients, the same prompts and arrival times
+      seed=$(( r - 1 )); [ "${SAME_SEED:-0}" = 1 ] && seed=0
       timeout 600 $V bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME --tokenizer $M \
-        --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
+        --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n $load \
         --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
-        --seed $(( r - 1 )) --save-result $([ $c -le 4 ] || [ "${DETAILED:-0}" = 1 ] && echo --save-detailed) --result-dir $OUT \
+        --seed $seed --save-result $({ [ $c -ge 1 ] && [ $c -le 4 ]; } || [ "${DETAILED:-0}" = 1 ] && echo --save-detailed) --result-dir $OUT \
         --result-filename $rf.json > $OUT/$rf.txt 2>&1  # per-request ITLs at low concurrency: a mean TPOT below the mean ITL means chunks of several tokens
-      [ "${DETAILED:-0}" = 1 ] && [ $c -gt 4 ] && python3 benchmarks/vs_vllm/compact_detail.py $OUT/$rf.json
+      [ "${DETAILED:-0}" = 1 ] && { [ $c -gt 4 ] || [ $c = 0 ]; } && python3 benchmarks/vs_vllm/compact_detail.py $OUT/$rf.json
       python3 benchmarks/vs_vllm/compare.py --line $OUT/$rf.json
       if [[ " ${CLIENTS:-vllm} " == *" pdserve "* ]]; then  # the same workload again, measured by pdserve's client
         timeout 600 env -u PYTHONPATH pdserve bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME \
           --tokenizer $M --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n \
-          --max-concurrency $c --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
-          --num-warmups 2 --seed $(( r - 1 )) --disable-tqdm --no-plots --save-result $([ "${DETAILED:-0}" = 1 ] && echo --save-detailed) \
+          $load --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+          --num-warmups 2 --seed $seed --disable-tqdm --no-plots --save-result $([ "${DETAILED:-0}" = 1 ] && echo --save-detailed) \
           --result-dir $OUT --result-filename ${rf}_pdclient.json ${PDCLIENT_ARGS:-} > $OUT/${rf}_pdclient.txt 2>&1
         [ "${DETAILED:-0}" = 1 ] && python3 benchmarks/vs_vllm/compact_detail.py $OUT/${rf}_pdclient.json
         rm -f $OUT/${rf}_pdclient.pdserve.json  # the per-request record (15 MB at 512 requests); the summary stays
