@@ -9,7 +9,7 @@ header (both clients send `<prefix><i>`; the initial test and warm-up requests c
 Clients:
   vllm       a replica of vLLM 0.22's `benchmark()` loop (vllm/benchmarks/serve.py) under plain asyncio.run,
              calling vLLM's own `async_request_openai_completions` loaded by path from the vLLM source
-  pd-uvloop  `pdserve bench serve` (pdserve.bench.cli.main) with uvloop importable
+  pd-uvloop  `pdserve bench serve --no-trust-env` (pdserve.bench.cli.main) with uvloop importable
   pd-asyncio the same with sys.modules["uvloop"] = None, so it runs on plain asyncio
 
 Both clients send the same 512 prompts of 1024 tokens (pdserve.bench.datasets.random_dataset, seed 0, with the
@@ -22,6 +22,12 @@ pick them with --clients.
 
 Run (about 1.5 minutes for the 6 default runs on a 2-core machine; uvloop must be importable for pd-uvloop):
   python benchmarks/vs_vllm/client_intake.py --out benchmarks/lease_s11/client_intake
+
+Poisson arrivals instead of a burst (--request-rate; both clients draw the same arrival times from seed 0), e.g. the
+load of lease_s18's client rounds (1024 in, 256 out at 16 requests/s), with the fake server's TTFT and token gap near
+what the H200 served:
+  python benchmarks/vs_vllm/client_intake.py --request-rate 16 --num-prompts 320 --output-len 256 --ttft 0.06 \
+    --itl 0.011 --max-concurrency 1000 --wave 320 --clients vllm,pd-asyncio --out benchmarks/lease_s18/client_poisson
 """
 
 from __future__ import annotations
@@ -218,9 +224,12 @@ def run_vllm_client(args) -> int:
     # main_async: freeze_gc_heap() right before benchmark()
     gc.collect(0), gc.collect(1), gc.collect(2)
     gc.freeze()
+    import numpy as np
+
+    np.random.seed(0)  # vLLM's main seeds numpy's global generator with --seed (0), which get_request draws from
     t0, dur, outputs = asyncio.run(vllm_benchmark(
         m, f"{args.base_url}/v1/completions", args.base_url, MODEL, None, reqs, args.num_warmups,
-        args.max_concurrency, ignore_eos=True, **VLLM_VARIANTS[args.client]))
+        args.max_concurrency, ignore_eos=True, request_rate=args.request_rate, **VLLM_VARIANTS[args.client]))
     out = {"client": args.client, "loop": "asyncio", "t0": t0, "duration": dur, "requests": [
         {"request_id": r["request_id"], "start": o.start_time, "ttft": o.ttft if o.success else None,
          "success": o.success, "error": o.error[-300:] if o.error else None}
@@ -254,9 +263,10 @@ def run_pdserve_client(args) -> int:
             "--tokenizer", args.tokenizer, "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--num-warmups", str(args.num_warmups),
-            "--request-id-prefix", args.prefix, "--disable-tqdm", "--no-plots"]
-    if args.client.endswith("-trustenv"):
-        argv.append("--trust-env")
+            "--request-id-prefix", args.prefix, "--disable-tqdm", "--no-plots", "--seed", "0",
+            "--request-rate", str(args.request_rate)]
+    # trust_env explicit either way (pdserve's default turned on in session 18; these runs compare it on and off)
+    argv.append("--trust-env" if args.client.endswith("-trustenv") else "--no-trust-env")
     rc = main(argv)
     lr = captured["lr"]
     out = {"client": args.client, "loop": captured["loop"], "t0": lr.t0,
@@ -375,7 +385,8 @@ def one_run(args, client: str, rnd: int, out_dir: Path) -> dict:
 def common_argv(args) -> list[str]:
     return ["--tokenizer", args.tokenizer, "--vllm-root", args.vllm_root, "--num-prompts", str(args.num_prompts),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--max-concurrency", str(args.max_concurrency), "--num-warmups", str(args.num_warmups)]
+            "--max-concurrency", str(args.max_concurrency), "--num-warmups", str(args.num_warmups),
+            "--request-rate", str(args.request_rate)]
 
 
 def fmt_row(r: dict) -> str:
@@ -411,7 +422,7 @@ def orchestrate(args) -> int:
             print(fmt_row(r), flush=True)
             time.sleep(args.pause)
     summary = {
-        "setup": {"ttft_s": args.ttft, "itl_s": args.itl, "output_len": args.output_len, "input_len": args.input_len,
+        "setup": {"ttft_s": args.ttft, "itl_s": args.itl, "request_rate": args.request_rate, "output_len": args.output_len, "input_len": args.input_len,
                   "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                   "num_warmups": args.num_warmups, "wave": args.wave, "rounds": args.rounds,
                   "python": sys.version.split()[0], "cpus": os.cpu_count(), "total_wall_s": time.time() - t_all},
@@ -437,6 +448,8 @@ def main() -> int:
         q.add_argument("--output-len", type=int, default=64)
         q.add_argument("--max-concurrency", type=int, default=256)
         q.add_argument("--num-warmups", type=int, default=2)
+        q.add_argument("--request-rate", type=float, default=float("inf"),
+                       help="Poisson arrivals at this many requests/s (both clients seed 0), else all at once")
 
     s = sub.add_parser("_server")
     s.add_argument("--ttft", type=float, required=True)

@@ -86,9 +86,11 @@ class EndpointConfig:
     api_key: str | None = None
     # aiohttp's trust_env, which vLLM's `bench serve` sets: proxies from HTTP(S)_PROXY/NO_PROXY and credentials from
     # .netrc, looked up per request. aiohttp 3.14 does both lookups in the default thread pool, so 256 requests
-    # started at once reach the server ~200 ms later than without it (benchmarks/lease_s11/client_intake) and every
-    # TTFT includes that wait. Off by default: the time measured is the server's.
-    trust_env: bool = False
+    # started at once reach the server ~200 ms later than without it (benchmarks/lease_s11/client_intake), and at 16
+    # Poisson requests/s each request ~2-5 ms later (lease_s18/client_poisson); every TTFT includes that wait. On by
+    # default, as vLLM's client has it: the environment's proxies are honoured and the two clients read the same TTFT
+    # (lease_s18); off (--no-trust-env), the TTFT is closer to the server's own.
+    trust_env: bool = True
 
     def __post_init__(self) -> None:
         if self.endpoint not in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT):

@@ -240,9 +240,10 @@ def test_client_capacity_against_the_zero_work_endpoint():
     assert capacity_warning(far, cap) is None
 
 
-def test_trust_env_sends_through_the_environment_proxy_only_when_asked(tmp_path, word_tokenizer_dir, monkeypatch,
+def test_environment_proxy_is_honoured_unless_no_trust_env(tmp_path, word_tokenizer_dir, monkeypatch,
                                                                         capsys):
-    """--trust-env (vLLM's aiohttp setting) takes HTTP_PROXY from the environment; without it the proxy is ignored.
+    """By default (aiohttp's trust_env, as vLLM's client has it) HTTP_PROXY from the environment is honoured; with
+    --no-trust-env it is ignored.
     The base URL is a closed port: only a request that went through the proxy (the fake server) can succeed."""
     for var in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
@@ -252,9 +253,9 @@ def test_trust_env_sends_through_the_environment_proxy_only_when_asked(tmp_path,
     with FakeServer(Script(ttft_s=0.005, itl_s=0.001)) as srv:
         monkeypatch.setenv("HTTP_PROXY", srv.url)
         monkeypatch.setenv("http_proxy", srv.url)
-        assert main([*argv, "--trust-env", "--result-filename", "proxied.json"]) == 0
+        assert main([*argv, "--result-filename", "proxied.json"]) == 0
         assert len(srv.records) == 3
-        assert main([*argv, "--result-filename", "direct.json"]) == 0
+        assert main([*argv, "--no-trust-env", "--result-filename", "direct.json"]) == 0
         assert len(srv.records) == 3  # nothing more reached the proxy
     capsys.readouterr()
     assert json.loads((tmp_path / "proxied.json").read_text())["completed"] == 3
