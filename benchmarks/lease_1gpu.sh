@@ -69,6 +69,8 @@
 #   s17d       the steady async loop at batch 256 under the profiler: kernels and idle gaps
 #   s17e       the session's GPU tests at its final engine code, in four groups
 #   s18a       a Triton tile GEMM against cuBLAS at 32..1024 rows (it lost; not in the engine)
+#   s18b       the warm-up's mixed step of the many-program decode tile with several splits: GPU tests, a server at 16
+#              Poisson requests/s (pdserve's client, twice), the kernels it compiled while serving
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -463,6 +465,29 @@ case $STAGE in
       > "$W/tile_linear.txt" 2>&1
     grep -E "rows +(64|128|256|512):|step|^ceil|precomp|Error" "$W/tile_linear.txt" | cut -c1-230
     tar czf "$OUT/s18a.tgz" -C "$OUT" s18a ;;
+  s18b)  # the warm-up's mixed step of the many-program decode tile with several splits: the GPU tests of the decode
+    # kernel and the warm-up (a prompt arriving beside 1, 2, 5, 10 decoding requests compiles nothing); then a server
+    # as lease_s18's client rounds ran it, pdserve's client at 16 Poisson requests/s twice, and what it compiled
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -8
+    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name qwen3-dummy --port 8200 --no-enable-prefix-caching > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 150); do
+      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break; sleep 1
+    done
+    grep -h "warm-up:" "$W/server.log" | cut -c1-200
+    for r in 1 2; do
+      timeout 120 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy --tokenizer $M \
+        --dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 320 --request-rate 16 \
+        --ignore-eos --num-warmups 2 --seed 0 --disable-tqdm --no-plots --save-result --result-dir "$W" \
+        --result-filename "poisson_r$r.json" > "$W/poisson_r$r.txt" 2>&1
+      python3 benchmarks/vs_vllm/compare.py --line "$W/poisson_r$r.json"
+    done
+    echo "kernels compiled while serving: $(grep -c 'compiled a kernel while serving' "$W/server.log")"
+    grep "compiled a kernel while serving" "$W/server.log" | cut -c25-400 | head -5
+    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"; rm -f "$W"/*.pdserve.json
+    tar czf "$OUT/s18b.tgz" -C "$OUT" s18b ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

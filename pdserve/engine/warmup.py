@@ -14,7 +14,8 @@ The requests, each group submitted at once and run to its end (`warmup_plan`):
   - a prompt longer than a step's token budget, chunked over steps that read its paged prefix, beside short
     prompts of odd lengths that finish their prefill first and decode in the long one's mixed steps, some of them
     sampled (temperature, top-p/top-k, penalties, logprobs) rather than greedy; four such groups, with 3, 7, 12
-    and 40 short prompts (MIXED_ROWS: each count of rows takes another decode-kernel variant);
+    and 40 short prompts (MIXED_ROWS: each count of rows takes another decode-kernel variant), and one more where the
+    GPU's many-program tile is taken with several splits at fewer rows (decode.many_program_split_rows);
   - three short prompts alone (SHORT_ONLY), a 1-token one among them: a mixed step of few rows, all shorter than
     one decode split's least keys (one split); then nine (SHORT_MANY), the many-row tile with one split.
 
@@ -71,10 +72,11 @@ def _sampled(max_tokens: int, i: int) -> SamplingParams:
 
 
 def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int,
-                capacity_tokens: int, many_rows: int = 0) -> list[list[WarmupRequest]]:
+                capacity_tokens: int, many_rows: int = 0, many_split_rows: int = 0) -> list[list[WarmupRequest]]:
     """Groups of requests, each group submitted at once; every prompt fits the model's length with its output, and
     every group fits the pool. `many_rows` (0: none): a mixed step of that many rows, from which the decode kernel
-    takes its many-program tile (decode.many_program_rows)."""
+    takes its many-program tile (decode.many_program_rows); `many_split_rows` (0: none): mixed steps of that many
+    rows beside the long prompt, where it takes that tile with several splits (decode.many_program_split_rows)."""
     out_tokens = 4
     longest = max_model_len - out_tokens
     groups: list[list[WarmupRequest]] = []
@@ -88,7 +90,8 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
                  for i in range(many_rows - 1)]
         groups.append(group + [WarmupRequest(long_len, _greedy(out_tokens))])
     shorts = [x for x in SHORT_LENGTHS if x <= longest]
-    for rows in MIXED_ROWS:
+    extra = (many_split_rows - 1,) if many_split_rows > 1 and many_split_rows - 1 not in MIXED_ROWS else ()
+    for rows in MIXED_ROWS + extra:
         mixed = [WarmupRequest(long_len, _greedy(out_tokens))]
         for i in range(rows if shorts else 0):
             n = shorts[i % len(shorts)]
@@ -114,9 +117,10 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
 def warm_up(core: EngineCore) -> dict:
     """Run the warm-up requests through `core`; returns what ran (requests, steps, seconds)."""
     cfg = core.config
-    many = many_program_rows(core)
+    many, many_split = many_program_steps(core)
     plan = warmup_plan(cfg.max_num_batched_tokens, core.max_model_len, cfg.block_size,
-                       core.kv.pool.num_blocks * cfg.block_size, many if many <= cfg.max_num_seqs else 0)
+                       core.kv.pool.num_blocks * cfg.block_size, many if many <= cfg.max_num_seqs else 0,
+                       many_split if many_split <= cfg.max_num_seqs else 0)
     gen = torch.Generator().manual_seed(cfg.seed)
     vocab = int(core.hf_config.vocab_size)
     t0, steps, count = time.time(), 0, 0
@@ -146,9 +150,10 @@ def warm_up(core: EngineCore) -> dict:
     return done
 
 
-def many_program_rows(core: EngineCore) -> int:
+def many_program_steps(core: EngineCore) -> tuple[int, int]:
     """Rows of a step from which the Triton decode kernel takes its many-program tile on this engine's GPU, for one
-    rank's KV heads; 0 where that tile is not used (other backends, fp8 pools, CPU)."""
+    rank's KV heads, and the fewest rows beside the warm-up's long prompt that take it with several splits; (0, 0)
+    where that tile is not used (other backends, fp8 pools, CPU)."""
     from pdserve.engine.runner import kv_cache_torch_dtype
     from pdserve.ops.attention import decode
     from pdserve.parallel.ranges import local_kv_heads
@@ -156,9 +161,11 @@ def many_program_rows(core: EngineCore) -> int:
     kv_dtype = kv_cache_torch_dtype(core.config.kv_cache_dtype, core.dtype)
     if (core.device.type != "cuda" or core.config.attention_backend not in ("auto", "triton")
             or decode.MANY_PROGRAMS_TILE is None or kv_dtype not in (torch.bfloat16, torch.float16)):
-        return 0
+        return 0, 0
     hk = local_kv_heads(core.hf_config.num_key_value_heads, core.config.tensor_parallel_size)
-    return decode.many_program_rows(hk, core.device)
+    long_len = min(2 * core.config.max_num_batched_tokens + 17, core.max_model_len)
+    return (decode.many_program_rows(hk, core.device),
+            decode.many_program_split_rows(hk, long_len, core.device))
 
 
 def warm_library(worker, max_tokens: int, max_model_len: int) -> int:

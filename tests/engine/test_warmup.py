@@ -44,6 +44,19 @@ def test_plan_has_a_mixed_step_of_the_many_program_rows_when_asked():
     assert plan[-len(MIXED_ROWS) - 2:] == plain[-len(MIXED_ROWS) - 2:]
 
 
+def test_plan_has_a_mixed_step_of_the_many_split_rows_when_asked():
+    """many_split_rows rows: the long prompt and that many minus one shorts decoding beside its chunks."""
+    plain = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6)
+    plan = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6,
+                       many_split_rows=2)
+    extra = [g for g in plan if g not in plain]
+    assert len(plan) == len(plain) + 1 and len(extra) == 1
+    assert [r.prompt_len for r in extra[0]] == [2 * 8192 + 17, 1]
+    same = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6,
+                       many_split_rows=MIXED_ROWS[0] + 1)  # a row count the plan has already
+    assert same == plain
+
+
 @pytest.mark.parametrize("max_model_len,capacity", [(64, 10**6), (40960, 600), (40960, 40)])
 def test_plan_fits_the_model_length_and_the_pool(max_model_len, capacity):
     plan = warmup_plan(max_num_batched_tokens=256, max_model_len=max_model_len, block_size=16,
@@ -116,6 +129,16 @@ def test_a_burst_after_the_warm_up_compiles_nothing():
         core.add_request("arrives", list(range(1, 1200)), SamplingParams(max_tokens=4, temperature=0.0))
         while core.has_work():
             core.step()
+        for n in (1, 2, 5, 10):  # a prompt arriving beside n requests decoding at ~800 keys: with 5 and 10 on an
+            # H200, rows x KV heads x splits reach the many-program tile with several splits (lease_s18 compiled it)
+            for i in range(n):
+                core.add_request(f"beside-{n}-{i}", [7 + i] * 800,
+                                 SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            for _ in range(3):
+                core.step()
+            core.add_request(f"arrives-{n}", list(range(1, 1200)), SamplingParams(max_tokens=4, temperature=0.0))
+            while core.has_work():
+                core.step()
         for wave in ((1, 9, 60), (1, 9, 60, 2, 30, 1, 17, 44, 5, 1, 3, 25)):  # few rows, then many: one split
             for i, n in enumerate(wave):
                 core.add_request(f"short-{len(wave)}-{i}", [11] * n,

@@ -69,6 +69,27 @@ def test_many_programs_take_the_many_program_tile():
     assert D.many_program_rows(2, cpu) == 16
 
 
+def test_many_program_split_rows_is_the_fewest_rows_taking_that_tile_with_splits():
+    cpu = torch.device("cpu")  # 32 programs are the waves on the interpreter's 8 SMs
+    waves = D.num_sms(cpu) * D.MANY_PROGRAM_WAVES
+    for hk, seq in ((2, 4096), (8, 4096), (3, 4096), (2, 100)):
+        rows = D.many_program_split_rows(hk, seq, cpu)
+        takes = [r for r in range(2, D.many_program_rows(hk, cpu))
+                 if (s := D.decode_splits(r, hk, seq, None, cpu)) > 1 and r * hk * s >= waves
+                 and D.decode_tile(64, torch.float16, False, r, r * hk * s, cpu) == D.MANY_PROGRAMS_TILE]
+        assert rows == (takes[0] if takes else 0), (hk, seq, rows, takes)
+    assert D.many_program_split_rows(2, 4096, cpu) == 2  # 2 rows x 2 heads x 8 splits
+    assert D.many_program_split_rows(8, 64, cpu) == 0  # 64 keys: one split at any row count
+    # Qwen3-8B's 8 KV heads on a 132-SM H200: 2 rows of a 16k prompt's chunks take 33 splits (528 programs)
+    prev = D.num_sms
+    try:
+        D.num_sms = lambda device: 132
+        assert D.many_program_split_rows(8, 2 * 8192 + 17, cpu) == 2
+        assert D.decode_splits(6, 8, 1024, None, cpu) * 6 * 8 == 528  # 6 rows of 1k: the variant lease_s18 compiled
+    finally:
+        D.num_sms = prev
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_decode_of_many_rows_matches_reference(mixed):
     """16 rows x 2 KV heads, one split: the many-program tile (64 keys, 3 stages) on the interpreter's 8 SMs."""

@@ -181,6 +181,21 @@ def many_program_rows(num_kv_heads: int, device: torch.device) -> int:
     return triton.cdiv(MANY_PROGRAM_WAVES * num_sms(device), max(1, num_kv_heads))
 
 
+def many_program_split_rows(num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """The fewest rows (2 or more, below many_program_rows) whose step at `max_seq_len` keys takes MANY_PROGRAMS_TILE
+    with several splits (rows x KV heads x splits reach the waves: on an H200 with 8 KV heads, 2 rows of 2112+ keys
+    take 33 splits, 6 rows of 704+ take 11); 0 where none does. The warm-up runs a mixed step of that many rows: a
+    prompt arriving beside 5 decoding requests compiled it while serving (lease_s18)."""
+    if MANY_PROGRAMS_TILE is None:
+        return 0
+    waves = MANY_PROGRAM_WAVES * num_sms(device)
+    for rows in range(2, many_program_rows(num_kv_heads, device)):
+        splits = decode_splits(rows, num_kv_heads, max_seq_len, None, device)
+        if splits > 1 and rows * num_kv_heads * splits >= waves:
+            return rows
+    return 0
+
+
 def decode_tile(head_dim: int, dtype: torch.dtype, fp8: bool, num_rows: int = 8, num_programs: int = 0,
                 device: torch.device | None = None) -> tuple[int, int, int]:
     """(keys per step, warps, stages) for a launch of `num_programs` programs (rows x KV heads x splits)."""
