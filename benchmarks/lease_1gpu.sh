@@ -480,7 +480,8 @@ case $STAGE in
     for r in 1 2; do
       timeout 120 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy --tokenizer $M \
         --dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 320 --request-rate 16 \
-        --ignore-eos --num-warmups 2 --seed 0 --disable-tqdm --no-plots --save-result --result-dir "$W" \
+        --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 --seed 0 \
+        --disable-tqdm --no-plots --save-result --result-dir "$W" \
         --result-filename "poisson_r$r.json" > "$W/poisson_r$r.txt" 2>&1
       python3 benchmarks/vs_vllm/compare.py --line "$W/poisson_r$r.json"
     done

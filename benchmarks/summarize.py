@@ -477,6 +477,120 @@ def _kernel_groups(prof: dict) -> list[tuple[str, float, float]]:
     return sorted(((k, c, us) for k, (c, us) in groups.items()), key=lambda x: -x[2])
 
 
+def _compare_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vs_vllm_compare", B / "vs_vllm" / "compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _paired_ttft(folder: str, run: str, rounds: int) -> list[tuple[int, float, float, float]]:
+    """Per round: the clients' request start offsets (median |difference|, ms) and per-request TTFT differences
+    (pdserve's client - vLLM's, median and mean ms), requests paired by index (same prompts and arrival times)."""
+    import statistics as st
+
+    out = []
+    for k in range(1, rounds + 1):
+        r = "" if k == 1 else f"_r{k}"
+        v, p = load(f"{folder}/{run}{r}.json"), load(f"{folder}/{run}{r}_pdclient.json")
+        vs = [t - v["start_times"][0] for t in v["start_times"]]
+        ps = [t - p["start_times"][0] for t in p["start_times"]]
+        d = [(b - a) * 1e3 for a, b in zip(v["ttfts"], p["ttfts"])]
+        out.append((k, st.median(abs(b - a) for a, b in zip(vs, ps)) * 1e3, st.median(d), st.mean(d)))
+    return out
+
+
+def session18() -> None:
+    """Session 18 (H200s): a Triton tile GEMM against cuBLAS at 32..1024 rows; the two clients at a Poisson load
+    with the same prompts and arrival times, trust_env off and on; the client's send path on a scripted server; the
+    warm-up's many-program split variant."""
+    base = "lease_s18"
+    d = load(f"{base}/s18a/tile_linear.json.gz")
+    c = d["ceilings"]
+    print(f"A Triton tile GEMM (one output tile per program, the whole of K) against cuBLAS (s18a, machine 1, "
+          f"`bench_tile_linear.py`, 31 tiles; graphs over weight copies larger than L2; same run's ceilings: HBM copy "
+          f"{c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s), the best tile per "
+          "shape at 64, 256 and 1024 rows:\n")
+    print("| model | projection | rows | floor us | cuBLAS us (of floor) | best tile us (of floor) | tile / cuBLAS |"
+          "\n|---|---|---|---|---|---|---|")
+    res = d["results"]
+    for r in res:
+        if r["impl"] != "cublas" or r["rows"] not in (64, 256, 1024):
+            continue
+        tiles = [t for t in res if t["model"] == r["model"] and t["shape"] == r["shape"] and t["rows"] == r["rows"]
+                 and t["impl"] != "cublas" and "us" in t]
+        b = min(tiles, key=lambda t: t["us"])
+        print(f"| {r['model']} | {r['shape']} {r['n']}x{r['k']} | {r['rows']} | {r['floor_us']:.1f} | "
+              f"{r['us']:.1f} ({r['of_floor']:.0%}) | {b['us']:.1f} ({b['of_floor']:.0%}) | {b['us'] / r['us']:.2f} |")
+    won = [k for k, v in d["table"].items() if not k.startswith("_") and v["kind"] != "cublas"]
+    print(f"\nThe table it wrote names a tile for {len(won)} of {sum(1 for k in d['table'] if not k.startswith('_'))} "
+          f"(shape, rows) entries ({', '.join(won)}); the engine keeps cuBLAS. Steps with that table and without "
+          "(order new, old, new, old; the loop through `EngineCore.step`, async):\n")
+    runs = [(v, load(f"{base}/s18a/steps_{v}.json")) for v in ("new1", "old1", "new2", "old2")]
+    print("| step | " + " | ".join(f"{v} ms (of floor)" for v, _ in runs) + " |\n|---|" + "---|" * len(runs))
+    for i, r0 in enumerate(runs[0][1]["results"]):
+        print(f"| {r0['case']} | " + " | ".join(
+            f"{x['results'][i]['step_ms_median']:.2f} ({x['results'][i]['fraction_of_floor']:.0%})" for _, x in runs)
+            + " |")
+    for i, l0 in enumerate(runs[0][1]["loops"]):
+        if l0["async"]:
+            print(f"| {l0['case']} steady ({l0['rows_per_step']:.0f} rows at {l0['mean_context']:.0f}) | " + " | ".join(
+                f"{x['loops'][i]['step_ms']:.2f} ({x['loops'][i]['fraction_of_floor']:.0%})" for _, x in runs) + " |")
+    cmp = _compare_module()
+    run = "{srv}_single_1024x256_c0_rate16"
+    print("\nThe two clients back to back on each server, 1024 in / 256 out, 320 prompts at 16 Poisson requests/s, "
+          "both servers without prefix caching and every run with seed 0 (the same prompts and arrival times; "
+          "`SAME_SEED=1`, side_by_side.sh). Ratios are pdserve's client / vLLM's, of the means over the rounds:\n")
+    print("| pdserve's client | server | rounds | output tok/s | mean TTFT | mean TPOT | vLLM's client's mean TTFT by "
+          "round, ms | pdserve's client's, ms |\n|---|---|---|---|---|---|---|---|")
+    for label, folder, srv in (("trust_env off (machine 2)", f"{base}/sbs_poisson", "vllm"),
+                               ("trust_env off (machine 2)", f"{base}/sbs_poisson", "pdserve"),
+                               ("trust_env on, the new default (machine 3)", f"{base}/sbs_poisson_trustenv/vllm_server",
+                                "vllm"),
+                               ("trust_env on, the new default (machine 3)",
+                                f"{base}/sbs_poisson_trustenv/pdserve_server", "pdserve")):
+        rows = [r for r in cmp.client_rounds(B / folder) if r["run"] == run.format(srv=srv)]
+        m = rows[0]["metrics"]
+        print(f"| {label} | {srv} | {rows[0]['rounds']} | {m['output_throughput']['ratio_of_means']:.3f} | "
+              f"{m['mean_ttft_ms']['ratio_of_means']:.3f} | {m['mean_tpot_ms']['ratio_of_means']:.3f} | "
+              f"{', '.join(f'{x:.1f}' for x in m['mean_ttft_ms']['vllm_client'])} | "
+              f"{', '.join(f'{x:.1f}' for x in m['mean_ttft_ms']['pdserve_client'])} |")
+    print("\nRequests paired by index (trust_env off, machine 2): the clients' send times and each request's TTFT "
+          "difference (pdserve's client - vLLM's):\n")
+    print("| server | round | median \\|start difference\\| ms | TTFT difference median ms | mean ms |\n|---|---|---|---|---|")
+    for srv in ("vllm", "pdserve"):
+        for k, ds, med, mean in _paired_ttft(f"{base}/sbs_poisson", run.format(srv=srv), 2):
+            print(f"| {srv} | {k} | {ds:.2f} | {med:.2f} | {mean:.2f} |")
+    cp = load(f"{base}/client_poisson/summary.json")
+    su = cp["setup"]
+    print(f"\nThe send path on a scripted server (`client_intake.py --request-rate {su['request_rate']:g}`, this 2-core "
+          f"CPU machine: {su['num_prompts']} prompts, first token {su['ttft_s'] * 1e3:.0f} ms after the request "
+          f"arrives, then one every {su['itl_s'] * 1e3:.0f} ms; arrival = when the server's handler started, on the "
+          "clients' clock):\n")
+    print("| round | client | arrival - send, mean ms | p90 ms | client TTFT mean ms | TTFT - (first chunk sent - send) "
+          "mean ms |\n|---|---|---|---|---|---|")
+    for r in cp["runs"]:
+        a = r["arrival_minus_start_ms"]
+        print(f"| {r['round']} | {r['client']} | {a['mean']:.1f} | {a['p90']:.1f} | "
+              f"{r['wave_client_ttft_ms']['mean']:.1f} | {r['wave_ttft_minus_truth_ms']['mean']:.2f} |")
+    print("\nvllm and pd-asyncio-trustenv have aiohttp's trust_env on; vllm-notrustenv and pd-asyncio off.")
+    with open(B / base / "s18b/gpu_tests.txt") as f:
+        tail = [x for x in f.read().splitlines() if "passed" in x or "failed" in x]
+    print(f"\nThe warm-up's new mixed step (s18b, machine 4): GPU tests of the decode kernel and the warm-up: "
+          f"{tail[-1].strip() if tail else 'no summary line'}.", end=" ")
+    log = gzip.decompress((B / base / "s18b/server.log.gz").read_bytes()).decode()
+    n = log.count("compiled a kernel while serving")
+    print(f"A server then served two runs of the Poisson load above (pdserve's client) and compiled {n} kernels "
+          "while serving; the two pdserve servers of the runs above (machines 2 and 3) had each compiled one (the decode "
+          "kernel's many-program tile with several splits, in a mixed step):\n")
+    print("| run | output tok/s | mean TTFT ms | mean TPOT ms |\n|---|---|---|---|")
+    for k in (1, 2):
+        x = load(f"{base}/s18b/poisson_r{k}.json")
+        print(f"| {k} | {x['output_throughput']:.1f} | {x['mean_ttft_ms']:.1f} | {x['mean_tpot_ms']:.2f} |")
+
+
 def session17() -> None:
     """Session 17 (one H200 at a time, three machines): where a batch-256 decode step goes, the steady decode loop
     measured right, the decode kernel's many-program tile, the greedy argmax on bf16 logits, the side by side."""
@@ -1146,6 +1260,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session18()
+    print()
     session17()
     print()
     session16()

@@ -16,11 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULT = re.compile(r"^(vllm|pdserve)_(\w+?)_(\d+)x(\d+)_c(\d+)\.json$")
+RESULT = re.compile(r"^(vllm|pdserve)_(\w+?)_(\d+)x(\d+)_c(\d+)((?:_rate[\d.]+)?)\.json$")  # _rate<R>: Poisson
 SERVER = re.compile(r"^(vllm|pdserve)_(\w+)_server\.json$")
-CLIENT = re.compile(r"^((?:vllm|pdserve)_\w+?_\d+x\d+_c\d+)_pdclient\.json$")  # pdserve's client, same server and workload
+CLIENT = re.compile(r"^((?:vllm|pdserve)_\w+?_\d+x\d+_c\d+(?:_rate[\d.]+)?)_pdclient\.json$")  # pdserve's client, same server and workload
 # any client's file of any round: <run>[_r<k>][_pdclient].json
-ROUND = re.compile(r"^((?:vllm|pdserve)_\w+?_\d+x\d+_c\d+)(?:_r(\d+))?(_pdclient)?\.json$")
+ROUND = re.compile(r"^((?:vllm|pdserve)_\w+?_\d+x\d+_c\d+(?:_rate[\d.]+)?)(?:_r(\d+))?(_pdclient)?\.json$")
 CLIENT_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
                   "request_throughput")
 METRICS = ("output_throughput", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_itl_ms",
@@ -62,9 +62,9 @@ def compare(folder: Path) -> dict:
         m = RESULT.match(f.name)
         if not m:
             continue
-        engine, mode, i, o, c = m.groups()
+        engine, mode, i, o, c, rate = m.groups()
         d = json.loads(f.read_text())
-        key = (mode, f"{i}x{o}_c{c}")
+        key = (mode, f"{i}x{o}_c{c}{rate}")
         runs.setdefault(key, {})[engine] = {k: d.get(k) for k in METRICS} | {
             "completed": d.get("completed"), "failed": d.get("failed"), "file": f.name}
     servers: dict[str, dict] = {}
