@@ -71,6 +71,7 @@
 #   s18a       a Triton tile GEMM against cuBLAS at 32..1024 rows (it lost; not in the engine)
 #   s18b       the warm-up's mixed step of the many-program decode tile with several splits: GPU tests, a server at 16
 #              Poisson requests/s (pdserve's client, twice), the kernels it compiled while serving
+#   s18c       cuBLASLt against cuBLAS: the projections at 64..1024 rows, then steps and the loop at batch 256, A/B/A/B
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -489,6 +490,22 @@ case $STAGE in
     grep "compiled a kernel while serving" "$W/server.log" | cut -c25-400 | head -5
     kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"; rm -f "$W"/*.pdserve.json
     tar czf "$OUT/s18b.tgz" -C "$OUT" s18b ;;
+  s18c)  # cuBLASLt (torch.backends.cuda.preferred_blas_library) against torch's default cuBLAS: the projections at
+    # 64..1024 rows both ways (bench_gemm_rows.py), then steps and the steady loop at batch 256 both ways, default,
+    # lt, default, lt
+    for b in cublas cublaslt; do
+      timeout 100 python3 benchmarks/engine/bench_gemm_rows.py --rows 64,128,256,512,1024 --blas $b \
+        --out "$W/gemm_rows_$b.json" > "$W/gemm_rows_$b.txt" 2>&1
+      echo "== $b"; grep -E "BLAS|rows +(128|256|512):|step's" "$W/gemm_rows_$b.txt" | cut -c1-140
+    done
+    B="$STEPS_8B --max-model-len 16384 --iters 30"
+    for v in cublas1 cublaslt1 cublas2 cublaslt2; do
+      left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
+      timeout $(( left < 70 ? left : 70 )) $B --blas ${v%[12]} --decode 256x1024,64x1024 --mixed 256x1024+512 \
+        --loop 256x1024 --loop-steps 60 --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+      echo "== $v"; grep -E "^(decode|mixed|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-230
+    done
+    tar czf "$OUT/s18c.tgz" -C "$OUT" s18c ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -58,11 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="64,128,256,512,768,1024")
     ap.add_argument("--layers", type=int, default=36, help="layers a step runs each projection in (us_per_step)")
     ap.add_argument("--min-bytes", type=int, default=768 << 20, help="weight copies per shape: at least this much")
+    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
+                    help="torch.backends.cuda.preferred_blas_library for the products (default: torch's)")
     ap.add_argument("--out", default="gemm_rows.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    print(f"BLAS library: {torch.backends.cuda.preferred_blas_library()}", flush=True)
     ceil = {"hbm_copy_gbps": hbm_copy_gbps(), "bf16_matmul_tflops": matmul_tflops()}
     print(f"ceilings: HBM copy {ceil['hbm_copy_gbps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_tflops']:.0f} TFLOP/s",
           flush=True)

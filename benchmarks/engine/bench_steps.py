@@ -385,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skinny", action=argparse.BooleanOptionalAction, default=True,
                     help="few-row linear products (decode graphs of 1..16 rows) through the skinny Triton kernel "
                          "(default) or, with --no-skinny, through cuBLAS (an A/B in one lease)")
+    ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
+                    help="torch.backends.cuda.preferred_blas_library for the model's products (default: torch's): an "
+                         "A/B in one lease")
     ap.add_argument("--pdl", choices=["early", "late", "off"], default="early",
                     help="programmatic dependent launch of the decode path's Triton kernels on sm_90+ "
                          "(pdserve.ops.pdl): the next kernel may launch at a kernel's start (early, the default), "
@@ -409,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.MIN_SPLIT_KEYS = args.min_split_keys
     from pdserve.ops.pdl import set_pdl
     set_pdl(args.pdl)
+    if args.blas:
+        import torch
+        torch.backends.cuda.preferred_blas_library(args.blas)
     if not args.skinny:
         from pdserve.ops.linear import set_skinny
         set_skinny(False)
