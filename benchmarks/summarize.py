@@ -538,6 +538,25 @@ def session18() -> None:
         if l0["async"]:
             print(f"| {l0['case']} steady ({l0['rows_per_step']:.0f} rows at {l0['mean_context']:.0f}) | " + " | ".join(
                 f"{x['loops'][i]['step_ms']:.2f} ({x['loops'][i]['fraction_of_floor']:.0%})" for _, x in runs) + " |")
+    g = {b: {(r["shape"], r["rows"]): r for r in load(f"{base}/s18c/gemm_rows_{b}.json")["results"]}
+         for b in ("cublas", "cublaslt")}
+    print("\ncuBLASLt (`torch.backends.cuda.preferred_blas_library`) against torch's default cuBLAS on the same "
+          "projections (s18c, machine 5, `bench_gemm_rows.py --blas`):\n")
+    print("| projection | rows | cuBLAS us (of floor) | cuBLASLt us (of floor) |\n|---|---|---|---|")
+    for (shape, rows), r in g["cublas"].items():
+        if rows in (256, 512):
+            lt = g["cublaslt"][(shape, rows)]
+            print(f"| {shape} | {rows} | {r['us']:.1f} ({r['of_floor']:.0%}) | {lt['us']:.1f} ({lt['of_floor']:.0%}) |")
+    runs = [(v, load(f"{base}/s18c/steps_{v}.json")) for v in ("cublas1", "cublaslt1", "cublas2", "cublaslt2")]
+    print("\n| step | " + " | ".join(f"{v} ms (of floor)" for v, _ in runs) + " |\n|---|" + "---|" * len(runs))
+    for i, r0 in enumerate(runs[0][1]["results"]):
+        print(f"| {r0['case']} | " + " | ".join(
+            f"{x['results'][i]['step_ms_median']:.2f} ({x['results'][i]['fraction_of_floor']:.0%})" for _, x in runs)
+            + " |")
+    for i, l0 in enumerate(runs[0][1]["loops"]):
+        if l0["async"]:
+            print(f"| {l0['case']} steady ({l0['rows_per_step']:.0f} rows at {l0['mean_context']:.0f}) | " + " | ".join(
+                f"{x['loops'][i]['step_ms']:.2f} ({x['loops'][i]['fraction_of_floor']:.0%})" for _, x in runs) + " |")
     cmp = _compare_module()
     run = "{srv}_single_1024x256_c0_rate16"
     print("\nThe two clients back to back on each server, 1024 in / 256 out, 320 prompts at 16 Poisson requests/s, "
