@@ -576,6 +576,9 @@ def session18() -> None:
               f"{m['mean_ttft_ms']['ratio_of_means']:.3f} | {m['mean_tpot_ms']['ratio_of_means']:.3f} | "
               f"{', '.join(f'{x:.1f}' for x in m['mean_ttft_ms']['vllm_client'])} | "
               f"{', '.join(f'{x:.1f}' for x in m['mean_ttft_ms']['pdserve_client'])} |")
+    print("\nThe same at 1024/1024, 512 prompts, concurrency 256, on vLLM's server (machine 6; trust_env on in both "
+          "clients, the same prompts every run, no prefix caching):\n")
+    _client_rounds_on_vllm(f"{base}/sbs_c256_clients", "pdserve's")
     print("\nRequests paired by index (trust_env off, machine 2): the clients' send times and each request's TTFT "
           "difference (pdserve's client - vLLM's):\n")
     print("| server | round | median \\|start difference\\| ms | TTFT difference median ms | mean ms |\n|---|---|---|---|---|")
