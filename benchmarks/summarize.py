@@ -502,6 +502,19 @@ def _paired_ttft(folder: str, run: str, rounds: int) -> list[tuple[int, float, f
     return out
 
 
+def _ab_steps(runs: list[tuple[str, dict]]) -> None:
+    """bench_steps.py runs of an A/B (label, JSON) side by side: each step's and each async loop's ms (of floor)."""
+    print("| step | " + " | ".join(f"{v} ms (of floor)" for v, _ in runs) + " |\n|---|" + "---|" * len(runs))
+    for i, r0 in enumerate(runs[0][1]["results"]):
+        print(f"| {r0['case']} | " + " | ".join(
+            f"{x['results'][i]['step_ms_median']:.2f} ({x['results'][i]['fraction_of_floor']:.0%})" for _, x in runs)
+            + " |")
+    for i, l0 in enumerate(runs[0][1]["loops"]):
+        if l0["async"]:
+            print(f"| {l0['case']} steady ({l0['rows_per_step']:.0f} rows at {l0['mean_context']:.0f}) | " + " | ".join(
+                f"{x['loops'][i]['step_ms']:.2f} ({x['loops'][i]['fraction_of_floor']:.0%})" for _, x in runs) + " |")
+
+
 def session18() -> None:
     """Session 18 (H200s): a Triton tile GEMM against cuBLAS at 32..1024 rows; the two clients at a Poisson load
     with the same prompts and arrival times, trust_env off and on; the client's send path on a scripted server; the
@@ -529,15 +542,7 @@ def session18() -> None:
           f"(shape, rows) entries ({', '.join(won)}); the engine keeps cuBLAS. Steps with that table and without "
           "(order new, old, new, old; the loop through `EngineCore.step`, async):\n")
     runs = [(v, load(f"{base}/s18a/steps_{v}.json")) for v in ("new1", "old1", "new2", "old2")]
-    print("| step | " + " | ".join(f"{v} ms (of floor)" for v, _ in runs) + " |\n|---|" + "---|" * len(runs))
-    for i, r0 in enumerate(runs[0][1]["results"]):
-        print(f"| {r0['case']} | " + " | ".join(
-            f"{x['results'][i]['step_ms_median']:.2f} ({x['results'][i]['fraction_of_floor']:.0%})" for _, x in runs)
-            + " |")
-    for i, l0 in enumerate(runs[0][1]["loops"]):
-        if l0["async"]:
-            print(f"| {l0['case']} steady ({l0['rows_per_step']:.0f} rows at {l0['mean_context']:.0f}) | " + " | ".join(
-                f"{x['loops'][i]['step_ms']:.2f} ({x['loops'][i]['fraction_of_floor']:.0%})" for _, x in runs) + " |")
+    _ab_steps(runs)
     g = {b: {(r["shape"], r["rows"]): r for r in load(f"{base}/s18c/gemm_rows_{b}.json")["results"]}
          for b in ("cublas", "cublaslt")}
     print("\ncuBLASLt (`torch.backends.cuda.preferred_blas_library`) against torch's default cuBLAS on the same "
@@ -548,15 +553,8 @@ def session18() -> None:
             lt = g["cublaslt"][(shape, rows)]
             print(f"| {shape} | {rows} | {r['us']:.1f} ({r['of_floor']:.0%}) | {lt['us']:.1f} ({lt['of_floor']:.0%}) |")
     runs = [(v, load(f"{base}/s18c/steps_{v}.json")) for v in ("cublas1", "cublaslt1", "cublas2", "cublaslt2")]
-    print("\n| step | " + " | ".join(f"{v} ms (of floor)" for v, _ in runs) + " |\n|---|" + "---|" * len(runs))
-    for i, r0 in enumerate(runs[0][1]["results"]):
-        print(f"| {r0['case']} | " + " | ".join(
-            f"{x['results'][i]['step_ms_median']:.2f} ({x['results'][i]['fraction_of_floor']:.0%})" for _, x in runs)
-            + " |")
-    for i, l0 in enumerate(runs[0][1]["loops"]):
-        if l0["async"]:
-            print(f"| {l0['case']} steady ({l0['rows_per_step']:.0f} rows at {l0['mean_context']:.0f}) | " + " | ".join(
-                f"{x['loops'][i]['step_ms']:.2f} ({x['loops'][i]['fraction_of_floor']:.0%})" for _, x in runs) + " |")
+    print()
+    _ab_steps(runs)
     cmp = _compare_module()
     run = "{srv}_single_1024x256_c0_rate16"
     print("\nThe two clients back to back on each server, 1024 in / 256 out, 320 prompts at 16 Poisson requests/s, "
