@@ -53,6 +53,7 @@ SHORT_ONLY = (1, 7, 33)
 # The same with 8 rows and more (the many-row tile, one split): a wave of short prompts, e.g. a model with few KV
 # heads, where 41 rows beside a long prompt still take several splits.
 SHORT_MANY = (1, 7, 33, 2, 9, 20, 3, 12, 40)
+WARMUP_OUT_TOKENS = 4  # tokens each warm-up request decodes (the 1-step prompts of the size sweep: 2)
 MAX_STEPS = 10_000  # a warm-up that has not ended after this many steps is a bug
 
 
@@ -71,20 +72,26 @@ def _sampled(max_tokens: int, i: int) -> SamplingParams:
                           presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1, logprobs=2)
 
 
+def long_prompt_len(max_num_batched_tokens: int, max_model_len: int) -> int:
+    """The chunked prompt's length: two steps' token budgets and an odd 17 more (its last chunk another size), within
+    the model's length with the warm-up's output."""
+    return min(2 * max_num_batched_tokens + 17, max_model_len - WARMUP_OUT_TOKENS)
+
+
 def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int,
                 capacity_tokens: int, many_rows: int = 0, many_split_rows: int = 0) -> list[list[WarmupRequest]]:
     """Groups of requests, each group submitted at once; every prompt fits the model's length with its output, and
     every group fits the pool. `many_rows` (0: none): a mixed step of that many rows, from which the decode kernel
     takes its many-program tile (decode.many_program_rows); `many_split_rows` (0: none): mixed steps of that many
     rows beside the long prompt, where it takes that tile with several splits (decode.many_program_split_rows)."""
-    out_tokens = 4
+    out_tokens = WARMUP_OUT_TOKENS
     longest = max_model_len - out_tokens
     groups: list[list[WarmupRequest]] = []
     n = block_size
     while n <= min(max_num_batched_tokens, longest):
         groups.append([WarmupRequest(n, _greedy(2))])
         n *= 2
-    long_len = min(2 * max_num_batched_tokens + 17, longest)
+    long_len = long_prompt_len(max_num_batched_tokens, max_model_len)
     if many_rows > 1:  # short prompts first (all prefilled in the first step), then the long one, chunked beside them
         group = [WarmupRequest(min(SHORT_MANY[i % len(SHORT_MANY)], longest), _greedy(out_tokens))
                  for i in range(many_rows - 1)]
@@ -163,7 +170,7 @@ def many_program_steps(core: EngineCore) -> tuple[int, int]:
             or decode.MANY_PROGRAMS_TILE is None or kv_dtype not in (torch.bfloat16, torch.float16)):
         return 0, 0
     hk = local_kv_heads(core.hf_config.num_key_value_heads, core.config.tensor_parallel_size)
-    long_len = min(2 * core.config.max_num_batched_tokens + 17, core.max_model_len)
+    long_len = long_prompt_len(core.config.max_num_batched_tokens, core.max_model_len)
     return (decode.many_program_rows(hk, core.device),
             decode.many_program_split_rows(hk, long_len, core.device))
 

@@ -240,8 +240,7 @@ def test_client_capacity_against_the_zero_work_endpoint():
     assert capacity_warning(far, cap) is None
 
 
-def test_environment_proxy_is_honoured_unless_no_trust_env(tmp_path, word_tokenizer_dir, monkeypatch,
-                                                                        capsys):
+def test_environment_proxy_is_honoured_unless_no_trust_env(tmp_path, word_tokenizer_dir, monkeypatch, capsys):
     """By default (aiohttp's trust_env, as vLLM's client has it) HTTP_PROXY from the environment is honoured; with
     --no-trust-env it is ignored.
     The base URL is a closed port: only a request that went through the proxy (the fake server) can succeed."""

@@ -69,7 +69,7 @@ def test_many_programs_take_the_many_program_tile():
     assert D.many_program_rows(2, cpu) == 16
 
 
-def test_many_program_split_rows_is_the_fewest_rows_taking_that_tile_with_splits():
+def test_many_program_split_rows_is_the_fewest_rows_taking_that_tile_with_splits(monkeypatch):
     cpu = torch.device("cpu")  # 32 programs are the waves on the interpreter's 8 SMs
     waves = D.num_sms(cpu) * D.MANY_PROGRAM_WAVES
     for hk, seq in ((2, 4096), (8, 4096), (3, 4096), (2, 100)):
@@ -81,13 +81,9 @@ def test_many_program_split_rows_is_the_fewest_rows_taking_that_tile_with_splits
     assert D.many_program_split_rows(2, 4096, cpu) == 2  # 2 rows x 2 heads x 8 splits
     assert D.many_program_split_rows(8, 64, cpu) == 0  # 64 keys: one split at any row count
     # Qwen3-8B's 8 KV heads on a 132-SM H200: 2 rows of a 16k prompt's chunks take 33 splits (528 programs)
-    prev = D.num_sms
-    try:
-        D.num_sms = lambda device: 132
-        assert D.many_program_split_rows(8, 2 * 8192 + 17, cpu) == 2
-        assert D.decode_splits(6, 8, 1024, None, cpu) * 6 * 8 == 528  # 6 rows of 1k: the variant lease_s18 compiled
-    finally:
-        D.num_sms = prev
+    monkeypatch.setattr(D, "num_sms", lambda device: 132)
+    assert D.many_program_split_rows(8, 2 * 8192 + 17, cpu) == 2
+    assert D.decode_splits(6, 8, 1024, None, cpu) * 6 * 8 == 528  # 6 rows of 1k: the variant lease_s18 compiled
 
 
 @pytest.mark.parametrize("mixed", [False, True])
