@@ -31,10 +31,15 @@ def test_plan_covers_step_sizes_and_a_chunked_prompt():
     assert 1 in SHORT_MANY and len(SHORT_MANY) >= 8 and max(SHORT_MANY) <= MIN_SPLIT_KEYS
 
 
+def _plan_8k(**extra):
+    """A plan for an 8k token budget and a 40k model with `extra` arguments, beside the plan without them."""
+    return (warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6),
+            warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6,
+                        **extra))
+
+
 def test_plan_has_a_mixed_step_of_the_many_program_rows_when_asked():
-    plain = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6)
-    plan = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6,
-                       many_rows=66)
+    plain, plan = _plan_8k(many_rows=66)
     extra = [g for g in plan if g not in plain]
     assert len(plan) == len(plain) + 1 and len(extra) == 1
     group = extra[0]
@@ -46,14 +51,11 @@ def test_plan_has_a_mixed_step_of_the_many_program_rows_when_asked():
 
 def test_plan_has_a_mixed_step_of_the_many_split_rows_when_asked():
     """many_split_rows rows: the long prompt and that many minus one shorts decoding beside its chunks."""
-    plain = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6)
-    plan = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6,
-                       many_split_rows=2)
+    plain, plan = _plan_8k(many_split_rows=2)
     extra = [g for g in plan if g not in plain]
     assert len(plan) == len(plain) + 1 and len(extra) == 1
     assert [r.prompt_len for r in extra[0]] == [2 * 8192 + 17, 1]
-    same = warmup_plan(max_num_batched_tokens=8192, max_model_len=40960, block_size=16, capacity_tokens=10**6,
-                       many_split_rows=MIXED_ROWS[0] + 1)  # a row count the plan has already
+    _, same = _plan_8k(many_split_rows=MIXED_ROWS[0] + 1)  # a row count the plan has already
     assert same == plain
 
 
