@@ -72,6 +72,8 @@
 #   s18b       the warm-up's mixed step of the many-program decode tile with several splits: GPU tests, a server at 16
 #              Poisson requests/s (pdserve's client, twice), the kernels it compiled while serving
 #   s18c       cuBLASLt against cuBLAS: the projections at 64..1024 rows, then steps and the loop at batch 256, A/B/A/B
+#   s19a       what fusing the norms, SiLU*mul and the KV write away could save at most (--ablate), batch 1 and 256;
+#              the projections at 128..512 rows split over K in one batched GEMM against cuBLAS's one product
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -506,6 +508,21 @@ case $STAGE in
       echo "== $v"; grep -E "^(decode|mixed|loop)[^ ]*:" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-230
     done
     tar czf "$OUT/s18c.tgz" -C "$OUT" s18c ;;
+  s19a)  # what fusing the small kernels away could save at most (bench_steps.py --ablate: the layers' RMS norms, SiLU*mul,
+    # the KV write skipped; outputs wrong, timings only) at batch 1 (8k) and 256 (1k), steps and the steady loop; and
+    # the projections at 128..512 rows as 2..4 K slices in one batched GEMM (split-K) against cuBLAS's one product
+    timeout 120 python3 benchmarks/engine/bench_gemm_rows.py --rows 128,256,512 --split-k 1,2,3,4 \
+      --out "$W/gemm_splitk.json" > "$W/gemm_splitk.txt" 2>&1
+    grep -E "rows +(256):|step's|^ceil|Error" "$W/gemm_splitk.txt" | cut -c1-170
+    B="$STEPS_8B --max-model-len 16384 --iters 30"
+    for v in none all norm act kv_write none2; do
+      left=$(( 570 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in none*) ;; all) a="--ablate norm,act,kv_write" ;; *) a="--ablate $v" ;; esac
+      timeout $(( left < 75 ? left : 75 )) $B $a --decode 1x8192,256x1024 --loop 1x8192,256x1024 --loop-steps 60 \
+        --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
+    done
+    tar czf "$OUT/s19a.tgz" -C "$OUT" s19a ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

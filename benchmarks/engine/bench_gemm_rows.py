@@ -27,7 +27,21 @@ PRESETS = {
 }
 
 
-def bench(name: str, n: int, k: int, rows: list[int], ceil: dict, min_bytes: int, layers: int) -> list[dict]:
+def split_k_mm(x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor, out: torch.Tensor | None) -> None:
+    """x [M, K] @ w [N, K]^T as `s` products over K's s slices in one strided-batched GEMM (views of x and w, no
+    copies: s x the output tiles of one product, to fill SMs that one product's tiles leave idle), into parts
+    [s, M, N]; summed into out unless out is None (the sum left to a later kernel)."""
+    s, m, n = parts.shape
+    k = x.shape[1]
+    ks = k // s
+    torch.bmm(x.as_strided((s, m, ks), (ks, x.stride(0), 1)), w.as_strided((s, ks, n), (ks, 1, w.stride(0))),
+              out=parts)
+    if out is not None:
+        torch.sum(parts, 0, out=out)
+
+
+def bench(name: str, n: int, k: int, rows: list[int], ceil: dict, min_bytes: int, layers: int,
+          split_k: tuple[int, ...] = (1,)) -> list[dict]:
     nbytes = n * k * 2
     copies = max(2, -(-min_bytes // nbytes))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -36,6 +50,20 @@ def bench(name: str, n: int, k: int, rows: list[int], ceil: dict, min_bytes: int
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         us = graph_us([functools.partial(torch.mm, x, w.t(), out=out[:m]) for w in weights])
+        ref = torch.mm(x, weights[0].t())
+        for s in split_k:
+            if s == 1 or k % s:
+                continue
+            parts = torch.empty(s, m, n, device="cuda", dtype=torch.bfloat16)
+            split_k_mm(x, weights[0], parts, out[:m])
+            err = ((out[:m].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            us_s = graph_us([functools.partial(split_k_mm, x, w, parts, out[:m]) for w in weights])
+            us_b = graph_us([functools.partial(split_k_mm, x, w, parts, None) for w in weights])
+            res.append({"shape": name, "n": n, "k": k, "rows": m, "split_k": s, "us": us_s, "us_bmm_only": us_b,
+                        "us_mm": us, "max_rel_err": err, "variant": True})
+            print(f"{name:8s} {n:6d}x{k:<6d} rows {m:5d}: split-K {s}: {us_s:8.2f} us with the sum, {us_b:8.2f} "
+                  f"without (mm {us:8.2f} us; max error {err:.1e} of max |y|)", flush=True)
+            del parts
         flops = 2.0 * m * n * k
         compute_us = flops / (ceil["bf16_matmul_tflops"] * 1e12) * 1e6
         memory_us = (nbytes + 2 * m * (n + k)) / (ceil["hbm_copy_gbps"] * 1e9) * 1e6
@@ -60,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-bytes", type=int, default=768 << 20, help="weight copies per shape: at least this much")
     ap.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
                     help="torch.backends.cuda.preferred_blas_library for the products (default: torch's)")
+    ap.add_argument("--split-k", default="1",
+                    help="also time each product as this many K slices in one batched GEMM plus their sum "
+                         "(comma-separated; 1: the plain product only)")
     ap.add_argument("--out", default="gemm_rows.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -74,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     for name, n, k in PRESETS[args.model]:
-        results += bench(name, n, k, rows, ceil, args.min_bytes, args.layers)
+        results += bench(name, n, k, rows, ceil, args.min_bytes, args.layers,
+                         tuple(int(s) for s in args.split_k.split(",")))
     for m in rows:
-        step = sum(r["us_per_step"] for r in results if r["rows"] == m)
+        step = sum(r["us_per_step"] for r in results if r["rows"] == m and not r.get("variant"))
         print(f"rows {m}: the step's products {step / 1e3:.2f} ms", flush=True)
     rec = new_record("gemm_rows", vars(args))
     rec.update(ceilings=ceil, results=results)

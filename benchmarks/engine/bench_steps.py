@@ -54,6 +54,23 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.sampling_params import SamplingParams
 
 
+# ---- ablation (an upper bound on what fusing a kernel away can save; the model's outputs are wrong)
+def ablate(kinds: list[str]) -> None:
+    from pdserve.model import layers
+    from pdserve.ops.attention import triton_backend
+    for kind in kinds:
+        if kind == "norm":
+            layers.rms_norm = lambda x, w, eps, offset=0.0: x
+            layers.fused_add_rms_norm = lambda x, r, w, eps, offset=0.0: (x, x)
+        elif kind == "act":
+            layers.act_and_mul = lambda x, act: x[..., : x.shape[-1] // 2]
+        elif kind == "kv_write":
+            triton_backend.write_kv = lambda *a, **kw: None
+        else:
+            raise SystemExit(f"--ablate: unknown kernel {kind!r} (norm, act, kv_write)")
+    print(f"ablated (outputs wrong, timings only): {','.join(kinds)}", flush=True)
+
+
 # ---- ceilings
 def ceilings(device: torch.device) -> dict:
     if device.type == "cuda":
@@ -401,7 +418,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--many-programs-tile", default=None,
                     help="the decode kernel's tile once rows x KV heads fill decode.MANY_PROGRAM_WAVES waves: "
                          "'keys,warps,stages', or 'none' (the table alone): an A/B in one lease")
+    ap.add_argument("--ablate", default="",
+                    help="an experiment, not a model: skip these kernels (wrong outputs, timings only), comma-"
+                         "separated: norm (the layers' RMS norms return their input; the final one stays), act "
+                         "(SiLU*mul returns the gate half), kv_write (nothing written to the pool). What fusing "
+                         "them away could save at most")
     args = ap.parse_args(argv)
+    if args.ablate:
+        ablate(args.ablate.split(","))
     from pdserve.ops.attention import decode as decode_mod
     if args.many_programs_tile:
         decode_mod.MANY_PROGRAMS_TILE = (None if args.many_programs_tile == "none"
