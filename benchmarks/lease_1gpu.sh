@@ -74,6 +74,8 @@
 #   s18c       cuBLASLt against cuBLAS: the projections at 64..1024 rows, then steps and the loop at batch 256, A/B/A/B
 #   s19a       what fusing the norms, SiLU*mul and the KV write away could save at most (--ablate), batch 1 and 256;
 #              the projections at 128..512 rows split over K in one batched GEMM against cuBLAS's one product
+#   s19b       the norms and SiLU*mul folded into one-row products: GPU tests, then the batch-1 step and loops folded
+#              and not, on, off, on, off
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -523,6 +525,21 @@ case $STAGE in
       echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
     done
     tar czf "$OUT/s19a.tgz" -C "$OUT" s19a ;;
+  s19b)  # the norms folded into the one-row q/k/v and gate_up products and SiLU*mul into the down projection: GPU tests
+    # (the skinny kernels, PDL bit-identity, graphs, the warm-up compiles nothing, transformers' agreement), then
+    # the batch-1 decode step (8k) and the steady loop at batch 1 (8k, 1k) folded and not, in the order on, off, on, off
+    timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_linear.py \
+      tests/ops/test_pdl.py tests/engine/test_fused_engine.py tests/engine/test_vs_transformers.py \
+      tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
+    B="$STEPS_8B --max-model-len 16384 --iters 30"
+    for v in on1 off1 on2 off2; do
+      left=$(( 570 - ($(date +%s) - t0) )); [ $left -lt 45 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in off*) a="--no-fold" ;; esac
+      timeout $(( left < 65 ? left : 65 )) $B $a --decode 1x8192 --loop 1x8192,1x1024 --loop-steps 100 \
+        --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
+    done
+    tar czf "$OUT/s19b.tgz" -C "$OUT" s19b ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

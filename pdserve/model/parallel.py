@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.ops.linear import linear
+from pdserve.ops.linear import act_linear, linear
 from pdserve.parallel.group import TPGroup, current_tp
 
 
@@ -88,6 +88,14 @@ class RowParallelLinear(nn.Linear):
         if self.tp.size == 1:
             return linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def act_forward(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        """forward(act(gate) * up) of a merged gate_up [T, 2 * in_features]: for one row on CUDA the activation
+        runs inside the product's kernel (pdserve.ops.linear.act_linear)."""
+        if self.tp.size == 1:
+            return act_linear(gate_up, act, self.weight, self.bias)
+        y = self.tp.all_reduce(act_linear(gate_up, act, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def partial_into(self, x: torch.Tensor, out: torch.Tensor) -> None:

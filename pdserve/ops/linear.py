@@ -14,6 +14,12 @@ Which tile (or cuBLAS) serves which (N, K, rows) comes from a table measured on 
 file, or the one shipped for the GPU (configs/skinny_linear/, written by bench_linear.py --best-out), else the
 defaults below. `linear` routes rows <= `SKINNY_MAX_ROWS` of 16-bit CUDA tensors here and everything else to
 `F.linear`, which stays the reference.
+
+Folded prologues (one row): `norm_linear` runs the RMS norm (with the residual add) before the q/k/v and gate_up
+products inside the sum kernel: every program recomputes the row's mean square from the K inputs (L2 reads) and
+program 0 stores the new residual; `act_linear` runs act(gate) * up inside the down projection. Each saves a kernel
+of its own per layer in a batch-1 decode step, with the same math and rounding as that kernel. More rows, CPU
+tensors or `set_fold(False)`: the norm's or the activation's kernel, then `linear`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import envs
+from pdserve.ops.activation import act_and_mul
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
+from pdserve.ops.norm import fused_add_rms_norm, rms_norm
 from pdserve.ops.pdl import pdl_args
 
 SKINNY_MAX_ROWS = 16  # the dot tile's row count: every M up to it shares one compiled kernel
@@ -91,40 +99,93 @@ if HAS_TRITON:
                  mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-                           EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _pre_x(X, R, G, k, rk, kmask, K, rstd, offset, PRE: tl.constexpr, HAS_RES: tl.constexpr,
+               ACT: tl.constexpr, MASKED: tl.constexpr):
+        """One BLOCK_K chunk of the product's input, float32, as the kernel it replaces would have stored it:
+        PRE 0: x; 1: rms_norm(x (+ r)) (pdserve.ops.norm's kernel's math and rounding); 2: act(gate) * up of a
+        merged gate_up row (pdserve.ops.activation's)."""
+        if MASKED:
+            x = tl.load(X + k + rk, mask=kmask, other=0.0)
+        else:
+            x = tl.load(X + k + rk)
+        if PRE == 1:
+            if HAS_RES:
+                if MASKED:
+                    r = tl.load(R + k + rk, mask=kmask, other=0.0)
+                else:
+                    r = tl.load(R + k + rk)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            if MASKED:
+                g = tl.load(G + k + rk, mask=kmask, other=0.0)
+            else:
+                g = tl.load(G + k + rk)
+            x = (x.to(tl.float32) * rstd * (g.to(tl.float32) + offset)).to(X.dtype.element_ty)
+        elif PRE == 2:
+            if MASKED:
+                u = tl.load(X + K + k + rk, mask=kmask, other=0.0).to(tl.float32)
+            else:
+                u = tl.load(X + K + k + rk).to(tl.float32)
+            g = x.to(tl.float32)
+            if ACT == "silu":
+                a = g * tl.sigmoid(g)
+            elif ACT == "gelu_tanh":
+                a = g * tl.sigmoid(2.0 * (0.7978845608028654 * (g + 0.044715 * g * g * g)))
+            else:
+                a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+            x = (a * u).to(X.dtype.element_ty)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, R, G, ROut, eps, offset, HAS_BIAS: tl.constexpr,
+                           EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr, PRE: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
+                           ACT: tl.constexpr = "silu"):
+        """One row. PRE 1: the input is rms_norm(X + R) (R when HAS_RES; program 0 stores X + R to ROut), the
+        norm computed by every program from the row (K values, read from L2); PRE 2: X is a gate_up row [2K] and
+        the input is act(gate) * up. PRE 0: X itself."""
         pdl_launch_early(PDL)
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
         w_ptrs = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
-        x_ptrs = X + rk
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         k0 = 0
         if PDL != 0:  # the first weight tile streams in under the previous kernel's tail (see pdserve.ops.pdl)
             kmask = rk < K
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
             pdl_wait(PDL)
-            x = tl.load(x_ptrs, mask=kmask, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        rstd = 0.0
+        if PRE == 1:  # the row's mean square, after the wait (earlier kernels wrote X and R)
+            sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                kmask = (k + rk) < K
+                h = tl.load(X + k + rk, mask=kmask, other=0.0)
+                if HAS_RES:
+                    h = (h.to(tl.float32) + tl.load(R + k + rk, mask=kmask, other=0.0).to(tl.float32)
+                         ).to(X.dtype.element_ty)
+                    tl.store(ROut + k + rk, h, mask=kmask & (pid == 0))
+                hf = h.to(tl.float32)
+                sq += hf * hf
+            rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        if PDL != 0:
+            kmask = rk < K
+            x = _pre_x(X, R, G, 0, rk, kmask, K, rstd, offset, PRE, HAS_RES, ACT, True)
+            acc += w.to(tl.float32) * x[None, :]
             w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
             k0 = BLOCK_K
         for k in range(k0, K, BLOCK_K):
+            kmask = (k + rk) < K
             if EVEN_K:
                 if EVEN_N:
                     w = tl.load(w_ptrs)
                 else:
                     w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
-                x = tl.load(x_ptrs)
             else:
-                kmask = (k + rk) < K
                 w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=kmask, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x = _pre_x(X, R, G, k, rk, kmask, K, rstd, offset, PRE, HAS_RES, ACT, not EVEN_K)
+            acc += w.to(tl.float32) * x[None, :]
             w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -153,13 +214,63 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     common = dict(HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     if cfg.kind == "sum" and m == 1:
-        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), **common, **pdl_args(x))
+        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), x, x, x, 0.0, 0.0, **common,
+                                 **pdl_args(x))
     elif cfg.kind in ("dot", "sum"):
         # never with PDL: its shared memory, held while waiting, crowds out the kernel before it (pdserve.ops.pdl)
         _skinny_dot_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), **common)
     else:
         raise ValueError(f"skinny_linear has no kernel {cfg.kind!r}")
     return out
+
+
+def _one_row_sum(x, weight, bias, cfg, pre: int, r=None, g=None, r_out=None, eps=0.0, offset=0.0,
+                 act="silu") -> torch.Tensor:
+    """The sum kernel over one row with input prologue `pre` (see _skinny_sum_kernel)."""
+    n, k = weight.shape
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    b = bias if bias is not None else weight  # never read without HAS_BIAS
+    _skinny_sum_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, b, out, n, k, weight.stride(0), r if r is not None else x, g if g is not None else x,
+        r_out if r_out is not None else x, eps, offset, HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0,
+        EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRE=pre, HAS_RES=r is not None,
+        ACT=act, num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x))
+    return out
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       offset: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual) for one contiguous row [1, K], in one kernel: the
+    norm's own kernel folded into the product's (pdserve.ops.norm's math and rounding). residual None: norm(x),
+    and x is returned as the residual stream."""
+    k = weight.shape[1]
+    if x.shape != (1, k) or not x.is_contiguous() or norm_weight.shape != (k,) or not norm_weight.is_contiguous() \
+            or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous())):
+        raise ValueError(f"skinny_norm_linear takes one contiguous row [1, K] (and a residual like it) and a norm "
+                         f"weight [K]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    cfg = _one_row_config(weight, config, x.device)
+    r_out = torch.empty_like(x) if residual is not None else None
+    y = _one_row_sum(x, weight, bias, cfg, 1, residual, norm_weight, r_out, eps, float(offset))
+    return y, (r_out if r_out is not None else x)
+
+
+def skinny_act_linear(gate_up: torch.Tensor, act: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      config: SkinnyConfig | None = None) -> torch.Tensor:
+    """act(gate) * up @ weight^T (+ bias) for one contiguous merged row gate_up [1, 2K], in one kernel: the
+    activation's own kernel folded into the product's (pdserve.ops.activation's math and rounding)."""
+    k = weight.shape[1]
+    if gate_up.shape != (1, 2 * k) or not gate_up.is_contiguous() or act not in ("silu", "gelu_tanh", "gelu"):
+        raise ValueError(f"skinny_act_linear takes one contiguous gate_up row [1, 2K] and silu, gelu_tanh or gelu; "
+                         f"got {tuple(gate_up.shape)} with weight {tuple(weight.shape)} and {act!r}")
+    return _one_row_sum(gate_up, weight, bias, _one_row_config(weight, config, gate_up.device), 2, act=act)
+
+
+def _one_row_config(weight: torch.Tensor, config: SkinnyConfig | None, device: torch.device) -> SkinnyConfig:
+    cfg = config or skinny_config(weight.shape[0], weight.shape[1], 1, device)
+    return cfg if cfg.kind == "sum" else ONE_ROW_CONFIG
 
 
 CONFIG_DIR = Path(__file__).parent / "configs" / "skinny_linear"
@@ -233,3 +344,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if cfg.kind != "cublas":
             return skinny_linear(x, weight, bias, cfg)
     return F.linear(x, weight, bias)
+
+
+_fold = True
+
+
+def set_fold(enabled: bool) -> bool:
+    """Fold the norm before a one-row product, and the activation before the down projection, into the product's
+    kernel (default), or run them as kernels of their own (an A/B in one process); returns the previous setting."""
+    global _fold
+    prev, _fold = _fold, enabled
+    return prev
+
+
+def _folds(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One contiguous row whose product the one-row sum kernel runs (its measured table says `sum`)."""
+    return (_fold and x.shape[0] == 1 and use_skinny(x, weight) and x.is_contiguous()
+            and skinny_config(weight.shape[0], weight.shape[1], 1, x.device).kind == "sum")
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                offset: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual), residual None: (linear(norm(x)), x). One kernel for one row on
+    CUDA (skinny_norm_linear); otherwise the norm's kernel, then `linear`."""
+    if _folds(x, weight) and norm_weight.is_contiguous() and (residual is None or residual.is_contiguous()):
+        return skinny_norm_linear(x, residual, norm_weight, eps, offset, weight, bias)
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps, offset), weight, bias), x
+    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps, offset)
+    return linear(normed, weight, bias), residual
+
+
+def act_linear(gate_up: torch.Tensor, act: str, weight: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """linear(act(gate) * up) of a merged gate_up [T, 2K]: one kernel for one row on CUDA (skinny_act_linear);
+    otherwise the activation's kernel, then `linear`."""
+    if gate_up.shape[-1] == 2 * weight.shape[1] and _folds(gate_up[:, : weight.shape[1]], weight) \
+            and gate_up.is_contiguous():
+        return skinny_act_linear(gate_up, act, weight, bias)
+    return linear(act_and_mul(gate_up, act), weight, bias)

@@ -36,7 +36,8 @@ def _core(path, **kw) -> EngineCore:
     kw.setdefault("num_gpu_blocks", 32)
     kw.setdefault("block_size", 4)
     kw.setdefault("max_num_batched_tokens", 16)
-    return EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", **kw))
+    kw.setdefault("dtype", "float32")
+    return EngineCore(EngineConfig(model=str(path), device="cpu", **kw))
 
 
 def _assert_same_logits(a: dict, b: dict, atol: float) -> None:
@@ -66,6 +67,30 @@ def test_fused_kernels_in_the_model_match_the_reference_path(arch, tiny_model_di
     assert len(calls) == 5, dict(calls)  # every kernel ran inside the model
     assert out == ref_out
     _assert_same_logits(logits, ref_logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_norms_and_activation_folded_into_one_row_products_match_the_reference_path(arch, tiny_model_dirs,
+                                                                                     monkeypatch):
+    """One request decoding (one row a step) in float16: each layer's two norms run inside the q/k/v and gate_up
+    products and the activation inside the down projection (pdserve.ops.linear's folded kernels); tokens as the
+    reference path's, logits within float16's rounding."""
+    from pdserve.ops import linear as lin
+
+    calls: dict[str, int] = defaultdict(int)
+    for name in ("skinny_norm_linear", "skinny_act_linear"):
+        def counted(*a, _f=getattr(lin, name), _n=name, **kw):
+            calls[_n] += 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(lin, name, counted)
+    one = {"a": PROMPTS["c"]}
+    ref_out, ref_logits = _run(_core(tiny_model_dirs[arch], dtype="float16"), max_tokens=3, prompts=one)
+    with force_fused():
+        out, logits = _run(_core(tiny_model_dirs[arch], dtype="float16"), max_tokens=3, prompts=one)
+    layers = _core(tiny_model_dirs[arch], dtype="float16").runner.model.config.num_hidden_layers
+    assert calls == {"skinny_norm_linear": 2 * 2 * layers, "skinny_act_linear": 2 * layers}, dict(calls)
+    assert out == ref_out
+    _assert_same_logits(logits, ref_logits, atol=2e-2)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
