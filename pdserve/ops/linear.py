@@ -16,9 +16,11 @@ defaults below. `linear` routes rows <= `SKINNY_MAX_ROWS` of 16-bit CUDA tensors
 `F.linear`, which stays the reference.
 
 Folded prologues (one row): `norm_linear` runs the RMS norm (with the residual add) before the q/k/v and gate_up
-products inside the sum kernel: every program recomputes the row's mean square from the K inputs (L2 reads) and
-program 0 stores the new residual; `act_linear` runs act(gate) * up inside the down projection. Each saves a kernel
-of its own per layer in a batch-1 decode step, with the same math and rounding as that kernel. More rows, CPU
+products inside the sum kernel. Every program sweeps the whole of K, so it sums the row's squares in the same pass
+as the product and scales its outputs by 1/rms at the end (the normed row is not rounded to the model dtype before
+the product, as the norm's kernel's output is); program 0 stores the new residual. `act_linear` runs act(gate) * up
+inside the down projection, rounded as the activation's kernel stores it. Each saves a kernel of its own per layer
+in a batch-1 decode step. More rows, CPU
 tensors or `set_fold(False)`: the norm's or the activation's kernel, then `linear`.
 """
 
@@ -99,15 +101,17 @@ if HAS_TRITON:
                  mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _pre_x(X, R, G, k, rk, kmask, K, rstd, offset, PRE: tl.constexpr, HAS_RES: tl.constexpr,
+    def _pre_x(X, R, G, ROut, k, rk, kmask, K, offset, first, PRE: tl.constexpr, HAS_RES: tl.constexpr,
                ACT: tl.constexpr, MASKED: tl.constexpr):
-        """One BLOCK_K chunk of the product's input, float32, as the kernel it replaces would have stored it:
-        PRE 0: x; 1: rms_norm(x (+ r)) (pdserve.ops.norm's kernel's math and rounding); 2: act(gate) * up of a
-        merged gate_up row (pdserve.ops.activation's)."""
+        """One BLOCK_K chunk of the product's input in float32, and its squares. PRE 0: x. PRE 1: h * (g +
+        offset) with h = x (+ r, rounded as the model's dtype adds; `first` stores it to ROut), the row's 1/rms
+        left to the end (a scalar per row: the product of the normed row is rstd * the product of this). PRE 2:
+        act(gate) * up of a merged gate_up row, rounded as pdserve.ops.activation's kernel stores it."""
         if MASKED:
             x = tl.load(X + k + rk, mask=kmask, other=0.0)
         else:
             x = tl.load(X + k + rk)
+        sq = 0.0
         if PRE == 1:
             if HAS_RES:
                 if MASKED:
@@ -115,11 +119,14 @@ if HAS_TRITON:
                 else:
                     r = tl.load(R + k + rk)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+                tl.store(ROut + k + rk, x, mask=kmask & first)
             if MASKED:
                 g = tl.load(G + k + rk, mask=kmask, other=0.0)
             else:
                 g = tl.load(G + k + rk)
-            x = (x.to(tl.float32) * rstd * (g.to(tl.float32) + offset)).to(X.dtype.element_ty)
+            h = x.to(tl.float32)
+            sq = h * h
+            xf = h * (g.to(tl.float32) + offset)
         elif PRE == 2:
             if MASKED:
                 u = tl.load(X + K + k + rk, mask=kmask, other=0.0).to(tl.float32)
@@ -132,46 +139,37 @@ if HAS_TRITON:
                 a = g * tl.sigmoid(2.0 * (0.7978845608028654 * (g + 0.044715 * g * g * g)))
             else:
                 a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-            x = (a * u).to(X.dtype.element_ty)
-        return x.to(tl.float32)
+            xf = (a * u).to(X.dtype.element_ty).to(tl.float32)
+        else:
+            xf = x.to(tl.float32)
+        return xf, sq
 
     @triton.jit
     def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, R, G, ROut, eps, offset, HAS_BIAS: tl.constexpr,
                            EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PDL: tl.constexpr, PRE: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
                            ACT: tl.constexpr = "silu"):
-        """One row. PRE 1: the input is rms_norm(X + R) (R when HAS_RES; program 0 stores X + R to ROut), the
-        norm computed by every program from the row (K values, read from L2); PRE 2: X is a gate_up row [2K] and
-        the input is act(gate) * up. PRE 0: X itself."""
+        """One row. PRE 1: the input is rms_norm(X + R) (R when HAS_RES; program 0 stores X + R to ROut): every
+        program sweeps the whole of K, so it sums the row's squares as it goes and scales its outputs by the
+        row's 1/rms at the end. PRE 2: X is a gate_up row [2K] and the input is act(gate) * up. PRE 0: X."""
         pdl_launch_early(PDL)
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
+        first = pid == 0
         w_ptrs = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         k0 = 0
         if PDL != 0:  # the first weight tile streams in under the previous kernel's tail (see pdserve.ops.pdl)
             kmask = rk < K
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
             pdl_wait(PDL)
-        rstd = 0.0
-        if PRE == 1:  # the row's mean square, after the wait (earlier kernels wrote X and R)
-            sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                kmask = (k + rk) < K
-                h = tl.load(X + k + rk, mask=kmask, other=0.0)
-                if HAS_RES:
-                    h = (h.to(tl.float32) + tl.load(R + k + rk, mask=kmask, other=0.0).to(tl.float32)
-                         ).to(X.dtype.element_ty)
-                    tl.store(ROut + k + rk, h, mask=kmask & (pid == 0))
-                hf = h.to(tl.float32)
-                sq += hf * hf
-            rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-        if PDL != 0:
-            kmask = rk < K
-            x = _pre_x(X, R, G, 0, rk, kmask, K, rstd, offset, PRE, HAS_RES, ACT, True)
+            x, s = _pre_x(X, R, G, ROut, 0, rk, kmask, K, offset, first, PRE, HAS_RES, ACT, True)
             acc += w.to(tl.float32) * x[None, :]
+            if PRE == 1:
+                sq += s
             w_ptrs += BLOCK_K
             k0 = BLOCK_K
         for k in range(k0, K, BLOCK_K):
@@ -183,10 +181,14 @@ if HAS_TRITON:
                     w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
             else:
                 w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            x = _pre_x(X, R, G, k, rk, kmask, K, rstd, offset, PRE, HAS_RES, ACT, not EVEN_K)
+            x, s = _pre_x(X, R, G, ROut, k, rk, kmask, K, offset, first, PRE, HAS_RES, ACT, not EVEN_K)
             acc += w.to(tl.float32) * x[None, :]
+            if PRE == 1:
+                sq += s
             w_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
+        if PRE == 1:
+            y = y * tl.rsqrt(tl.sum(sq, 0) / K + eps)
         if HAS_BIAS:
             y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
         tl.store(Out + rn, y.to(Out.dtype.element_ty), mask=nmask)
@@ -346,20 +348,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-_fold = True
+_fold = {"norm": True, "act": True}
 
 
-def set_fold(enabled: bool) -> bool:
-    """Fold the norm before a one-row product, and the activation before the down projection, into the product's
-    kernel (default), or run them as kernels of their own (an A/B in one process); returns the previous setting."""
-    global _fold
-    prev, _fold = _fold, enabled
+def set_fold(norm: bool, act: bool | None = None) -> tuple[bool, bool]:
+    """Fold the norm before a one-row product (`norm`) and the activation before the down projection (`act`,
+    default: as `norm`) into the product's kernel (both by default), or run them as kernels of their own (an A/B
+    in one process); returns the previous (norm, act)."""
+    prev = (_fold["norm"], _fold["act"])
+    _fold.update(norm=norm, act=norm if act is None else act)
     return prev
 
 
-def _folds(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _folds(what: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One contiguous row whose product the one-row sum kernel runs (its measured table says `sum`)."""
-    return (_fold and x.shape[0] == 1 and use_skinny(x, weight) and x.is_contiguous()
+    return (_fold[what] and x.shape[0] == 1 and use_skinny(x, weight) and x.is_contiguous()
             and skinny_config(weight.shape[0], weight.shape[1], 1, x.device).kind == "sum")
 
 
@@ -368,7 +371,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual), residual None: (linear(norm(x)), x). One kernel for one row on
     CUDA (skinny_norm_linear); otherwise the norm's kernel, then `linear`."""
-    if _folds(x, weight) and norm_weight.is_contiguous() and (residual is None or residual.is_contiguous()):
+    if _folds("norm", x, weight) and norm_weight.is_contiguous() and (residual is None or residual.is_contiguous()):
         return skinny_norm_linear(x, residual, norm_weight, eps, offset, weight, bias)
     if residual is None:
         return linear(rms_norm(x, norm_weight, eps, offset), weight, bias), x
@@ -380,7 +383,7 @@ def act_linear(gate_up: torch.Tensor, act: str, weight: torch.Tensor, bias: torc
                ) -> torch.Tensor:
     """linear(act(gate) * up) of a merged gate_up [T, 2K]: one kernel for one row on CUDA (skinny_act_linear);
     otherwise the activation's kernel, then `linear`."""
-    if gate_up.shape[-1] == 2 * weight.shape[1] and _folds(gate_up[:, : weight.shape[1]], weight) \
+    if gate_up.shape[-1] == 2 * weight.shape[1] and _folds("act", gate_up[:, : weight.shape[1]], weight) \
             and gate_up.is_contiguous():
         return skinny_act_linear(gate_up, act, weight, bias)
     return linear(act_and_mul(gate_up, act), weight, bias)

@@ -272,9 +272,13 @@ def test_norm_and_activation_fold_only_into_one_row_products(monkeypatch):
         try:
             apart, r2 = lin.norm_linear(one, res, nw, 1e-6, 0.0, w)
             act_apart = lin.act_linear(gu, "silu", w)
+            assert calls == ["skinny_norm_linear", "skinny_act_linear"]
+            lin.set_fold(norm=False, act=True)
+            lin.norm_linear(one, res, nw, 1e-6, 0.0, w)
+            lin.act_linear(gu, "silu", w)
         finally:
-            lin.set_fold(prev)
-        assert calls == ["skinny_norm_linear", "skinny_act_linear"]
+            lin.set_fold(*prev)
+        assert calls == ["skinny_norm_linear", "skinny_act_linear", "skinny_act_linear"]
     _check(folded, apart)
     _check(act_folded, act_apart)
     assert torch.equal(r1, r2)
