@@ -78,6 +78,7 @@
 #              and not, on, off, on, off
 #   s19c       the norm's squares summed in the product's own pass: GPU tests, then the batch-1 step and loops with
 #              all, none, the norms only, the activation only folded
+#   s19d       the activation alone folded into the one-row down projection: GPU tests, batch-1 step and loops A/B x3
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -536,7 +537,7 @@ case $STAGE in
     B="$STEPS_8B --max-model-len 16384 --iters 30"
     for v in on1 off1 on2 off2; do
       left=$(( 570 - ($(date +%s) - t0) )); [ $left -lt 45 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in off*) a="--fold none" ;; esac  # as run in lease_s19: --no-fold
+      a=""; case $v in off*) a="--no-fold" ;; esac
       timeout $(( left < 65 ? left : 65 )) $B $a --decode 1x8192 --loop 1x8192,1x1024 --loop-steps 100 \
         --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
       echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
@@ -545,7 +546,8 @@ case $STAGE in
   s19c)  # s19b's fold made the batch-1 loop slower (every program summed the row's squares before streaming its
     # weights); now the squares are summed in the product's own pass and 1/rms scales the outputs at the end. GPU
     # tests (skinny/folded kernels, PDL, the warm-up compiles nothing), then the batch-1 step and loops with all,
-    # none, the norms only and the activation only folded, then all and none again
+    # none, the norms only and the activation only folded, then all and none again (as run at 45a3d61, whose
+    # bench_steps took --fold all|norm|act|none; the norm's fold was then taken out)
     timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_linear.py \
       tests/ops/test_pdl.py tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" \
       | cut -c1-600 | tail -12
@@ -557,6 +559,20 @@ case $STAGE in
       echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
     done
     tar czf "$OUT/s19c.tgz" -C "$OUT" s19c ;;
+  s19d)  # the activation alone folded into the one-row down projection (the norm's fold taken out after s19c): GPU
+    # tests, then the batch-1 step and loops folded and not, alternating three times
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_linear.py \
+      tests/ops/test_pdl.py tests/engine/test_fused_engine.py tests/engine/test_vs_transformers.py \
+      tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
+    B="$STEPS_8B --max-model-len 16384 --iters 30"
+    for v in on1 off1 on2 off2 on3 off3; do
+      left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 45 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in off*) a="--no-fold" ;; esac
+      timeout $(( left < 55 ? left : 55 )) $B $a --decode 1x8192 --loop 1x8192,1x1024 --loop-steps 100 \
+        --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
+    done
+    tar czf "$OUT/s19d.tgz" -C "$OUT" s19d ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -418,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--many-programs-tile", default=None,
                     help="the decode kernel's tile once rows x KV heads fill decode.MANY_PROGRAM_WAVES waves: "
                          "'keys,warps,stages', or 'none' (the table alone): an A/B in one lease")
-    ap.add_argument("--fold", default="all", choices=["all", "norm", "act", "none"],
-                    help="what is folded into one-row products (pdserve.ops.linear.set_fold): the norms and the "
-                         "activation (all, the default), one of them, or neither (their own kernels): an A/B")
+    ap.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
+                    help="the activation folded into one-row down projections (pdserve.ops.linear.set_fold); "
+                         "--no-fold: its own kernel (an A/B)")
     ap.add_argument("--ablate", default="",
                     help="an experiment, not a model: skip these kernels (wrong outputs, timings only), comma-"
                          "separated: norm (the layers' RMS norms return their input; the final one stays), act "
@@ -445,9 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skinny:
         from pdserve.ops.linear import set_skinny
         set_skinny(False)
-    if args.fold != "all":
+    if not args.fold:
         from pdserve.ops.linear import set_fold
-        set_fold(norm=args.fold == "norm", act=args.fold == "act")
+        set_fold(False)
     if not args.prefill_new_kv:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.read_new_kv = False

@@ -19,7 +19,7 @@ from pdserve.model.forward_context import attend
 from pdserve.model.merged import MergedLinearOwner, merge_linears, merged_parts
 from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
-from pdserve.ops.linear import linear, norm_linear
+from pdserve.ops.linear import linear
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.rotary import qk_norm_rope
 from pdserve.parallel.group import current_tp
@@ -45,12 +45,6 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.offset)
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
-
-    def project(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(norm(x + residual), weight, bias), x + residual); residual None: (linear(norm(x)), x). For one
-        row on CUDA the norm runs inside the product's kernel (pdserve.ops.linear.norm_linear)."""
-        return norm_linear(x, residual, self.weight, self.eps, self.offset, weight, bias)
 
     def final(self, x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """norm(x + residual) of `rows` only (every row when None): the model's last norm."""
@@ -115,17 +109,12 @@ class GatedMLP(MergedLinearOwner):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        if n <= MLP_CHUNK_TOKENS:
-            return self.from_gate_up(linear(x, self.gate_up_weight))
+        if n <= MLP_CHUNK_TOKENS:  # for one row on CUDA the activation runs inside the down projection's kernel
+            return self.down_proj.act_forward(linear(x, self.gate_up_weight), self.act)
         out = x.new_empty((n, self.down_proj.out_features))  # each part's down projection lands in place (no cat)
         for s in range(0, n, MLP_CHUNK_TOKENS):
             self.down_proj.partial_into(self._act(x[s : s + MLP_CHUNK_TOKENS]), out[s : s + MLP_CHUNK_TOKENS])
         return self.down_proj.finish(out)
-
-    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down(act(gate) * up) of the merged projection's output (at most MLP_CHUNK_TOKENS rows); for one row on
-        CUDA the activation runs inside the down projection's kernel."""
-        return self.down_proj.act_forward(gate_up, self.act)
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         return act_and_mul(linear(x, self.gate_up_weight), self.act)
@@ -185,11 +174,8 @@ class PagedAttention(MergedLinearOwner):
         return [("qkv", [self.q_proj, self.k_proj, self.v_proj])]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.from_qkv(positions, linear(x, self.qkv_weight, self.qkv_bias))
-
-    def from_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Attention and the output projection from the merged q/k/v projection's output."""
-        t = qkv.shape[0]
+        t = x.shape[0]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pdserve.model import shapes
-from pdserve.model.layers import MLP_CHUNK_TOKENS, GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
+from pdserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from pdserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 from pdserve.model.rope_config import rope_params
 
@@ -42,16 +42,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it): the next norm adds them. Each norm goes with the
-        product after it (RMSNorm.project: one kernel for one row on CUDA)."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = self.input_layernorm.project(hidden, residual, attn.qkv_weight, attn.qkv_bias)
-        hidden = attn.from_qkv(positions, qkv)
-        if isinstance(mlp, GatedMLP) and hidden.shape[0] <= MLP_CHUNK_TOKENS:
-            gate_up, residual = self.post_attention_layernorm.project(hidden, residual, mlp.gate_up_weight)
-            return mlp.from_gate_up(gate_up), residual
+        """(this layer's output, the residual stream before it): the next norm adds them."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return mlp(hidden), residual
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

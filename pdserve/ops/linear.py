@@ -15,13 +15,12 @@ file, or the one shipped for the GPU (configs/skinny_linear/, written by bench_l
 defaults below. `linear` routes rows <= `SKINNY_MAX_ROWS` of 16-bit CUDA tensors here and everything else to
 `F.linear`, which stays the reference.
 
-Folded prologues (one row): `norm_linear` runs the RMS norm (with the residual add) before the q/k/v and gate_up
-products inside the sum kernel. Every program sweeps the whole of K, so it sums the row's squares in the same pass
-as the product and scales its outputs by 1/rms at the end (the normed row is not rounded to the model dtype before
-the product, as the norm's kernel's output is); program 0 stores the new residual. `act_linear` runs act(gate) * up
-inside the down projection, rounded as the activation's kernel stores it. Each saves a kernel of its own per layer
-in a batch-1 decode step. More rows, CPU
-tensors or `set_fold(False)`: the norm's or the activation's kernel, then `linear`.
+The activation folded in (one row): `act_linear` runs act(gate) * up of the merged gate_up row inside the down
+projection's sum kernel, rounded as the activation's kernel stores it: one kernel fewer per layer in a batch-1
+decode step (benchmarks/lease_s19/s19c: the batch-1 loop 0.17-0.18 ms faster a step on an H200). The RMS norm folded
+the same way into the q/k/v and gate_up products was slower (every program re-reads the row, its residual and the
+norm's weight from L2: 6,144 programs of gate_up's one-row tile), so the norms keep their kernel. More rows, CPU
+tensors or `set_fold(False)`: the activation's kernel, then `linear`.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ import torch.nn.functional as F
 from pdserve import envs
 from pdserve.ops.activation import act_and_mul
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
-from pdserve.ops.norm import fused_add_rms_norm, rms_norm
 from pdserve.ops.pdl import pdl_args
 
 SKINNY_MAX_ROWS = 16  # the dot tile's row count: every M up to it shares one compiled kernel
@@ -101,33 +99,14 @@ if HAS_TRITON:
                  mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _pre_x(X, R, G, ROut, k, rk, kmask, K, offset, first, PRE: tl.constexpr, HAS_RES: tl.constexpr,
-               ACT: tl.constexpr, MASKED: tl.constexpr):
-        """One BLOCK_K chunk of the product's input in float32, and its squares. PRE 0: x. PRE 1: h * (g +
-        offset) with h = x (+ r, rounded as the model's dtype adds; `first` stores it to ROut), the row's 1/rms
-        left to the end (a scalar per row: the product of the normed row is rstd * the product of this). PRE 2:
-        act(gate) * up of a merged gate_up row, rounded as pdserve.ops.activation's kernel stores it."""
+    def _x_chunk(X, k, rk, kmask, K, GATED: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr):
+        """One BLOCK_K chunk of the product's input in float32: x, or (GATED) act(gate) * up of a merged gate_up
+        row [2K], rounded as pdserve.ops.activation's kernel stores it."""
         if MASKED:
             x = tl.load(X + k + rk, mask=kmask, other=0.0)
         else:
             x = tl.load(X + k + rk)
-        sq = 0.0
-        if PRE == 1:
-            if HAS_RES:
-                if MASKED:
-                    r = tl.load(R + k + rk, mask=kmask, other=0.0)
-                else:
-                    r = tl.load(R + k + rk)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-                tl.store(ROut + k + rk, x, mask=kmask & first)
-            if MASKED:
-                g = tl.load(G + k + rk, mask=kmask, other=0.0)
-            else:
-                g = tl.load(G + k + rk)
-            h = x.to(tl.float32)
-            sq = h * h
-            xf = h * (g.to(tl.float32) + offset)
-        elif PRE == 2:
+        if GATED:
             if MASKED:
                 u = tl.load(X + K + k + rk, mask=kmask, other=0.0).to(tl.float32)
             else:
@@ -139,37 +118,27 @@ if HAS_TRITON:
                 a = g * tl.sigmoid(2.0 * (0.7978845608028654 * (g + 0.044715 * g * g * g)))
             else:
                 a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-            xf = (a * u).to(X.dtype.element_ty).to(tl.float32)
-        else:
-            xf = x.to(tl.float32)
-        return xf, sq
+            x = (a * u).to(X.dtype.element_ty)
+        return x.to(tl.float32)
 
     @triton.jit
-    def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, R, G, ROut, eps, offset, HAS_BIAS: tl.constexpr,
-                           EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PDL: tl.constexpr, PRE: tl.constexpr = 0, HAS_RES: tl.constexpr = False,
-                           ACT: tl.constexpr = "silu"):
-        """One row. PRE 1: the input is rms_norm(X + R) (R when HAS_RES; program 0 stores X + R to ROut): every
-        program sweeps the whole of K, so it sums the row's squares as it goes and scales its outputs by the
-        row's 1/rms at the end. PRE 2: X is a gate_up row [2K] and the input is act(gate) * up. PRE 0: X."""
+    def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+                           EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                           GATED: tl.constexpr = False, ACT: tl.constexpr = "silu"):
+        """One row: X [K], or (GATED) a merged gate_up row [2K] whose act(gate) * up is the input."""
         pdl_launch_early(PDL)
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
-        first = pid == 0
         w_ptrs = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         k0 = 0
         if PDL != 0:  # the first weight tile streams in under the previous kernel's tail (see pdserve.ops.pdl)
             kmask = rk < K
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
             pdl_wait(PDL)
-            x, s = _pre_x(X, R, G, ROut, 0, rk, kmask, K, offset, first, PRE, HAS_RES, ACT, True)
-            acc += w.to(tl.float32) * x[None, :]
-            if PRE == 1:
-                sq += s
+            acc += w.to(tl.float32) * _x_chunk(X, 0, rk, kmask, K, GATED, ACT, True)[None, :]
             w_ptrs += BLOCK_K
             k0 = BLOCK_K
         for k in range(k0, K, BLOCK_K):
@@ -181,14 +150,9 @@ if HAS_TRITON:
                     w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
             else:
                 w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            x, s = _pre_x(X, R, G, ROut, k, rk, kmask, K, offset, first, PRE, HAS_RES, ACT, not EVEN_K)
-            acc += w.to(tl.float32) * x[None, :]
-            if PRE == 1:
-                sq += s
+            acc += w.to(tl.float32) * _x_chunk(X, k, rk, kmask, K, GATED, ACT, not EVEN_K)[None, :]
             w_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
-        if PRE == 1:
-            y = y * tl.rsqrt(tl.sum(sq, 0) / K + eps)
         if HAS_BIAS:
             y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
         tl.store(Out + rn, y.to(Out.dtype.element_ty), mask=nmask)
@@ -216,8 +180,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     common = dict(HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     if cfg.kind == "sum" and m == 1:
-        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), x, x, x, 0.0, 0.0, **common,
-                                 **pdl_args(x))
+        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), **common, **pdl_args(x))
     elif cfg.kind in ("dot", "sum"):
         # never with PDL: its shared memory, held while waiting, crowds out the kernel before it (pdserve.ops.pdl)
         _skinny_dot_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), **common)
@@ -226,53 +189,24 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def _one_row_sum(x, weight, bias, cfg, pre: int, r=None, g=None, r_out=None, eps=0.0, offset=0.0,
-                 act="silu") -> torch.Tensor:
-    """The sum kernel over one row with input prologue `pre` (see _skinny_sum_kernel)."""
-    n, k = weight.shape
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if n == 0:
-        return out
-    b = bias if bias is not None else weight  # never read without HAS_BIAS
-    _skinny_sum_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, b, out, n, k, weight.stride(0), r if r is not None else x, g if g is not None else x,
-        r_out if r_out is not None else x, eps, offset, HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0,
-        EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRE=pre, HAS_RES=r is not None,
-        ACT=act, num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x))
-    return out
-
-
-def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                       offset: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual) for one contiguous row [1, K], in one kernel: the
-    norm's own kernel folded into the product's (pdserve.ops.norm's math and rounding). residual None: norm(x),
-    and x is returned as the residual stream."""
-    k = weight.shape[1]
-    if x.shape != (1, k) or not x.is_contiguous() or norm_weight.shape != (k,) or not norm_weight.is_contiguous() \
-            or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous())):
-        raise ValueError(f"skinny_norm_linear takes one contiguous row [1, K] (and a residual like it) and a norm "
-                         f"weight [K]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    cfg = _one_row_config(weight, config, x.device)
-    r_out = torch.empty_like(x) if residual is not None else None
-    y = _one_row_sum(x, weight, bias, cfg, 1, residual, norm_weight, r_out, eps, float(offset))
-    return y, (r_out if r_out is not None else x)
-
-
 def skinny_act_linear(gate_up: torch.Tensor, act: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       config: SkinnyConfig | None = None) -> torch.Tensor:
     """act(gate) * up @ weight^T (+ bias) for one contiguous merged row gate_up [1, 2K], in one kernel: the
     activation's own kernel folded into the product's (pdserve.ops.activation's math and rounding)."""
-    k = weight.shape[1]
+    n, k = weight.shape
     if gate_up.shape != (1, 2 * k) or not gate_up.is_contiguous() or act not in ("silu", "gelu_tanh", "gelu"):
         raise ValueError(f"skinny_act_linear takes one contiguous gate_up row [1, 2K] and silu, gelu_tanh or gelu; "
                          f"got {tuple(gate_up.shape)} with weight {tuple(weight.shape)} and {act!r}")
-    return _one_row_sum(gate_up, weight, bias, _one_row_config(weight, config, gate_up.device), 2, act=act)
-
-
-def _one_row_config(weight: torch.Tensor, config: SkinnyConfig | None, device: torch.device) -> SkinnyConfig:
-    cfg = config or skinny_config(weight.shape[0], weight.shape[1], 1, device)
-    return cfg if cfg.kind == "sum" else ONE_ROW_CONFIG
+    cfg = config or skinny_config(n, k, 1, gate_up.device)
+    cfg = cfg if cfg.kind == "sum" else ONE_ROW_CONFIG
+    out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
+    if n == 0:
+        return out
+    _skinny_sum_kernel[(triton.cdiv(n, cfg.block_n),)](
+        gate_up, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GATED=True, ACT=act, num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(gate_up))
+    return out
 
 
 CONFIG_DIR = Path(__file__).parent / "configs" / "skinny_linear"
@@ -348,42 +282,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-_fold = {"norm": True, "act": True}
+_fold = True
 
 
-def set_fold(norm: bool, act: bool | None = None) -> tuple[bool, bool]:
-    """Fold the norm before a one-row product (`norm`) and the activation before the down projection (`act`,
-    default: as `norm`) into the product's kernel (both by default), or run them as kernels of their own (an A/B
-    in one process); returns the previous (norm, act)."""
-    prev = (_fold["norm"], _fold["act"])
-    _fold.update(norm=norm, act=norm if act is None else act)
+def set_fold(enabled: bool) -> bool:
+    """Fold the activation into a one-row down projection's kernel (default), or run it as a kernel of its own
+    (an A/B in one process); returns the previous setting."""
+    global _fold
+    prev, _fold = _fold, enabled
     return prev
-
-
-def _folds(what: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One contiguous row whose product the one-row sum kernel runs (its measured table says `sum`)."""
-    return (_fold[what] and x.shape[0] == 1 and use_skinny(x, weight) and x.is_contiguous()
-            and skinny_config(weight.shape[0], weight.shape[1], 1, x.device).kind == "sum")
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                offset: float, weight: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(norm(x + residual)), x + residual), residual None: (linear(norm(x)), x). One kernel for one row on
-    CUDA (skinny_norm_linear); otherwise the norm's kernel, then `linear`."""
-    if _folds("norm", x, weight) and norm_weight.is_contiguous() and (residual is None or residual.is_contiguous()):
-        return skinny_norm_linear(x, residual, norm_weight, eps, offset, weight, bias)
-    if residual is None:
-        return linear(rms_norm(x, norm_weight, eps, offset), weight, bias), x
-    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps, offset)
-    return linear(normed, weight, bias), residual
 
 
 def act_linear(gate_up: torch.Tensor, act: str, weight: torch.Tensor, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
-    """linear(act(gate) * up) of a merged gate_up [T, 2K]: one kernel for one row on CUDA (skinny_act_linear);
-    otherwise the activation's kernel, then `linear`."""
-    if gate_up.shape[-1] == 2 * weight.shape[1] and _folds("act", gate_up[:, : weight.shape[1]], weight) \
-            and gate_up.is_contiguous():
+    """linear(act(gate) * up) of a merged gate_up [T, 2K]: one kernel for one contiguous row whose product the
+    one-row sum kernel runs (skinny_act_linear); otherwise the activation's kernel, then `linear`."""
+    k = weight.shape[1]
+    if (_fold and gate_up.shape[0] == 1 and gate_up.shape[-1] == 2 * k and gate_up.is_contiguous()
+            and use_skinny(gate_up[:, :k], weight)
+            and skinny_config(weight.shape[0], k, 1, gate_up.device).kind == "sum"):
         return skinny_act_linear(gate_up, act, weight, bias)
     return linear(act_and_mul(gate_up, act), weight, bias)

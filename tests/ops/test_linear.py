@@ -175,145 +175,85 @@ def test_captured_in_a_cuda_graph():
         _check(out, _ref(x, w, None))
 
 
-# ---- the norm and the activation folded into a one-row product (norm_linear, act_linear)
-
-def _norm_ref(x, r, g, eps, offset):
-    """pdserve.ops.norm's kernel math: residual added and rounded, float32 statistics, one rounding."""
-    h = (x.float() + r.float()).to(x.dtype) if r is not None else x
-    hf = h.float()
-    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (g.float() + offset)).to(x.dtype), h
-
-
-@pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("n,k,block_n,block_k", [(40, 200, 8, 64), (64, 256, 16, 128), (33, 96, 8, 32)])
-@pytest.mark.parametrize("with_res,offset,bias", [(True, 0.0, False), (False, 0.0, True), (True, 1.0, True)])
-def test_norm_folded_into_one_row_product(device, dtype, n, k, block_n, block_k, with_res, offset, bias):
-    g = gen(n * 7 + k + int(with_res) + int(offset * 10))
-    x = randn((1, k), g, device, dtype, 2.0)
-    r = randn((1, k), g, device, dtype) if with_res else None
-    nw = randn((k,), g, device, dtype, 0.5)
-    w = randn((n, k), g, device, dtype, k ** -0.5)
-    b = randn((n,), g, device, dtype) if bias else None
-    with force_fused():
-        y, res = lin.skinny_norm_linear(x, r, nw, 1e-6, offset, w, b, SkinnyConfig(block_n, block_k, 4, 2, "sum"))
-    normed, h = _norm_ref(x, r, nw, 1e-6, offset)
-    assert y.shape == (1, n) and y.dtype == dtype
-    _check(y, _ref(normed, w, b))
-    assert torch.equal(res, h)  # the residual stream, bit for bit
-    assert (res is x) == (r is None)
-
+# ---- the activation folded into a one-row down projection (act_linear)
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
-@pytest.mark.parametrize("n,k,block_n,block_k", [(40, 200, 8, 64), (48, 128, 16, 128)])
-def test_activation_folded_into_one_row_product(device, dtype, act, n, k, block_n, block_k):
+@pytest.mark.parametrize("n,k,block_n,block_k,bias", [(40, 200, 8, 64, False), (48, 128, 16, 128, True),
+                                                      (33, 96, 8, 32, False)])
+def test_activation_folded_into_one_row_product(device, dtype, act, n, k, block_n, block_k, bias):
     from pdserve.ops.activation import act_and_mul_triton
     g = gen(n + k)
     gu = randn((1, 2 * k), g, device, dtype, 2.0)
     w = randn((n, k), g, device, dtype, k ** -0.5)
+    b = randn((n,), g, device, dtype) if bias else None
     with force_fused():
-        y = lin.skinny_act_linear(gu, act, w, None, SkinnyConfig(block_n, block_k, 4, 2, "sum"))
+        y = lin.skinny_act_linear(gu, act, w, b, SkinnyConfig(block_n, block_k, 4, 2, "sum"))
         a = act_and_mul_triton(gu, act)  # the activation's own kernel: the input the product would have read
-    _check(y, _ref(a, w, None))
+    assert y.shape == (1, n) and y.dtype == dtype
+    _check(y, _ref(a, w, b))
 
 
-def test_folded_kernels_refuse_what_they_cannot_take():
+def test_folded_activation_refuses_what_it_cannot_take():
     w = torch.zeros(8, 32, dtype=torch.float16)
-    nw = torch.ones(32, dtype=torch.float16)
     with pytest.raises(ValueError):
-        lin.skinny_norm_linear(torch.zeros(2, 32, dtype=torch.float16), None, nw, 1e-6, 0.0, w)
+        lin.skinny_act_linear(torch.zeros(1, 32, dtype=torch.float16), "silu", w)  # not [1, 2K]
     with pytest.raises(ValueError):
-        lin.skinny_norm_linear(torch.zeros(1, 32, dtype=torch.float16), torch.zeros(1, 16, dtype=torch.float16),
-                               nw, 1e-6, 0.0, w)
-    with pytest.raises(ValueError):
-        lin.skinny_act_linear(torch.zeros(1, 32, dtype=torch.float16), "silu", w)
+        lin.skinny_act_linear(torch.zeros(2, 64, dtype=torch.float16), "silu", w)
     with pytest.raises(ValueError):
         lin.skinny_act_linear(torch.zeros(1, 64, dtype=torch.float16), "relu", w)
 
 
 def test_a_wrong_fold_would_be_caught():
-    """The norm's weight left out (or the residual not added) gives another answer than the check expects."""
+    """The up half left out (act(gate) alone) gives another answer than the check expects."""
     g = gen(21)
-    x, r = randn((1, 64), g, "cpu", torch.float16, 2.0), randn((1, 64), g, "cpu", torch.float16)
-    nw = randn((64,), g, "cpu", torch.float16, 0.5)
+    gu = randn((1, 128), g, "cpu", torch.float16, 2.0)
     w = randn((32, 64), g, "cpu", torch.float16, 0.125)
     with force_fused():
-        y, _ = lin.skinny_norm_linear(x, r, nw, 1e-6, 0.0, w)
+        y = lin.skinny_act_linear(gu, "silu", w)
     with pytest.raises(AssertionError):
-        _check(y, _ref(_norm_ref(x, r, torch.ones_like(nw), 1e-6, 0.0)[0], w, None))
-    with pytest.raises(AssertionError):
-        _check(y, _ref(_norm_ref(x, None, nw, 1e-6, 0.0)[0], w, None))
+        _check(y, _ref(torch.nn.functional.silu(gu[:, :64].float()).half(), w, None))
 
 
-def test_norm_and_activation_fold_only_into_one_row_products(monkeypatch):
-    """norm_linear / act_linear take the folded kernel for one row of a 16-bit tensor the fused ops handle, and
-    the separate kernels (then `linear`) for more rows, CPU tensors, or with folding switched off; both give the
-    same result."""
+def test_activation_folds_only_into_one_row_products(monkeypatch):
+    """act_linear takes the folded kernel for one row of a 16-bit tensor the fused ops handle, and the
+    activation's kernel then `linear` for more rows, CPU tensors, or with folding switched off; same result."""
     calls = []
-    for name in ("skinny_norm_linear", "skinny_act_linear"):
-        real = getattr(lin, name)
-        monkeypatch.setattr(lin, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    real = lin.skinny_act_linear
+    monkeypatch.setattr(lin, "skinny_act_linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     monkeypatch.delenv("PDSERVE_SKINNY_CONFIG", raising=False)
     g = gen(4)
     w = randn((32, 64), g, "cpu", torch.float16, 0.125)
-    nw = randn((64,), g, "cpu", torch.float16, 0.5)
-    one, res = randn((1, 64), g, "cpu", torch.float16), randn((1, 64), g, "cpu", torch.float16)
-    two = randn((2, 64), g, "cpu", torch.float16)
     gu = randn((1, 128), g, "cpu", torch.float16)
-    lin.norm_linear(one, res, nw, 1e-6, 0.0, w)  # CPU tensors: the references
+    lin.act_linear(gu, "silu", w)  # a CPU tensor: the references
     assert calls == []
     with force_fused():
-        folded, r1 = lin.norm_linear(one, res, nw, 1e-6, 0.0, w)
-        act_folded = lin.act_linear(gu, "silu", w)
-        assert calls == ["skinny_norm_linear", "skinny_act_linear"]
-        lin.norm_linear(two, two, nw, 1e-6, 0.0, w)
-        lin.act_linear(torch.cat([gu, gu]), "silu", w)
+        folded = lin.act_linear(gu, "silu", w)
+        assert calls == [(1, 128)]
+        two = lin.act_linear(torch.cat([gu, gu]), "silu", w)
         prev = lin.set_fold(False)
         try:
-            apart, r2 = lin.norm_linear(one, res, nw, 1e-6, 0.0, w)
-            act_apart = lin.act_linear(gu, "silu", w)
-            assert calls == ["skinny_norm_linear", "skinny_act_linear"]
-            lin.set_fold(norm=False, act=True)
-            lin.norm_linear(one, res, nw, 1e-6, 0.0, w)
-            lin.act_linear(gu, "silu", w)
+            apart = lin.act_linear(gu, "silu", w)
         finally:
-            lin.set_fold(*prev)
-        assert calls == ["skinny_norm_linear", "skinny_act_linear", "skinny_act_linear"]
+            lin.set_fold(prev)
+    assert calls == [(1, 128)]
     _check(folded, apart)
-    _check(act_folded, act_apart)
-    assert torch.equal(r1, r2)
+    _check(two[1:], apart)
 
 
 @pytest.mark.gpu
 @_needs_cuda
-@pytest.mark.parametrize("n,k", [(6144, 4096), (24576, 4096)])
-def test_norm_fold_on_qwen3_8b_shapes_in_a_cuda_graph(n, k):
-    """The folded norm as a decode graph runs it (PDL on sm_90): replayed with new inputs, against the norm's own
-    kernel followed by the product."""
-    from pdserve.ops.norm import fused_add_rms_norm_triton
-    g = gen(n)
-    w = randn((n, k), g, "cuda", torch.bfloat16, k ** -0.5)
-    nw = randn((k,), g, "cuda", torch.bfloat16, 0.5)
-    x = torch.zeros((1, k), dtype=torch.bfloat16, device="cuda")
-    r = torch.zeros_like(x)
-    lin.norm_linear(x, r, nw, 1e-6, 0.0, w)  # compile outside the capture
+def test_activation_fold_on_qwen3_8b_down_projection_in_a_cuda_graph():
+    """As a decode graph runs it (PDL on sm_90): replayed with new inputs, against the activation's own kernel
+    followed by the product."""
+    from pdserve.ops.activation import act_and_mul_triton
+    w = randn((4096, 12288), gen(9), "cuda", torch.bfloat16, 12288 ** -0.5)
+    gu = torch.zeros((1, 24576), dtype=torch.bfloat16, device="cuda")
+    lin.act_linear(gu, "silu", w)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, res = lin.norm_linear(x, r, nw, 1e-6, 0.0, w)
+        y = lin.act_linear(gu, "silu", w)
     for seed in (2, 3):
-        x.copy_(randn((1, k), gen(seed), "cuda", torch.bfloat16, 2.0))
-        r.copy_(randn((1, k), gen(seed + 10), "cuda", torch.bfloat16))
+        gu.copy_(randn((1, 24576), gen(seed), "cuda", torch.bfloat16, 2.0))
         graph.replay()
-        normed, h = fused_add_rms_norm_triton(x, r, nw, 1e-6, 0.0)
-        _check(y, _ref(normed, w, None))
-        assert torch.equal(res, h)
-
-
-@pytest.mark.gpu
-@_needs_cuda
-def test_activation_fold_on_qwen3_8b_down_projection():
-    from pdserve.ops.activation import act_and_mul_triton
-    g = gen(9)
-    w = randn((4096, 12288), g, "cuda", torch.bfloat16, 12288 ** -0.5)
-    gu = randn((1, 24576), g, "cuda", torch.bfloat16, 2.0)
-    _check(lin.act_linear(gu, "silu", w), _ref(act_and_mul_triton(gu, "silu"), w, None))
+        _check(y, _ref(act_and_mul_triton(gu, "silu"), w, None))
