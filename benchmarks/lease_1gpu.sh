@@ -79,7 +79,6 @@
 #   s19c       the norm's squares summed in the product's own pass: GPU tests, then the batch-1 step and loops with
 #              all, none, the norms only, the activation only folded
 #   s19d       the activation alone folded into the one-row down projection: GPU tests, batch-1 step and loops A/B x3
-#   s19e       the KV write folded into the rotary kernel: GPU tests, then batch-1 step and loops at 1 and 256 A/B x2
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -574,22 +573,6 @@ case $STAGE in
       echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
     done
     tar czf "$OUT/s19d.tgz" -C "$OUT" s19d ;;
-  s19e)  # the KV write folded into the rotary kernel (the backend's write kernel skipped): GPU tests (rotary with the
-    # write, bf16 and fp8 pools; KV write; fp8 KV; the engine against transformers; graphs; the warm-up compiles
-    # nothing), then the batch-1 step and the steady loops at batch 1 (8k) and 256 (1k) with it and without, twice
-    timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_rotary.py \
-      tests/ops/test_attention_kv_write.py tests/ops/test_fp8_kv.py tests/engine/test_fused_engine.py \
-      tests/engine/test_vs_transformers.py tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" \
-      | grep -v "^\.*$" | cut -c1-600 | tail -12
-    B="$STEPS_8B --max-model-len 16384 --iters 30"
-    for v in on1 off1 on2 off2; do
-      left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in off*) a="--no-rope-kv" ;; esac
-      timeout $(( left < 75 ? left : 75 )) $B $a --decode 1x8192 --loop 1x8192,256x1024 --loop-steps 60 \
-        --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
-      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
-    done
-    tar czf "$OUT/s19e.tgz" -C "$OUT" s19e ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

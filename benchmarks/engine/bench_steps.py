@@ -421,9 +421,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
                     help="the activation folded into one-row down projections (pdserve.ops.linear.set_fold); "
                          "--no-fold: its own kernel (an A/B)")
-    ap.add_argument("--rope-kv", action=argparse.BooleanOptionalAction, default=True,
-                    help="the rotary kernel writes the step's K/V into the pool (pdserve.ops.rotary."
-                         "set_rope_writes_kv); --no-rope-kv: the backend's KV-write kernel does (an A/B)")
     ap.add_argument("--ablate", default="",
                     help="an experiment, not a model: skip these kernels (wrong outputs, timings only), comma-"
                          "separated: norm (the layers' RMS norms return their input; the final one stays), act "
@@ -448,9 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skinny:
         from pdserve.ops.linear import set_skinny
         set_skinny(False)
-    if not args.rope_kv:
-        from pdserve.ops.rotary import set_rope_writes_kv
-        set_rope_writes_kv(False)
     if not args.fold:
         from pdserve.ops.linear import set_fold
         set_fold(False)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.ops.attention import AttentionMetadata
-from pdserve.ops.rotary import KVDest, rope_writes_kv
 
 
 @dataclass
@@ -49,25 +48,12 @@ def layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
     return kv_cache[:, :, layer].permute(0, 2, 3, 1, 4)
 
 
-def kv_destination(layer, q: torch.Tensor) -> KVDest | None:
-    """Where the rotary kernel may write this layer's new K/V itself (then `attend(..., kv_written=True)`): when
-    the backend takes K/V already written (`takes_written_kv`: not the piecewise capture's stand-in, whose
-    metadata comes at replay) and the fused kernel runs. None: the backend writes them."""
-    ctx = get_forward_context()
-    if ctx.meta is None or not getattr(ctx.backend, "takes_written_kv", False) or not rope_writes_kv(q):
-        return None
-    ctx.meta.ensure_device(q.device)
-    return KVDest(layer_view(ctx.kv_cache, layer.layer_idx), ctx.meta.slot_mapping, layer.k_scale, layer.v_scale)
-
-
-def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Paged attention of one layer (`layer_idx`, `scale`, `sliding_window`, `softcap`, `k_scale`, `v_scale`):
-    the backend writes k/v into the layer's slice of the pool (unless `kv_written`: kv_destination's caller did)
-    and attends; then the layer hook runs."""
+    the backend writes k/v into the layer's slice of the pool and attends; then the layer hook runs."""
     ctx = get_forward_context()
-    extra = {"kv_written": True} if kv_written else {}
     o = ctx.backend.forward(q, k, v, layer_view(ctx.kv_cache, layer.layer_idx), ctx.meta, layer.scale, layer.sliding_window,
-                            layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale, **extra)
+                            layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale)
     if ctx.after_layer is not None:
         ctx.after_layer(layer.layer_idx)
     return o

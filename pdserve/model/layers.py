@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from pdserve.model.forward_context import attend, kv_destination
+from pdserve.model.forward_context import attend
 from pdserve.model.merged import MergedLinearOwner, merge_linears, merged_parts
 from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
@@ -180,11 +180,10 @@ class PagedAttention(MergedLinearOwner):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        dest = kv_destination(self, q)  # the rotary kernel writes the step's K/V into the pool where it can
         if self.q_norm is not None:
             q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, self.q_norm.weight,
-                                self.k_norm.weight, self.q_norm.eps, self.q_norm.offset, v=v, kv=dest)
+                                self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
         else:
-            q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, v=v, kv=dest)
-        o = attend(self, q, k, v, kv_written=dest is not None)
+            q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin)
+        o = attend(self, q, k, v)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -91,32 +91,6 @@ def test_activation_folded_into_one_row_down_projection_matches_the_reference_pa
     _assert_same_logits(logits, ref_logits, atol=2e-2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_rotary_kernel_writes_the_kv_in_the_triton_backend(arch, tiny_model_dirs, monkeypatch):
-    """With the Triton backend (interpreter), the rotary kernel stores each step's K/V into the pool and the
-    backend's KV-write kernel never runs; tokens and logits as with that kernel (set_rope_writes_kv(False)) and
-    as the reference path's."""
-    from pdserve.ops.attention import triton_backend
-    from pdserve.ops.rotary import set_rope_writes_kv
-
-    writes = []
-    real = triton_backend.write_kv
-    monkeypatch.setattr(triton_backend, "write_kv", lambda *a, **kw: writes.append(1) or real(*a, **kw))
-    ref_out, ref_logits = _run(_core(tiny_model_dirs[arch]), max_tokens=3)
-    with force_fused():
-        out, logits = _run(_core(tiny_model_dirs[arch], attention_backend="triton"), max_tokens=3)
-        assert writes == []
-        prev = set_rope_writes_kv(False)
-        try:
-            out_apart, logits_apart = _run(_core(tiny_model_dirs[arch], attention_backend="triton"), max_tokens=3)
-        finally:
-            set_rope_writes_kv(prev)
-        assert writes  # the backend's own write ran
-    assert out == out_apart == ref_out
-    _assert_same_logits(logits, logits_apart, atol=1e-6)
-    _assert_same_logits(logits, ref_logits, atol=1e-4)
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_graph_data_flow_matches_eager(arch, tiny_model_dirs):
     ref_out, ref_logits = _run(_core(tiny_model_dirs[arch], enforce_eager=True), max_tokens=6)

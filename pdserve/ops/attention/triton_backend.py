@@ -26,7 +26,6 @@ from pdserve.ops.attention.prefill import PrefillConfig, paged_prefill
 class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True  # decode-only and mixed steps, with builder-made (static) metadata
-    takes_written_kv = True  # forward(kv_written=True): the step's K/V are already in the pool
     read_new_kv = True  # prefill rows read their new tokens' K/V from k/v; False: all from the pool (benchmark A/B)
 
     def __init__(self, prefill_config: PrefillConfig | None = None):
@@ -44,11 +43,9 @@ class TritonAttentionBackend:
         softcap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
-        kv_written: bool = False,
     ) -> torch.Tensor:
         meta.ensure_device(q.device)
-        if not kv_written:  # written: the rotary kernel stored them (pdserve.model.forward_context.kv_destination)
-            write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
+        write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
         new = (k, v) if self.read_new_kv else (None, None)
         return self.attend(q, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale, *new)
 
