@@ -79,6 +79,8 @@
 #   s19c       the norm's squares summed in the product's own pass: GPU tests, then the batch-1 step and loops with
 #              all, none, the norms only, the activation only folded
 #   s19d       the activation alone folded into the one-row down projection: GPU tests, batch-1 step and loops A/B x3
+#   s19e       (needs commit ea7eeda's tree) the KV write folded into the rotary kernel: GPU tests, batch-1 step and loops
+#              at 1 and 256 A/B x2
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -573,6 +575,10 @@ case $STAGE in
       echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
     done
     tar czf "$OUT/s19d.tgz" -C "$OUT" s19d ;;
+  s19e)  # as run at ea7eeda (lease_s19/s19e), then reverted: the KV write folded into the rotary kernel (the backend's write
+    # kernel skipped) measured no faster. GPU tests, then the batch-1 step and the steady loops at batch 1 (8k) and
+    # 256 (1k) with it and without (--no-rope-kv, an option of that commit's bench_steps), twice
+    echo "stage s19e needs commit ea7eeda's tree (pdserve.ops.rotary's KV write): check it out first"; exit 2 ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
