@@ -515,6 +515,82 @@ def _ab_steps(runs: list[tuple[str, dict]]) -> None:
                 f"{x['loops'][i]['step_ms']:.2f} ({x['loops'][i]['fraction_of_floor']:.0%})" for _, x in runs) + " |")
 
 
+def _gpu_tests(rel: str) -> str:
+    """The pytest summary line of a stage's GPU tests."""
+    return next(ln for ln in reversed((B / rel).read_text().splitlines()) if " passed" in ln).strip()
+
+
+def _sbs_chunks(folder: str, workload: str) -> None:
+    """Per server: TPOT, chunks a request for its tokens, the median gap between chunks and the end-to-end time
+    (vLLM's client, per-request records): a chunk of several tokens moves their decode time from TPOT into TTFT."""
+    for n in ("vllm", "pdserve"):
+        d = load(f"{folder}/{n}_single_{workload}.json")
+        gaps = sorted(g for r in d["itls"] for g in r if g > 1e-3)  # gaps between chunks; the near-zero last ones out
+        chunks = sum(len(r) + 1 for r in d["itls"]) / len(d["itls"])
+        print(f"- {workload} {n}: TPOT mean {d['mean_tpot_ms']:.2f} ms; {chunks:.1f} chunks a request for "
+              f"{d['output_lens'][0]} tokens; median gap between chunks {1e3 * gaps[len(gaps) // 2]:.2f} ms; mean "
+              f"TTFT {d['mean_ttft_ms']:.1f} ms; mean E2EL {d['mean_e2el_ms']:.1f} ms")
+
+
+def session19() -> None:
+    """Session 19 (H200s): what fusing the small kernels could save (ablation), split-K products, the norm and
+    the activation folded into one-row products, the KV write folded into the rotary kernel, the side by side."""
+    base = "lease_s19"
+    print("What the small kernels cost (s19a, machine 1, `bench_steps.py --ablate`: the layers' RMS norms, SiLU*mul or "
+          "the KV write skipped, outputs wrong; in that order with the unablated model first and last):\n")
+    arms = [(v, load(f"{base}/s19a/steps_{v}.json")) for v in ("none", "all", "norm", "act", "kv_write", "none2")]
+    _ab_steps(arms)
+    step = [next(r["step_ms_median"] for r in d["results"] if r["case"] == "decode:256x1024") for _, d in arms]
+    loop = [next(lp["step_ms"] for lp in d["loops"] if lp["async"] and lp["case"] == "loop:256x1024") for _, d in arms]
+    print(f"\nThe batch-256 step alone (a zero KV pool, the same for every arm) took {min(step):.2f}-{max(step):.2f} ms "
+          "across the arms. The loops write what the model computes into the pool and feed it to the products: with the "
+          "KV write skipped the loop reads a pool of zeros, with the norms skipped the activations grow without bound. "
+          f"Their batch-256 times ({min(loop):.2f}-{max(loop):.2f} ms) come with those data, so they are not what "
+          "fusing the kernels would give; the batch-1 loop, whose time is the weights' reads, is the measure of the "
+          "kernels themselves.\n")
+    d = load(f"{base}/s19a/gemm_splitk.json")
+    c = d["ceilings"]
+    print("Products split over K in one strided-batched GEMM (`bench_gemm_rows.py --split-k`, same machine; views of x "
+          "and W, no copies; the parts summed by a separate kernel, or left for a later kernel to add; ceilings: HBM "
+          f"copy {c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s):\n")
+    print("| projection | rows | cuBLAS us | split 2, without the sum us | split 2, with the sum us |\n|---|---|---|---|---|")
+    for r in d["results"]:
+        if r.get("variant") and r["split_k"] == 2:
+            print(f"| {r['shape']} {r['n']}x{r['k']} | {r['rows']} | {r['us_mm']:.2f} | {r['us_bmm_only']:.2f} | "
+                  f"{r['us']:.2f} |")
+    print("\nThe norm folded into the one-row q/k/v and gate_up products and SiLU*mul into the down projection (s19b, "
+          "machine 2, code 74197f2: every program summed the row's squares before streaming its weights), on and off "
+          f"alternating; GPU tests: {_gpu_tests(f'{base}/s19b/gpu_tests.txt')}:\n")
+    _ab_steps([(v, load(f"{base}/s19b/steps_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
+    print("\nThe norm's squares summed in the product's own pass (s19c, machine 3, code 45a3d61): both folds, neither, "
+          f"the norms only, the activation only; GPU tests: {_gpu_tests(f'{base}/s19c/gpu_tests.txt')}:\n")
+    _ab_steps([(v, load(f"{base}/s19c/steps_{v}.json")) for v in ("all1", "none1", "norm", "act", "all2", "none2")])
+    print("\nEvery program of a folded product re-reads the row (with its residual and the norm's weight) from L2; "
+          "gate_up's one-row tile has 6,144 programs. The norm's fold was taken out; the activation's stays. "
+          f"The activation alone folded (s19d, machine 4, the engine as submitted; GPU tests: "
+          f"{_gpu_tests(f'{base}/s19d/gpu_tests.txt')}):\n")
+    _ab_steps([(v, load(f"{base}/s19d/steps_{v}.json")) for v in ("on1", "off1", "on2", "off2", "on3", "off3")])
+    print("\nThe KV write folded into the QK-norm + rotary kernel (s19e, machine 5, code ea7eeda, then reverted: "
+          f"no faster; GPU tests: {_gpu_tests(f'{base}/s19e/gpu_tests.txt')}):\n")
+    _ab_steps([(v, load(f"{base}/s19e/steps_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
+    for folder, what in (("sbs", "the default workloads"), ("sbs_long", "the two long-prompt workloads again, 8 "
+                                                                        "prompts of 32k")):
+        cmp = load(f"{base}/{folder}/comparison.json")
+        print(f"\nSide by side with vLLM 0.22 ({folder}/, machine 6, `lease_1gpu.sh sbs`, {what}: vLLM, then pdserve, "
+              "on the one H200; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both; "
+              f"kernels pdserve compiled while serving: {_compiles(f'{base}/{folder}/pdserve.log.gz')}):\n")
+        print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
+              "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
+        for w in sorted(cmp["workloads"], key=lambda w: w["workload"]):
+            print(f"| {w['workload']} | {_sbs_cells(w['vllm'], w['pdserve'])}")
+        srv = {n: load(f"{base}/{folder}/{n}_single_server.json") for n in ("vllm", "pdserve")}
+        v, p = srv["vllm"], srv["pdserve"]
+        print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
+              f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s.")
+        for w in ("8192x16_c1", "32768x16_c1"):
+            _sbs_chunks(f"{base}/{folder}", w)
+
+
 def session18() -> None:
     """Session 18 (H200s): a Triton tile GEMM against cuBLAS at 32..1024 rows; the two clients at a Poisson load
     with the same prompts and arrival times, trust_env off and on; the client's send path on a scripted server; the
@@ -1280,6 +1356,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session19()
+    print()
     session18()
     print()
     session17()
