@@ -17,7 +17,7 @@ defaults below. `linear` routes rows <= `SKINNY_MAX_ROWS` of 16-bit CUDA tensors
 
 The activation folded in (one row): `act_linear` runs act(gate) * up of the merged gate_up row inside the down
 projection's sum kernel, rounded as the activation's kernel stores it: one kernel fewer per layer in a batch-1
-decode step (benchmarks/lease_s19/s19c: the batch-1 loop 0.17-0.18 ms faster a step on an H200). The RMS norm folded
+decode step (benchmarks/lease_s19/s19d: the batch-1 loops 0.16-0.17 ms faster a step on an H200). The RMS norm folded
 the same way into the q/k/v and gate_up products was slower (every program re-reads the row, its residual and the
 norm's weight from L2: 6,144 programs of gate_up's one-row tile), so the norms keep their kernel. More rows, CPU
 tensors or `set_fold(False)`: the activation's kernel, then `linear`.
