@@ -102,6 +102,17 @@ profile_b1_8k() {  # MIN_SECONDS TOP: the batch-1 8k decode step's kernels ($B) 
   [ $left -gt $1 ] && timeout $left $B --profile "decode:1x8192" --top $2 --out "$W/profile.json" > "$W/profile.txt" 2>&1
   grep -v " INFO " "$W/profile.txt" | grep -A$(( $2 + 4 )) "^profile"
 }
+fold_ab() {  # LIMIT_S ARM_S ARMS...: the batch-1 8k step and the batch-1 loops (8k, 1k) per arm, in order, until
+  # LIMIT_S into the call, each at most ARM_S; arms named off* run with --no-fold (the activation's own kernel)
+  local limit=$1 per=$2 v a left; shift 2
+  for v in "$@"; do
+    left=$(( limit - ($(date +%s) - t0) )); [ $left -lt 45 ] && { echo "no time left for $v"; break; }
+    a=""; case $v in off*) a="--no-fold" ;; esac
+    timeout $(( left < per ? left : per )) $STEPS_8B --max-model-len 16384 --iters 30 $a --decode 1x8192 \
+      --loop 1x8192,1x1024 --loop-steps 100 --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+    echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
+  done
+}
 # one pdserve server of dummy Qwen3-8B as the side by side starts it (--gpu-memory-utilization 0.9, --max-model-len
 # 40960), model $1 (a dir or a shipped shape): its start-up (launch to first completion), KV sizing and warm-up lines
 sizing_server() {
@@ -536,14 +547,7 @@ case $STAGE in
     timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_linear.py \
       tests/ops/test_pdl.py tests/engine/test_fused_engine.py tests/engine/test_vs_transformers.py \
       tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
-    B="$STEPS_8B --max-model-len 16384 --iters 30"
-    for v in on1 off1 on2 off2; do
-      left=$(( 570 - ($(date +%s) - t0) )); [ $left -lt 45 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in off*) a="--no-fold" ;; esac
-      timeout $(( left < 65 ? left : 65 )) $B $a --decode 1x8192 --loop 1x8192,1x1024 --loop-steps 100 \
-        --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
-      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
-    done
+    fold_ab 570 65 on1 off1 on2 off2
     tar czf "$OUT/s19b.tgz" -C "$OUT" s19b ;;
   s19c)  # s19b's fold made the batch-1 loop slower (every program summed the row's squares before streaming its
     # weights); now the squares are summed in the product's own pass and 1/rms scales the outputs at the end. GPU
@@ -566,14 +570,7 @@ case $STAGE in
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_linear.py \
       tests/ops/test_pdl.py tests/engine/test_fused_engine.py tests/engine/test_vs_transformers.py \
       tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
-    B="$STEPS_8B --max-model-len 16384 --iters 30"
-    for v in on1 off1 on2 off2 on3 off3; do
-      left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 45 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in off*) a="--no-fold" ;; esac
-      timeout $(( left < 55 ? left : 55 )) $B $a --decode 1x8192 --loop 1x8192,1x1024 --loop-steps 100 \
-        --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
-      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
-    done
+    fold_ab 575 55 on1 off1 on2 off2 on3 off3
     tar czf "$OUT/s19d.tgz" -C "$OUT" s19d ;;
   s19e)  # as run at ea7eeda (lease_s19/s19e), then reverted: the KV write folded into the rotary kernel (the backend's write
     # kernel skipped) measured no faster. GPU tests, then the batch-1 step and the steady loops at batch 1 (8k) and

@@ -520,6 +520,18 @@ def _gpu_tests(rel: str) -> str:
     return next(ln for ln in reversed((B / rel).read_text().splitlines()) if " passed" in ln).strip()
 
 
+def _sbs_table(folder: str) -> None:
+    """A `lease_1gpu.sh sbs` folder's comparison table (each workload's output tok/s, mean TTFT and mean TPOT of
+    both servers with ratios), then KV tokens and start-up of both."""
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
+          "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
+    for w in sorted(load(f"{folder}/comparison.json")["workloads"], key=lambda w: w["workload"]):
+        print(f"| {w['workload']} | {_sbs_cells(w['vllm'], w['pdserve'])}")
+    v, p = (load(f"{folder}/{n}_single_server.json") for n in ("vllm", "pdserve"))
+    print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
+          f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s.")
+
+
 def _sbs_chunks(folder: str, workload: str) -> None:
     """Per server: TPOT, chunks a request for its tokens, the median gap between chunks and the end-to-end time
     (vLLM's client, per-request records): a chunk of several tokens moves their decode time from TPOT into TTFT."""
@@ -575,18 +587,10 @@ def session19() -> None:
     _ab_steps([(v, load(f"{base}/s19e/steps_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
     for folder, what in (("sbs", "the default workloads"), ("sbs_long", "the two long-prompt workloads again, 8 "
                                                                         "prompts of 32k")):
-        cmp = load(f"{base}/{folder}/comparison.json")
         print(f"\nSide by side with vLLM 0.22 ({folder}/, machine 6, `lease_1gpu.sh sbs`, {what}: vLLM, then pdserve, "
               "on the one H200; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both; "
               f"kernels pdserve compiled while serving: {_compiles(f'{base}/{folder}/pdserve.log.gz')}):\n")
-        print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
-              "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
-        for w in sorted(cmp["workloads"], key=lambda w: w["workload"]):
-            print(f"| {w['workload']} | {_sbs_cells(w['vllm'], w['pdserve'])}")
-        srv = {n: load(f"{base}/{folder}/{n}_single_server.json") for n in ("vllm", "pdserve")}
-        v, p = srv["vllm"], srv["pdserve"]
-        print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
-              f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s.")
+        _sbs_table(f"{base}/{folder}")
         for w in ("8192x16_c1", "32768x16_c1"):
             _sbs_chunks(f"{base}/{folder}", w)
 
@@ -752,17 +756,9 @@ def session17() -> None:
     print("The session's GPU tests at its final engine code (s17e, an H100: no H200 could be started then; "
           "test_attention_decode + test_warmup, test_cuda_graphs + test_async_gpu, test_vs_transformers + "
           "test_fused_engine, test_memory_profile + test_library_prefill): " + "; ".join(groups) + ".\n")
-    c = load(f"{base}/sbs/comparison.json")
     print("Side by side with vLLM 0.22 (machine 3 after s17c, `lease_1gpu.sh sbs`: vLLM, then pdserve, on the one H200; "
           "dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both):\n")
-    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
-          "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
-    for w in sorted(c["workloads"], key=lambda w: w["workload"]):
-        print(f"| {w['workload']} | {_sbs_cells(w['vllm'], w['pdserve'])}")
-    srv = {n: load(f"{base}/sbs/{n}_single_server.json") for n in ("vllm", "pdserve")}
-    v, p = srv["vllm"], srv["pdserve"]
-    print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
-          f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s.")
+    _sbs_table(f"{base}/sbs")
     for n in ("vllm", "pdserve"):
         d = load(f"{base}/sbs/{n}_single_8192x16_c1.json")
         gaps = sorted(g for r in d["itls"] for g in r if g > 1e-3)  # gaps between chunks; the near-zero last ones out
