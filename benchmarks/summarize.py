@@ -537,11 +537,17 @@ def _sbs_chunks(folder: str, workload: str) -> None:
     (vLLM's client, per-request records): a chunk of several tokens moves their decode time from TPOT into TTFT."""
     for n in ("vllm", "pdserve"):
         d = load(f"{folder}/{n}_single_{workload}.json")
-        gaps = sorted(g for r in d["itls"] for g in r if g > 1e-3)  # gaps between chunks; the near-zero last ones out
-        chunks = sum(len(r) + 1 for r in d["itls"]) / len(d["itls"])
+        chunks, gap = _chunk_stats(d)
         print(f"- {workload} {n}: TPOT mean {d['mean_tpot_ms']:.2f} ms; {chunks:.1f} chunks a request for "
-              f"{d['output_lens'][0]} tokens; median gap between chunks {1e3 * gaps[len(gaps) // 2]:.2f} ms; mean "
+              f"{d['output_lens'][0]} tokens; median gap between chunks {gap:.2f} ms; mean "
               f"TTFT {d['mean_ttft_ms']:.1f} ms; mean E2EL {d['mean_e2el_ms']:.1f} ms")
+
+
+def _chunk_stats(d: dict) -> tuple[float, float]:
+    """(mean chunks a request's stream carried, median gap between chunks ms) of a --save-detailed result; the
+    near-zero gaps after the last token are left out."""
+    gaps = sorted(g for r in d["itls"] for g in r if g > 1e-3)
+    return sum(len(r) + 1 for r in d["itls"]) / len(d["itls"]), 1e3 * gaps[len(gaps) // 2]
 
 
 def session19() -> None:
@@ -761,10 +767,9 @@ def session17() -> None:
     _sbs_table(f"{base}/sbs")
     for n in ("vllm", "pdserve"):
         d = load(f"{base}/sbs/{n}_single_8192x16_c1.json")
-        gaps = sorted(g for r in d["itls"] for g in r if g > 1e-3)  # gaps between chunks; the near-zero last ones out
-        chunks = sum(len(r) + 1 for r in d["itls"]) / len(d["itls"])
+        chunks, gap = _chunk_stats(d)
         print(f"- 8192x16 {n}: TPOT mean {d['mean_tpot_ms']:.2f} ms, median {d['median_tpot_ms']:.2f}; "
-              f"{chunks:.1f} chunks a request for 16 tokens; median gap between chunks {1e3 * gaps[len(gaps) // 2]:.2f} "
+              f"{chunks:.1f} chunks a request for 16 tokens; median gap between chunks {gap:.2f} "
               f"ms; mean E2EL {d['mean_e2el_ms']:.1f} ms")
     lp = load(f"{base}/s17d/loop.json")["loops"][-1]
     print(f"\nThe steady loop at batch 256 under the profiler (s17d, machine 5, code 2f06dfe): {lp['step_ms']:.2f} ms a "
