@@ -81,6 +81,7 @@
 #   s19d       the activation alone folded into the one-row down projection: GPU tests, batch-1 step and loops A/B x3
 #   s19e       (needs commit ea7eeda's tree) the KV write folded into the rotary kernel: GPU tests, batch-1 step and loops
 #              at 1 and 256 A/B x2
+#   s19f       the session's final engine code: GPU tests, then the batch-1 step and loops folded and not
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -576,6 +577,15 @@ case $STAGE in
     # kernel skipped) measured no faster. GPU tests, then the batch-1 step and the steady loops at batch 1 (8k) and
     # 256 (1k) with it and without (--no-rope-kv, an option of that commit's bench_steps), twice
     echo "stage s19e needs commit ea7eeda's tree (pdserve.ops.rotary's KV write): check it out first"; exit 2 ;;
+  s19f)  # the session's final engine code (the activation's math shared by its kernel and the folded product): GPU
+    # tests (activation, skinny/folded kernels, PDL, the engine against the reference path and transformers, the
+    # warm-up compiles nothing), then the batch-1 step and loops folded and not
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_activation.py \
+      tests/ops/test_linear.py tests/ops/test_pdl.py tests/engine/test_fused_engine.py \
+      tests/engine/test_vs_transformers.py tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" \
+      | grep -v "^\.*$" | cut -c1-600 | tail -12
+    fold_ab 560 60 on1 off1 on2 off2
+    tar czf "$OUT/s19f.tgz" -C "$OUT" s19f ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -22,13 +22,9 @@ if HAS_TRITON:
     from pdserve.ops.pdl import pdl_enter
 
     @triton.jit
-    def _act_and_mul_kernel(X, Out, s_x, s_o, n, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)  # pdserve.ops.pdl
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n
-        g = tl.load(X + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(X + t * s_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    def act_mul(g, u, ACT: tl.constexpr):
+        """act(g) * u in float32 (g, u float32): the gated activation's math, shared with the down projection's
+        kernel that folds it in (pdserve.ops.linear.skinny_act_linear)."""
         if ACT == "silu":
             a = g * tl.sigmoid(g)
         elif ACT == "gelu_tanh":
@@ -36,7 +32,17 @@ if HAS_TRITON:
             a = g * tl.sigmoid(2.0 * z)  # 0.5 * g * (1 + tanh(z)) == g * sigmoid(2z)
         else:
             a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-        tl.store(Out + t * s_o + cols, (a * u).to(Out.dtype.element_ty), mask=mask)
+        return a * u
+
+    @triton.jit
+    def _act_and_mul_kernel(X, Out, s_x, s_o, n, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)  # pdserve.ops.pdl
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(X + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(X + t * s_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + t * s_o + cols, act_mul(g, u, ACT).to(Out.dtype.element_ty), mask=mask)
 
 
 def _act(x: torch.Tensor, act: str) -> torch.Tensor:

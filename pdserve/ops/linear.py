@@ -65,6 +65,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from pdserve.ops.activation import act_mul
     from pdserve.ops.pdl import pdl_launch_early, pdl_wait
 
     @triton.jit(do_not_specialize=["M"])  # one binary for every M up to 16 (decode graphs of 1..16 rows)
@@ -111,14 +112,7 @@ if HAS_TRITON:
                 u = tl.load(X + K + k + rk, mask=kmask, other=0.0).to(tl.float32)
             else:
                 u = tl.load(X + K + k + rk).to(tl.float32)
-            g = x.to(tl.float32)
-            if ACT == "silu":
-                a = g * tl.sigmoid(g)
-            elif ACT == "gelu_tanh":
-                a = g * tl.sigmoid(2.0 * (0.7978845608028654 * (g + 0.044715 * g * g * g)))
-            else:
-                a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-            x = (a * u).to(X.dtype.element_ty)
+            x = act_mul(x.to(tl.float32), u, ACT).to(X.dtype.element_ty)
         return x.to(tl.float32)
 
     @triton.jit
