@@ -588,6 +588,9 @@ def session19() -> None:
           f"The activation alone folded (s19d, machine 4, the engine as submitted; GPU tests: "
           f"{_gpu_tests(f'{base}/s19d/gpu_tests.txt')}):\n")
     _ab_steps([(v, load(f"{base}/s19d/steps_{v}.json")) for v in ("on1", "off1", "on2", "off2", "on3", "off3")])
+    print("\nThe same at the session's final engine code (s19f, machine 7: the activation's math then shared by its "
+          f"kernel and the folded product; GPU tests: {_gpu_tests(f'{base}/s19f/gpu_tests.txt')}):\n")
+    _ab_steps([(v, load(f"{base}/s19f/steps_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
     print("\nThe KV write folded into the QK-norm + rotary kernel (s19e, machine 5, code ea7eeda, then reverted: "
           f"no faster; GPU tests: {_gpu_tests(f'{base}/s19e/gpu_tests.txt')}):\n")
     _ab_steps([(v, load(f"{base}/s19e/steps_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
