@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The 2xH200 lease of the session, one stage per device call (written before the lease; a machine goes back 30 s
 # after a call ends). Staged files (ignored, carried one folder per call): .vllm-stage/{deps,p0..p5,model,model-moe,
-# anchors,nixl,nx0,nx1} (benchmarks/vs_vllm/side_by_side.sh) and .mc (the Mooncake CUDA 13 wheel and the .deb
-# libraries it loads: libibverbs1, ibverbs-providers, libnuma1, libnl-3-200, libnl-route-3-200).
+# anchors,nixl,nx0,nx1} (benchmarks/vs_vllm/side_by_side.sh) and .mc (the Mooncake CUDA 13 wheel, or its first part
+# mcpart00 with the second in .mc1, and the .deb libraries it loads: libibverbs1, ibverbs-providers, libnuma1,
+# libnl-3-200, libnl-route-3-200).
 #   OUT=$OUT bash benchmarks/lease_2xh200.sh STAGE
 # Stages:
 #   engine     async scheduling on vs off (greedy tokens compared, steady decode ms/step at batch 1 and 256); the
@@ -15,13 +16,14 @@
 #   verify_xfer the 2-GPU tests; the transfer table (every transport, NIXL's own anchor run beside NIXL via our
 #              agent, the memory checks, GPU-isolated processes)
 #   verify_pd  the 1P1D handover and TTFT (benchmarks/router/pd_handover.py) with every GPU visible, with each
-#              instance seeing only its own (--isolate-gpus), and with an fp8 KV cache
+#              instance seeing only its own (--isolate-gpus), and with an fp8 KV cache; then (PD_XFER=0: not) the
+#              cuda_ipc transfer rows, every GPU visible and GPU-isolated
 #   tp_tests   the TP GPU tests (TP=2 vs TP=1 with graphs, a rank killed, prefill TP=1 -> decode TP=2 over cuda_ipc)
 #              with their tracebacks
 #   tp_bench   decode step times at TP=1 and TP=2, NCCL and symmetric-memory sums (benchmarks/engine/bench_tp.py)
 #   warm_check pdserve with and without the start-up warm-up (one GPU each, at once), each measured twice in a row
-#   tp_sbs     vLLM -tp 2, then pdserve -tp 2, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16), each measured by vLLM's
-#              client and then by pdserve's
+#   tp_sbs     vLLM -tp 2, then pdserve -tp 2, dummy Qwen3-8B bf16 (1024/1024 c256, 8192/16), measured by vLLM's
+#              client (SBS_CLIENTS="vllm pdserve": then also by pdserve's)
 #   pd_ahead   1P1D handover and TTFT at 8k and 32k with --kv-push-ahead on and off
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, tuned on both GPUs at once and merged
 #   attn_sweep the decode attention tile sweep (bf16 and fp8 pools, 64- to 256-key tiles)
@@ -38,7 +40,10 @@ SBS="benchmarks/vs_vllm/side_by_side.sh"
 transport_wheels() {  # Mooncake's .deb libraries unpacked and its wheel, NIXL's wheels (nx0 + nx1 joined), under /tmp
   mkdir -p /tmp/mcroot && for f in .mc/*.deb; do dpkg -x "$f" /tmp/mcroot; done
   export LD_LIBRARY_PATH="/tmp/mcroot/usr/lib/x86_64-linux-gnu:/tmp/mcroot/usr/lib/x86_64-linux-gnu/libibverbs:${LD_LIBRARY_PATH:-}"
-  mkdir -p /tmp/mcw && cp .mc/*.whl /tmp/mcw/
+  # the Mooncake wheel: whole in .mc, or in two parts (.mc/mcpart00, .mc1/mcpart01) where the tree leaves less room
+  mkdir -p /tmp/mcw && cp .mc/*.whl /tmp/mcw/ 2>/dev/null
+  [ -f .mc/mcpart00 ] && cat .mc/mcpart00 .mc1/mcpart01 \
+    > /tmp/mcw/mooncake_transfer_engine_cuda13-0.3.14-cp312-cp312-manylinux_2_28_x86_64.whl
   mkdir -p /tmp/nixlw; cp .vllm-stage/nixl/*.whl /tmp/nixlw/ 2>/dev/null
   [ -f .vllm-stage/nx0/nxpart00 ] && cat .vllm-stage/nx0/nxpart00 .vllm-stage/nx1/nxpart01 \
     > /tmp/nixlw/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl
@@ -60,12 +65,15 @@ case $STAGE in
       timeout 560 bash $SBS single 2>&1 | tail -25
     tar czf "$OUT/moe.tgz" -C "$OUT" moe ;;
   tp_tests)
-    # one file at a time; SIGINT at the limit makes pytest print the failures it has (SIGTERM prints nothing)
-    for t in tests/disagg/test_pd_tp_gpu.py tests/parallel/test_tp_gpu.py; do
-      echo "== $t"
-      timeout -s INT -k 20 ${TEST_LIMIT:-270} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
-        --durations=5 "$t" 2>&1 | tee -a "$W/gpu_tests_tp.txt" | tail -40
+    # the two files at once (each engine of theirs is small; 32 cores); SIGINT at the limit makes pytest print the
+    # failures it has (SIGTERM prints nothing)
+    # (with the KV transfer's GPU tests: VMM pools and cuda_ipc/nccl between processes that see one GPU each)
+    for t in tests/disagg/test_pd_tp_gpu.py tests/parallel/test_tp_gpu.py "tests/kv/test_kv_vmm.py tests/kv/test_kv_cuda.py"; do
+      timeout -s INT -k 20 ${TEST_LIMIT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+        --durations=8 $t > "$W/gpu_tests_$(basename ${t%% *} .py).txt" 2>&1 &
     done
+    wait
+    for f in "$W"/gpu_tests_*.txt; do echo "== $f"; tail -40 "$f"; done
     tar czf "$OUT/tp_tests.tgz" -C "$OUT" tp_tests ;;
   tp_bench)
     echo "== TP step times: TP=1, TP=2 with NCCL sums, TP=2 with symmetric-memory sums"
@@ -103,7 +111,7 @@ case $STAGE in
     kill $S 2>/dev/null; sleep 3; gzip -f "$W"/*.log
     tar czf "$OUT/warm_check.tgz" -C "$OUT" warm_check ;;
   tp_sbs)
-    WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="vllm pdserve" TP=2 OUT=$W STAGE=.vllm-stage \
+    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1"} CLIENTS=${SBS_CLIENTS:-vllm} TP=2 OUT=$W STAGE=.vllm-stage \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 bash $SBS tp 2>&1 | tail -25
     for f in "$W"/*.log; do gzip -f "$f"; done
     tar czf "$OUT/tp_sbs.tgz" -C "$OUT" tp_sbs ;;
@@ -133,6 +141,11 @@ case $STAGE in
     timeout 110 $H --prompt-lens 8192 --num-requests 6 "--instance-args=--kv-cache-dtype fp8" \
       --out "$W/pd_handover_fp8.json" > "$W/pd_handover_fp8.txt" 2>&1
     tail -4 "$W/pd_handover_fp8.txt"
+    if [ "${PD_XFER:-1}" = 1 ]; then  # the cuda_ipc rows of the transfer table (no wheels needed), same machine
+      echo "== cuda_ipc transfer: every GPU visible, and each process seeing only its own"
+      RUNS="cuda_ipc cuda_ipc_isolated_vmm" OUT=$W/transfer timeout 150 bash benchmarks/transfer/run_2xh200.sh 2>&1 \
+        | grep -E "^(===|write|read|single|\[|machine|cuda)" | tail -20
+    fi
     tar czf "$OUT/verify_pd.tgz" -C "$OUT" verify_pd ;;
   moeclients)
     WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="vllm pdserve" MODEL=.vllm-stage/model-moe \

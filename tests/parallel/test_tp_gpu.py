@@ -66,8 +66,14 @@ DUMMY = dict(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="floa
              max_num_batched_tokens=96, max_num_seqs=8, max_model_len=2048)
 
 
-def test_dummy_qwen3_tp2_matches_tp1_with_graphs(tmp_path):
-    ref = _run(dict(DUMMY, tensor_parallel_size=1), tmp_path / "tp1.pt")
+@pytest.fixture(scope="module")
+def dummy_tp1(tmp_path_factory) -> dict:
+    """TP=1's run of the dummy model, shared by the NCCL and symmetric-memory comparisons (one engine start less)."""
+    return _run(dict(DUMMY, tensor_parallel_size=1), tmp_path_factory.mktemp("tp1") / "tp1.pt")
+
+
+def test_dummy_qwen3_tp2_matches_tp1_with_graphs(dummy_tp1, tmp_path):
+    ref = dummy_tp1
     got = _run(dict(DUMMY, tensor_parallel_size=2), tmp_path / "tp2.pt")
     _assert_graphs_ran(got)
     assert [p["kv_heads"] for p in got["pools"]] == [(0, 4), (4, 8)]
@@ -75,9 +81,9 @@ def test_dummy_qwen3_tp2_matches_tp1_with_graphs(tmp_path):
     assert _compare(ref, got) >= len(ref["tokens"]) - 1
 
 
-def test_dummy_qwen3_tp2_symm_mem_sums_match_tp1_with_graphs(tmp_path):
+def test_dummy_qwen3_tp2_symm_mem_sums_match_tp1_with_graphs(dummy_tp1, tmp_path):
     """--tp-all-reduce symm_mem: the decode and mixed steps' sums go through symmetric memory, inside the graphs."""
-    ref = _run(dict(DUMMY, tensor_parallel_size=1), tmp_path / "tp1.pt")
+    ref = dummy_tp1
     got = _run(dict(DUMMY, tensor_parallel_size=2, tp_all_reduce="symm_mem"), tmp_path / "tp2.pt")
     _assert_graphs_ran(got)
     assert all(n > 0 for n in got["fast_sums"]), got["fast_sums"]
