@@ -8,6 +8,7 @@ in a fresh process as an instance's engine does, and NCCL state never carries fr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -61,6 +62,7 @@ def die(core: EngineCore) -> None:
 
 def main() -> int:
     mode, cfg = sys.argv[1], json.loads(sys.argv[2])
+    logging.basicConfig(level=os.environ.get("TP_RUN_LOG", "WARNING"), format="%(asctime)s %(name)s %(message)s")
     core = EngineCore(EngineConfig(**cfg))
     try:
         if mode == "run":
