@@ -129,18 +129,23 @@ def init_group(rank: int, size: int, device: torch.device, store_port: int, time
 
 
 def destroy_group(group: TPGroup, timeout_s: float = 10.0) -> None:
-    """Leave the process group. NCCL communicators used inside CUDA graphs can hang in destroy, so the destroy
-    runs on a helper thread and is given up (with a warning) after `timeout_s`; the process's exit frees them."""
+    """Leave the process group. NCCL communicators used inside CUDA graphs can hang in destroy, and on torch 2.11
+    the abort hung too (2xH200, rank 0 after its workers had exited), so either runs on a helper thread and is
+    given up (with a warning) after `timeout_s`; the process's exit frees them."""
     if group.size == 1 or not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl":
-        try:
-            dist.distributed_c10d._abort_process_group()
-            return
-        except Exception as e:  # older torch: fall back to a bounded destroy
-            log.warning("aborting the NCCL group failed (%s); destroying it instead", e)
-    t = threading.Thread(target=dist.destroy_process_group, name="pdserve-tp-destroy", daemon=True)
+
+    def leave() -> None:
+        if dist.get_backend() == "nccl":
+            try:
+                dist.distributed_c10d._abort_process_group()
+                return
+            except Exception as e:  # older torch: fall back to a destroy
+                log.warning("aborting the NCCL group failed (%s); destroying it instead", e)
+        dist.destroy_process_group()
+
+    t = threading.Thread(target=leave, name="pdserve-tp-destroy", daemon=True)
     t.start()
     t.join(timeout_s)
     if t.is_alive():
-        log.warning("destroying the tensor-parallel process group did not finish within %.0f s", timeout_s)
+        log.warning("leaving the tensor-parallel process group did not finish within %.0f s", timeout_s)

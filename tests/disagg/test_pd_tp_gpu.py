@@ -24,7 +24,7 @@ PROMPTS = [" ".join(f"t{i}" for i in range(100, 180)), " ".join(f"t{i}" for i in
 
 def test_prefill_tp1_to_decode_tp2_on_two_gpus():
     common = ("--model", "qwen3-0.6b", "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "1024",
-              "--num-gpu-blocks", "512")  # two instances share cuda:0
+              "--num-gpu-blocks", "512", "--no-warmup")  # two instances share cuda:0
     servers = []
     try:
         servers.append(LiveServer(*common, "--role", "prefill", "--device", "cuda:0"))

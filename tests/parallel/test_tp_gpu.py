@@ -62,8 +62,9 @@ def _assert_graphs_ran(res: dict) -> None:
     assert counts[0]["eager"] == 0, counts
 
 
+# warmup=False: the start-up warm-up (17 s a run on an H200) is not what these tests are about
 DUMMY = dict(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="float32", num_gpu_blocks=512,
-             max_num_batched_tokens=96, max_num_seqs=8, max_model_len=2048)
+             max_num_batched_tokens=96, max_num_seqs=8, max_model_len=2048, warmup=False)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_dummy_qwen3_tp2_symm_mem_sums_match_tp1_with_graphs(dummy_tp1, tmp_path
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_tiny_models_tp2_match_tp1_with_graphs(arch, tiny_model_dirs, tmp_path):
     cfg = dict(model=str(tiny_model_dirs[arch]), device="cuda", dtype="float32", num_gpu_blocks=512,
-               max_num_batched_tokens=96, max_num_seqs=8, max_model_len=512)
+               max_num_batched_tokens=96, max_num_seqs=8, max_model_len=512, warmup=False)
     ref = _run(dict(cfg, tensor_parallel_size=1), tmp_path / "tp1.pt")
     got = _run(dict(cfg, tensor_parallel_size=2), tmp_path / "tp2.pt")
     _assert_graphs_ran(got)

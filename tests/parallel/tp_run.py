@@ -75,4 +75,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # NCCL's communicators may still be held (destroy_group gives up on a hung abort): skip their teardown
