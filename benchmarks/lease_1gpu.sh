@@ -586,6 +586,21 @@ case $STAGE in
       | grep -v "^\.*$" | cut -c1-600 | tail -12
     fold_ab 560 60 on1 off1 on2 off2
     tar czf "$OUT/s19f.tgz" -C "$OUT" s19f ;;
+  s20_pd_share)  # 1P1D on ONE GPU (--allow-gpu-sharing: prefill and decode instances both on cuda:0, cuda_ipc between
+    # them), whole-block pushes (the default over cuda_ipc) against --kv-layerwise on, bf16 then fp8 KV, arms alternating;
+    # dummy Qwen3-8B, 8000 KV blocks per instance (two instances share the GPU's memory)
+    H="python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024 --launcher-args=--allow-gpu-sharing"
+    for kv in auto fp8; do
+      lens="8192 32768"; [ $kv = fp8 ] && lens="8192"
+      for arm in whole layerwise; do
+        a="--num-gpu-blocks 8000 --kv-cache-dtype $kv"; [ $arm = layerwise ] && a="$a --kv-layerwise on"
+        echo "== $kv KV, $arm"
+        timeout 170 $H --prompt-lens $lens --num-requests 6 "--instance-args=$a" --out "$W/pd_${kv}_${arm}.json" \
+          > "$W/pd_${kv}_${arm}.txt" 2>&1
+        grep -E "^\| (8192|32768)|Traceback|Error" "$W/pd_${kv}_${arm}.txt" | tail -4
+      done
+    done
+    tar czf "$OUT/s20_pd_share.tgz" -C "$OUT" s20_pd_share ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -550,6 +550,50 @@ def _chunk_stats(d: dict) -> tuple[float, float]:
     return sum(len(r) + 1 for r in d["itls"]) / len(d["itls"]), 1e3 * gaps[len(gaps) // 2]
 
 
+def session20() -> None:
+    """The session-20 lease: one 2xH200 machine, then the 2-GPU kind was no longer lent (benchmarks/lease_s20)."""
+    import re
+
+    base = "lease_s20"
+    print("GPU tests on 2xH200 (`lease_2xh200.sh tp_tests`, three files at once):\n")
+    for name in ("test_kv_vmm", "test_pd_tp_gpu", "test_tp_gpu"):
+        text = (B / f"{base}/tp_tests/gpu_tests_{name}.txt").read_text()
+        m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
+        verdict = m[-1] if m else ("no verdict: interrupted at the time limit" if "KeyboardInterrupt" in text
+                                   else "no summary")
+        print(f"- `{name}`: {verdict}")
+    print("\n1P1D through the router (`lease_2xh200.sh verify_pd`: `benchmarks/router/pd_handover.py`, "
+          "`pdserve serve --prefill 1 --decode 1`, dummy Qwen3-8B, 8 requests a length, 6 for the isolated and fp8 "
+          "runs), beside session 4's run of the same script:\n")
+    print("| run | prompt tokens | handover p50 ms (s4) | order path p50 ms | first token out p50 ms | TTFT router p50 ms "
+          "| TTFT prefill alone p50 ms | router - alone ms (s4) |\n|---|---|---|---|---|---|---|---|")
+    for label, f in (("all GPUs visible", "pd_handover"), ("CUDA_VISIBLE_DEVICES per instance", "pd_handover_isolated"),
+                     ("fp8 KV cache", "pd_handover_fp8")):
+        d = load(f"{base}/verify_pd/{f}.json")
+        old = load(f"lease_s4/verify_pd/verify_pd/{f}.json")["results"]
+        for n, r in d["results"].items():
+            h, tr, ta = r["handover_s"]["p50"], r["ttft_router_s"]["p50"], r["ttft_prefill_alone_s"]["p50"]
+            o = old.get(n)
+            oh = f" ({o['handover_s']['p50'] * 1e3:.2f})" if o else ""
+            od = f" ({(o['ttft_router_s']['p50'] - o['ttft_prefill_alone_s']['p50']) * 1e3:+.1f})" if o else ""
+            print(f"| {label} | {n} | {h * 1e3:.2f}{oh} | {r['order_path_s']['p50'] * 1e3:.2f} | "
+                  f"{r['first_token_out_s']['p50'] * 1e3:.2f} | {tr * 1e3:.1f} | {ta * 1e3:.1f} | "
+                  f"{(tr - ta) * 1e3:+.1f}{od} |")
+    bf = load(f"{base}/verify_pd/pd_handover.json")["results"]["8192"]["handover_s"]["p50"]
+    f8 = load(f"{base}/verify_pd/pd_handover_fp8.json")["results"]["8192"]["handover_s"]["p50"]
+    print(f"\nfp8 KV handover at 8k: {f8 * 1e3:.2f} ms against bf16's {bf * 1e3:.2f} ms ({100 * f8 / bf:.0f} %; "
+          "issue 11 asks at most 60 %).")
+    print("\ncuda_ipc rows of the transfer table (8192 tokens of Qwen3-8B KV, 512 random 16-token blocks, peer-copy "
+          "ceiling of the same run):\n")
+    print("| run | op | median ms | GB/s | ceiling GB/s | of ceiling |\n|---|---|---|---|---|---|")
+    for name in ("cuda_ipc", "cuda_ipc_isolated_vmm"):
+        res = load(f"{base}/verify_pd/transfer/{name}.json")["results"]
+        for op in ("write", "read"):
+            x = res[op]
+            print(f"| {name} | {op} | {x['median_ms']:.2f} | {x['GBps']:.1f} | {x['ceiling_GBps']:.1f} | "
+                  f"{100 * x['fraction_of_ceiling']:.0f} % |")
+
+
 def session19() -> None:
     """Session 19 (H200s): what fusing the small kernels could save (ablation), split-K products, the norm and
     the activation folded into one-row products, the KV write folded into the rotary kernel, the side by side."""
@@ -1360,6 +1404,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session20()
+    print()
     session19()
     print()
     session18()
