@@ -601,6 +601,22 @@ case $STAGE in
       done
     done
     tar czf "$OUT/s20_pd_share.tgz" -C "$OUT" s20_pd_share ;;
+  s20_phases)  # the handover in phases (prefill done -> push began -> notification taken -> admitted), 1P1D on ONE GPU
+    # as s20_pd_share's whole-block arm, bf16 then fp8 KV: what is fixed in a handover, whatever the bytes
+    H="python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024 --launcher-args=--allow-gpu-sharing"
+    for kv in auto fp8; do
+      echo "== $kv KV"
+      timeout 200 $H --prompt-lens 1024 8192 32768 --num-requests 6 "--instance-args=--num-gpu-blocks 8000 --kv-cache-dtype $kv" \
+        --out "$W/phases_${kv}.json" > "$W/phases_${kv}.txt" 2>&1
+      python3 - "$W/phases_${kv}.json" <<'PY'
+import json, sys
+for n, r in json.load(open(sys.argv[1]))["results"].items():
+    f = lambda k: "-" if not r.get(k) else f"{r[k]['p50'] * 1e3:.2f}"
+    print(n, " ".join(f"{k}={f(k)}" for k in ("handover_s", "push_start_s", "push_landed_s", "admit_s", "push_s",
+                                               "order_path_s", "first_token_out_s")))
+PY
+    done
+    tar czf "$OUT/s20_phases.tgz" -C "$OUT" s20_phases ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -193,7 +193,8 @@ async def measure(args: argparse.Namespace, dep: Deployment) -> dict[str, Any]:
             for path in PATHS:
                 summary[f"ttft_{path}_s"] = percentiles([s["ttft_s"] for s in samples[path] if s["ttft_s"]])
             timings = [s["pd_timings"] for s in samples["pd_direct"] if isinstance(s.get("pd_timings"), dict)]
-            for phase in ("queue_s", "prefill_s", "handover_s", "first_token_s"):
+            for phase in ("queue_s", "prefill_s", "handover_s", "first_token_s", "push_start_s", "push_landed_s",
+                          "admit_s", "push_s"):
                 summary[phase] = percentiles([t[phase] for t in timings if isinstance(t.get(phase), (int, float))])
             # what is not compute or KV movement: the order's way from the decode instance's arrival to the prefill
             # engine (first_token - queue - prefill - handover), and the first token's way out to the client

@@ -34,8 +34,20 @@ PREFILL_ROUTE = "/internal/pd/prefill"
 ORDER_CONTENT_TYPE = "application/msgpack"  # prompt ids of 32k tokens: msgpack packs and parses them in well under 1 ms
 ABORT_ROUTE = "/internal/pd/abort"
 PUBLIC_TIMINGS = ("queue_s", "prefill_s", "handover_s", "first_token_s", "prefill_url", "fallback", "fallback_reason",
-                  "num_cached_tokens", "push_s", "prefill_http_s", "transport")
+                  "num_cached_tokens", "push_s", "prefill_http_s", "transport", "push_start_s", "push_landed_s",
+                  "admit_s")
 MAX_TRANSPORT_NAME = 32
+
+
+def handover_phases(ev: KVAdmitted) -> dict[str, float]:
+    """The handover (prefill done -> admitted) in three: push_start_s (prefill done -> the prefill rank began the
+    push), push_landed_s (-> the decode side took the notification: the copies and the notification) and admit_s
+    (-> the engine admitted the request). Two hosts' clocks meet in the middle phase; none when the peer said no
+    push time."""
+    if ev.t_push is None or ev.t_notified is None:
+        return {}
+    return {"push_start_s": ev.t_push - ev.t_prefill_done, "push_landed_s": ev.t_notified - ev.t_push,
+            "admit_s": ev.t_admitted - ev.t_notified}
 
 
 def order_sampling(params: SamplingParams) -> dict:
@@ -96,6 +108,7 @@ class DecodeDriver:
         elif isinstance(ev, KVAdmitted):
             t["handover_s"] = ev.handover_s
             t["first_token_s"] = time.time() - t["t_arrival"]
+            t.update(handover_phases(ev))
         elif isinstance(ev, KVFallback):
             t["fallback"] = "local"
             t["fallback_reason"] = ev.reason

@@ -136,7 +136,8 @@ class DecodeImporter(KVConnector):
             h.head = r
         if h.head is None or h.pairs != pairs:
             return None
-        return KVArrival(r.request_id, h.head.first_token, h.head.logprob, h.head.t_prefill_done)
+        return KVArrival(r.request_id, h.head.first_token, h.head.logprob, h.head.t_prefill_done,
+                         t_push=h.head.t_push, t_notified=r.t_notified)
 
     def forget(self, request_id: str) -> None:
         self._landing.pop(request_id, None)

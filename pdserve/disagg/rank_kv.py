@@ -66,6 +66,8 @@ class RankNotified:
     error: str | None = None
     transport: str | None = None  # what carried the pair, as the prefill rank says (PAIR_TRANSPORTS)
     peer: str = ""  # the prefill rank's agent address
+    t_push: float | None = None  # when the prefill rank began the push (its clock; the handover's phases)
+    t_notified: float | None = None  # when this rank took the notification (this host's clock)
 
 
 @dataclass(frozen=True)
@@ -340,7 +342,7 @@ class RankKV:
             self.report(RankPushed(self.rank, request_id, None, 0.0, 0, "none"))
             return
         timeout = max(0.001, deadline - time.time()) if deadline is not None else self.config.lease_s
-        base = {**notif, "src": self.rank, "src_tp": self.tp_size}
+        base = {**notif, "src": self.rank, "src_tp": self.tp_size, "t_push": time.time()}
         first = {k: notif[k] for k in ("first_token", "logprob") if k in notif}
         # the first token travels once: from prefill rank 0 to decode rank 0
         notifs = [{**{k: v for k, v in base.items() if k not in first},
@@ -497,15 +499,22 @@ def parse_notification(n, rank: int, vocab_size: int, peer: str = "") -> RankNot
     if not (_small_int(src_tp, MAX_TP + 1) and src_tp >= 1 and _small_int(src, MAX_TP) and src < src_tp):
         raise ValueError(f"src {src!r} of src_tp {src_tp!r} is not a prefill rank")
     t_done = payload["t_prefill_done"]
-    if isinstance(t_done, bool) or not isinstance(t_done, (int, float)) or not math.isfinite(t_done):
+    if not _finite(t_done):
         raise ValueError("t_prefill_done must be a finite number")
+    t_push = payload.get("t_push")  # optional (for the handover's phases); a peer that sends none is still served
+    if t_push is not None and not _finite(t_push):
+        raise ValueError("t_push must be a finite number")
     tok = payload.get("first_token")
     if (src == 0 and rank == 0) != (tok is not None):
         raise ValueError("only the notification from prefill rank 0 to decode rank 0 carries the first token")
     if tok is not None and (isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size):
         raise ValueError(f"first_token {tok!r} is not a token id of this model")
     return RankNotified(rank, rid, src, src_tp, tok, _parse_logprob(payload.get("logprob"), vocab_size),
-                        float(t_done), None, transport, peer)
+                        float(t_done), None, transport, peer, None if t_push is None else float(t_push), time.time())
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _parse_transport(payload: object) -> str | None:

@@ -345,7 +345,7 @@ class EngineCore:
             self.handover.imports += 1
             self.handover.handover_s.append(handover)
             mark(self.config.nvtx, f"pd.admitted {req.request_id} handover {handover * 1e3:.2f} ms")
-            self._events.append(KVAdmitted(req.request_id, a.t_prefill_done, now, handover))
+            self._events.append(KVAdmitted(req.request_id, a.t_prefill_done, now, handover, a.t_push, a.t_notified))
             done = req.is_finished
             lp = [a.logprob] if (a.logprob is not None and req.params.logprobs is not None) else None
             outputs.append(CoreOutput(req.request_id, [a.first_token], done, req.finish_reason if done else None,

@@ -68,6 +68,8 @@ class KVArrival:
     t_prefill_done: float | None
     error: str | None = None
     peer_done: bool = True  # with an error: no peer can still write into the request's blocks
+    t_push: float | None = None  # prefill rank 0's push began (its clock), when it said
+    t_notified: float | None = None  # the last pair's notification was taken here
 
 
 @dataclass(frozen=True)

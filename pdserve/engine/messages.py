@@ -209,6 +209,8 @@ class KVAdmitted:
     t_prefill_done: float  # the prefill peer's clock
     t_admitted: float
     handover_s: float  # t_admitted - t_prefill_done
+    t_push: float | None = None  # the prefill peer began its push (its clock)
+    t_notified: float | None = None  # the decode side took the last notification
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,17 @@ transport, and how the per-transport counts reach the instance's and the router'
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 
 from pdserve.config import KVTransferConfig
 from pdserve.disagg.agent import transfer_counts, transport_spec
-from pdserve.disagg.driver import prefill_order
+from pdserve.disagg.driver import handover_phases, prefill_order
 from pdserve.disagg.rank_kv import layerwise_for, parse_notification
 from pdserve.disagg.routes import order_mismatch, parse_order
-from pdserve.engine.messages import KVDestination, KVLayout, KVRankDest, KVReserved, KVTransportSpec
+from pdserve.engine.messages import KVAdmitted, KVDestination, KVLayout, KVRankDest, KVReserved, KVTransportSpec
 from pdserve.kv.notify import Notification
 from pdserve.router.metrics import RouterMetrics
 from pdserve.sampling_params import SamplingParams
@@ -106,3 +108,25 @@ def test_router_counts_the_transport_of_pd_timings():
     text = m.render([]).decode()
     assert 'pdserve:router_kv_transfers_total{transport="mooncake"} 2.0' in text
     assert 'transport="tcp"' not in text and "xxxx" not in text
+
+
+def test_notifications_carry_when_the_push_began_and_when_they_were_taken():
+    base = {"first_token": 7, "t_prefill_done": 1.5, "logprob": None, "src": 0, "src_tp": 1}
+    t0 = time.time()
+    a = parse_notification(note({**base, "t_push": 1.75}), 0, 100)
+    assert a.t_push == 1.75 and t0 <= a.t_notified <= time.time()
+    assert parse_notification(note(base), 0, 100).t_push is None  # an older peer: served, no phases
+    for bad in (float("nan"), "soon", True):
+        with pytest.raises(ValueError, match="t_push"):
+            parse_notification(note({**base, "t_push": bad}), 0, 100)
+
+
+def test_the_handover_splits_into_three_phases():
+    ev = KVAdmitted("r", t_prefill_done=10.0, t_admitted=10.0055, handover_s=0.0055, t_push=10.0005,
+                    t_notified=10.0045)
+    got = handover_phases(ev)
+    assert got.keys() == {"push_start_s", "push_landed_s", "admit_s"}
+    assert got["push_start_s"] == pytest.approx(0.0005) and got["push_landed_s"] == pytest.approx(0.004)
+    assert got["admit_s"] == pytest.approx(0.001)
+    assert sum(got.values()) == pytest.approx(ev.handover_s)
+    assert handover_phases(KVAdmitted("r", 10.0, 10.005, 0.005)) == {}  # the peer said no push time
