@@ -586,9 +586,12 @@ case $STAGE in
       | grep -v "^\.*$" | cut -c1-600 | tail -12
     fold_ab 560 60 on1 off1 on2 off2
     tar czf "$OUT/s19f.tgz" -C "$OUT" s19f ;;
-  s20_pd_share)  # 1P1D on ONE GPU (--allow-gpu-sharing: prefill and decode instances both on cuda:0, cuda_ipc between
+  s20_pd_share|s20_pd_share2)  # (s20_pd_share2: the same after cuda_ipc waits for a pending producer off the GIL,
+    # with the cuda_ipc GPU tests first) 1P1D on ONE GPU (--allow-gpu-sharing: prefill and decode instances both on cuda:0, cuda_ipc between
     # them), whole-block pushes (the default over cuda_ipc) against --kv-layerwise on, bf16 then fp8 KV, arms alternating;
     # dummy Qwen3-8B, 8000 KV blocks per instance (two instances share the GPU's memory)
+    [ $STAGE = s20_pd_share2 ] && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+      tests/kv/test_kv_cuda.py 2>&1 | tee "$W/gpu_tests_kv_cuda.txt" | tail -8
     H="python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024 --launcher-args=--allow-gpu-sharing"
     for kv in auto fp8; do
       lens="8192 32768"; [ $kv = fp8 ] && lens="8192"
@@ -598,9 +601,15 @@ case $STAGE in
         timeout 170 $H --prompt-lens $lens --num-requests 6 "--instance-args=$a" --out "$W/pd_${kv}_${arm}.json" \
           > "$W/pd_${kv}_${arm}.txt" 2>&1
         grep -E "^\| (8192|32768)|Traceback|Error" "$W/pd_${kv}_${arm}.txt" | tail -4
+        [ -f "$W/pd_${kv}_${arm}.json" ] && python3 -c "
+import json, sys
+for n, r in json.load(open(sys.argv[1]))['results'].items():
+    f = lambda k: '-' if not r.get(k) else '%.2f' % (r[k]['p50'] * 1e3)
+    print(n, ' '.join(k + '=' + f(k) for k in ('prefill_s', 'handover_s', 'push_start_s', 'push_landed_s', 'admit_s')))
+" "$W/pd_${kv}_${arm}.json"
       done
     done
-    tar czf "$OUT/s20_pd_share.tgz" -C "$OUT" s20_pd_share ;;
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s20_phases)  # the handover in phases (prefill done -> push began -> notification taken -> admitted), 1P1D on ONE GPU
     # as s20_pd_share's whole-block arm, bf16 then fp8 KV: what is fixed in a handover, whatever the bytes
     H="python3 benchmarks/router/pd_handover.py --model qwen3-8b --load-format dummy --max-model-len 33024 --launcher-args=--allow-gpu-sharing"
