@@ -246,39 +246,6 @@ class Worker:
             out["copy_method"] = tr._copier.name
         return out
 
-    async def cmd_write_behind(self, peer: str, local_ids: list[int], remote_ids: list[int],
-                               busy_ms: float = 200.0) -> dict[str, Any]:
-        """A write queued behind a producer still computing (a GPU kernel busy for `busy_ms`, its event the write's
-        wait_event), as a layer-by-layer or pushed-ahead write is. Returns how much Python work another thread of
-        this process did meanwhile (`busy`), against the same work with nothing pending (`alone`): an agent that
-        polls the producer from its loop holds the GIL against the thread that launches the producer's kernels."""
-        import torch
-
-        loop = asyncio.get_running_loop()
-
-        def count(seconds: float) -> int:
-            n, end = 0, time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                n += 1
-            return n
-
-        self.pool.sync()
-        window = busy_ms / 2e3  # inside the producer's run
-        alone = await loop.run_in_executor(None, count, window)
-        rr = self.agent.peer(peer).region_id("kv")
-        xl = block_xfers(local_ids, remote_ids, self.pool.block_bytes, self.region, rr, coalesce=False)
-        khz = getattr(torch.cuda.get_device_properties(self.pool.data.device), "clock_rate", 0) or 1_500_000
-        torch.cuda._sleep(int(busy_ms * khz))  # cycles: ms x kHz
-        ev = torch.cuda.Event()
-        ev.record()
-        task = asyncio.ensure_future(self.agent.write(peer, xl, {"t0": time.perf_counter_ns()}, wait_event=ev,
-                                                      timeout=60.0))
-        busy = await loop.run_in_executor(None, count, window)
-        pending_after_window = not ev.query()
-        res = await task
-        return {"alone": alone, "busy": busy, "producer_pending_after_window": pending_after_window,
-                "transport": res.transport, "bytes": res.nbytes}
-
     async def cmd_xfer_many(self, op: str, peer: str, local_ids: list[int], remote_ids: list[int], count: int,
                             transport: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
         """`count` transfers of the same blocks started at once (the memory check: as many handovers in flight as

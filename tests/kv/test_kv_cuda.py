@@ -30,6 +30,8 @@ def _mooncake() -> bool:
 
 
 MOONCAKE = pytest.mark.skipif(not _mooncake(), reason="Mooncake (mooncake-transfer-engine-cuda13) is not installed")
+# NCCL refuses two ranks on one device ("invalid usage"): the nccl pair needs two GPUs (seen on one H200)
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank")
 
 
 def _pair(transport: str, copy: str = "auto") -> tuple[Remote, Remote, str]:
@@ -49,7 +51,7 @@ def _pair(transport: str, copy: str = "auto") -> tuple[Remote, Remote, str]:
 @pytest.mark.parametrize("transport,copy", [("cuda_ipc", "batch"), pytest.param("cuda_ipc", "kernel", marks=pytest.mark.xfail(
     reason="seen on 2xH200: Triton refuses the IPC-mapped pointer of the peer GPU ('cannot be accessed from Triton')")),
                                             ("cuda_ipc", "percopy"),
-                                            ("cuda_ipc", "auto"), ("tcp", "auto"), ("nccl", "auto"),
+                                            ("cuda_ipc", "auto"), ("tcp", "auto"), pytest.param("nccl", "auto", marks=TWO_GPUS),
                                             pytest.param("mooncake", "auto", marks=MOONCAKE)])
 def test_gpu_blocks_arrive_byte_exact(transport, copy):
     a, b, peer = _pair(transport, copy)
@@ -68,25 +70,6 @@ def test_gpu_blocks_arrive_byte_exact(transport, copy):
                 assert a.call("checksums", ids=src) == b.call("checksums", ids=dst), (op, n)
         lat = b.call("latencies")
         assert lat and all(x > 0 for x in lat)  # every write's notification arrived after its call
-    finally:
-        a.close()
-        b.close()
-
-
-@pytest.mark.timeout(180)
-def test_a_write_behind_a_producer_leaves_the_gil_to_other_threads():
-    """cuda_ipc: a write queued behind a kernel still running (a layer's KV) lands after it, and while it waits the
-    agent does not hold the GIL: another thread's Python work runs at most of its solo rate (polling the producer
-    from the loop left it about half, and made a layer-by-layer prefill 3.5x slower on an H200)."""
-    a, b, peer = _pair("cuda_ipc")
-    try:
-        src, dst = list(range(8)), list(range(8, 16))
-        a.call("fill", seed=1)
-        b.call("fill", seed=2)
-        res = a.call("write_behind", peer=peer, local_ids=src, remote_ids=dst, busy_ms=300.0)
-        assert res["transport"] == "cuda_ipc" and res["producer_pending_after_window"], res
-        assert a.call("checksums", ids=src) == b.call("checksums", ids=dst)
-        assert res["busy"] >= 0.75 * res["alone"], res
     finally:
         a.close()
         b.close()
@@ -127,7 +110,7 @@ def test_gpu_memory_over_tcp_under_grants(mac_payload):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
+@pytest.mark.parametrize("transport", [pytest.param("nccl", marks=TWO_GPUS), "cuda_ipc"])
 def test_gpu_memory_does_not_grow_with_transfers_in_flight(tmp_path, transport):
     """The benchmark's memory check, small: 32 transfers of 128 qwen3-8b blocks in flight; neither process's device
     memory in use grows by one transfer's bytes (no temporary receive buffers)."""

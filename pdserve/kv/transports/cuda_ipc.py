@@ -16,10 +16,7 @@ peer and reports it (KVAgent.peer_transport), never falls back silently.
 
 Ordering: the copy stream waits on `wait_event` if given, else on the device's default stream. The sender learns
 the copy finished by polling the event from the event loop (cheap for small transfers: no thread hop), falling
-back to a blocking wait in a helper thread for long copies. A copy queued behind a producer still computing (a
-layer's or a chunk's KV: `wait_event` not yet reached) first waits for the producer in the helper thread: polling
-from the loop holds the GIL, and the thread launching the producer's kernels then gets it only at Python's switch
-interval (a layer-by-layer prefill of 8k tokens took 805 ms instead of 227 on an H200 so).
+back to a blocking wait in a helper thread for long copies.
 """
 
 from __future__ import annotations
@@ -305,8 +302,6 @@ class CudaIpcTransport(Transport):
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     events.append(ev)
-        if wait_event is not None and not wait_event.query():
-            await self._block(wait_event, deadline, peer, xfer_id, op)  # the producer computes: wait off the GIL
         for ev in events:
             await self._wait(ev, deadline, peer, xfer_id, op)
         return False
@@ -357,10 +352,6 @@ class CudaIpcTransport(Transport):
             if ev.query():
                 return
             await asyncio.sleep(0)
-        await self._block(ev, deadline, peer, xfer_id, op)
-
-    async def _block(self, ev: Any, deadline: float, peer: Peer, xfer_id: int, op: str) -> None:
-        """Wait for `ev` in the helper thread (the GIL is free meanwhile), within the transfer's deadline."""
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(loop.run_in_executor(self._sync, ev.synchronize),
