@@ -592,6 +592,34 @@ def session20() -> None:
             x = res[op]
             print(f"| {name} | {op} | {x['median_ms']:.2f} | {x['GBps']:.1f} | {x['ceiling_GBps']:.1f} | "
                   f"{100 * x['fraction_of_ceiling']:.0f} % |")
+    ms = lambda r, k: "-" if not r.get(k) else f"{r[k]['p50'] * 1e3:.2f}"  # noqa: E731
+    print("\nThen only one-GPU kinds were lent. 1P1D on one H200 (`lease_1gpu.sh s20_pd_share`, again as "
+          "`s20_pd_share2`: `--allow-gpu-sharing`, prefill and decode instances on cuda:0, cuda_ipc between them, "
+          "8000 KV blocks each, dummy Qwen3-8B, 6 requests a length), whole-block pushes (the default over cuda_ipc) "
+          "against `--kv-layerwise on`, p50 ms:\n")
+    print("| run | KV | push | prompt tokens | prefill | handover | TTFT router | TTFT prefill alone | router - alone |"
+          "\n|---|---|---|---|---|---|---|---|---|")
+    for run in ("s20_pd_share", "s20_pd_share2"):
+        for kv in ("auto", "fp8"):
+            for arm in ("whole", "layerwise"):
+                d = load(f"{base}/{run}/pd_{kv}_{arm}.json")
+                for n, r in d["results"].items():
+                    tr, ta = r["ttft_router_s"]["p50"], r["ttft_prefill_alone_s"]["p50"]
+                    print(f"| {run} | {'bf16' if kv == 'auto' else kv} | {arm} | {n} | {ms(r, 'prefill_s')} | "
+                          f"{ms(r, 'handover_s')} | {tr * 1e3:.1f} | {ta * 1e3:.1f} | {(tr - ta) * 1e3:+.1f} |")
+    print("\nThe handover in phases (`lease_1gpu.sh s20_phases`, the whole-block arm on one H200; new in pd_timings: "
+          "prefill done -> the prefill rank began the push -> the decode rank took the notification -> admitted), "
+          "p50 ms:\n")
+    print("| KV | prompt tokens | handover | push began | push landed | admitted | push_s (prefill side) | order path | "
+          "first token out |\n|---|---|---|---|---|---|---|---|---|")
+    for kv in ("auto", "fp8"):
+        for n, r in load(f"{base}/s20_phases/phases_{kv}.json")["results"].items():
+            print(f"| {'bf16' if kv == 'auto' else kv} | {n} | {ms(r, 'handover_s')} | {ms(r, 'push_start_s')} | "
+                  f"{ms(r, 'push_landed_s')} | {ms(r, 'admit_s')} | {ms(r, 'push_s')} | {ms(r, 'order_path_s')} | "
+                  f"{ms(r, 'first_token_out_s')} |")
+    text = (B / f"{base}/s20_pd_share2/gpu_tests_kv_cuda.txt").read_text()
+    m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
+    print(f"\nGPU tests `tests/kv/test_kv_cuda.py` on one H200 (s20_pd_share2): {m[-1] if m else 'no summary'}")
 
 
 def session19() -> None:

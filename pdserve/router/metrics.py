@@ -20,7 +20,9 @@ LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
     0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
-PHASES = ("queue_s", "prefill_s", "handover_s", "first_token_s")
+PHASES = ("queue_s", "prefill_s", "handover_s", "first_token_s", "push_start_s", "push_landed_s", "admit_s")
+# the handover and its parts (prefill done -> push began -> notification taken -> admitted) exist only in pd mode
+HANDOVER_PHASES = ("handover_s", "push_start_s", "push_landed_s", "admit_s")
 # what pd_timings may name as the transport of a handover ("none": only the notification travelled)
 HANDOVER_TRANSPORTS = frozenset(KV_TRANSPORTS) - {"auto"} | {"none"}
 
@@ -76,7 +78,7 @@ class RouterMetrics:
         if not isinstance(timings, dict):
             return
         for phase in PHASES:
-            if phase == "handover_s" and mode != "pd":
+            if phase in HANDOVER_PHASES and mode != "pd":
                 continue
             value = timings.get(phase)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:

@@ -130,3 +130,13 @@ def test_the_handover_splits_into_three_phases():
     assert got["admit_s"] == pytest.approx(0.001)
     assert sum(got.values()) == pytest.approx(ev.handover_s)
     assert handover_phases(KVAdmitted("r", 10.0, 10.005, 0.005)) == {}  # the peer said no push time
+
+
+def test_router_histograms_take_the_handover_phases_in_pd_mode_only():
+    m = RouterMetrics()
+    m.observe_timings({"handover_s": 0.004, "push_start_s": 0.0001, "push_landed_s": 0.003, "admit_s": 0.0002}, "pd")
+    m.observe_timings({"push_landed_s": 0.003}, "local")
+    text = m.render([]).decode()
+    for phase in ("handover", "push_start", "push_landed", "admit"):
+        assert f'pdserve:router_phase_seconds_count{{mode="pd",phase="{phase}"}} 1.0' in text
+    assert 'mode="local",phase="push_landed"' not in text
