@@ -617,6 +617,13 @@ def session20() -> None:
             print(f"| {'bf16' if kv == 'auto' else kv} | {n} | {ms(r, 'handover_s')} | {ms(r, 'push_start_s')} | "
                   f"{ms(r, 'push_landed_s')} | {ms(r, 'admit_s')} | {ms(r, 'push_s')} | {ms(r, 'order_path_s')} | "
                   f"{ms(r, 'first_token_out_s')} |")
+    ic = load("router/results_cpu/intake_costs.json")
+    lens = list(ic["results_ms"])
+    print(f"\nOne pass over a prompt's token ids, each alone (`benchmarks/router/intake_costs.py`, best of {ic['reps']}, "
+          f"the {ic['cpus']}-core development VM), ms:\n")
+    print("| pass | " + " | ".join(f"{n} tokens" for n in lens) + " |\n|---|" + "---|" * len(lens))
+    for k in ic["results_ms"][lens[0]]:
+        print(f"| {k} | " + " | ".join(f"{ic['results_ms'][n][k]:.2f}" for n in lens) + " |")
     text = (B / f"{base}/s20_pd_share2/gpu_tests_kv_cuda.txt").read_text()
     m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
     print(f"\nGPU tests `tests/kv/test_kv_cuda.py` on one H200 (s20_pd_share2): {m[-1] if m else 'no summary'}")
