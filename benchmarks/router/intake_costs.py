@@ -25,6 +25,7 @@ from pdserve.engine.block_pool import hash_block
 from pdserve.engine.messages import AddRequest
 from pdserve.router import prefix
 from pdserve.sampling_params import SamplingParams
+from pdserve.server import body as body_mod
 from pdserve.server.body import parse_json
 from pdserve.validation import check_token_ids, ids_in_range
 
@@ -39,6 +40,15 @@ def timed(fn, reps: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
+
+
+def stdlib_parse(raw: bytes, reps: int) -> float:
+    """parse_json as on a machine without orjson (the comparison for its fast path)."""
+    saved, body_mod.orjson = body_mod.orjson, None
+    try:
+        return timed(lambda: parse_json(raw), reps)
+    finally:
+        body_mod.orjson = saved
 
 
 def passes(n: int, reps: int) -> dict[str, float]:
@@ -58,6 +68,7 @@ def passes(n: int, reps: int) -> dict[str, float]:
     return {
         "client json.dumps": timed(lambda: json.dumps({"prompt": ids}), reps),
         "parse_json (router, instance)": timed(lambda: parse_json(body), reps),
+        "parse_json, stdlib json only": stdlib_parse(body, reps),
         "prefix.token_ids (router)": timed(lambda: prefix.token_ids(obj["prompt"]), reps),
         "check_token_ids (instance)": timed(lambda: check_token_ids(ids, VOCAB, "prompt"), reps),
         "pickle AddRequest (server -> engine)": timed(lambda: pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), reps),
