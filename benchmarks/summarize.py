@@ -148,14 +148,26 @@ def kernels_s3() -> None:
           f"({100 * r['fraction_of_ceiling']:.0f} %); `benchmarks/transfer/results_2xh200_s3/`.")
 
 
-def session4() -> None:
-    """The session-4 lease (benchmarks/lease_2xh200.sh verify_xfer / verify_pd) and GPU test round 4."""
+PD_RUNS = (("all GPUs visible", "pd_handover"), ("CUDA_VISIBLE_DEVICES per instance", "pd_handover_isolated"),
+           ("fp8 KV cache", "pd_handover_fp8"))  # lease_2xh200.sh verify_pd's three runs (label, file)
+
+
+def _pytest_verdict(rel: str) -> str:
+    """A pytest log's summary ("N passed, ..."), or why there is none."""
     import re
 
+    text = (B / rel).read_text()
+    m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
+    if m:
+        return m[-1]
+    return "no verdict: interrupted at the time limit" if "KeyboardInterrupt" in text else "no summary"
+
+
+def session4() -> None:
+    """The session-4 lease (benchmarks/lease_2xh200.sh verify_xfer / verify_pd) and GPU test round 4."""
+
     for part in ("ops", "rest"):
-        text = (B / f"gpu_tests/round4/{part}/gpu_tests/gpu_tests.txt").read_text()
-        m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
-        print(f"- GPU tests on one H200, `{part}`: {m[-1] if m else 'no summary'}")
+        print(f"- GPU tests on one H200, `{part}`: {_pytest_verdict(f'gpu_tests/round4/{part}/gpu_tests/gpu_tests.txt')}")
     base = "lease_s4/verify_xfer/verify_xfer/transfer"
     t = load(f"{base}/all_transports.json")
     print("\nEvery transport in one run (`bench transfer --transport all`, 2xH200, 8192 tokens of Qwen3-8B KV in 512 "
@@ -186,8 +198,7 @@ def session4() -> None:
           "dummy Qwen3-8B, 2xH200):\n")
     print("| run | prompt tokens | handover p50 ms | TTFT router p50 ms | TTFT prefill alone p50 ms | router - alone ms |"
           "\n|---|---|---|---|---|---|")
-    for label, f in (("all GPUs visible", "pd_handover"), ("CUDA_VISIBLE_DEVICES per instance", "pd_handover_isolated"),
-                     ("fp8 KV cache", "pd_handover_fp8")):
+    for label, f in PD_RUNS:
         d = load(f"lease_s4/verify_pd/verify_pd/{f}.json")
         for n, r in d["results"].items():
             h, tr, ta = r["handover_s"]["p50"], r["ttft_router_s"]["p50"], r["ttft_prefill_alone_s"]["p50"]
@@ -552,23 +563,17 @@ def _chunk_stats(d: dict) -> tuple[float, float]:
 
 def session20() -> None:
     """The session-20 lease: one 2xH200 machine, then the 2-GPU kind was no longer lent (benchmarks/lease_s20)."""
-    import re
 
     base = "lease_s20"
     print("GPU tests on 2xH200 (`lease_2xh200.sh tp_tests`, three files at once):\n")
     for name in ("test_kv_vmm", "test_pd_tp_gpu", "test_tp_gpu"):
-        text = (B / f"{base}/tp_tests/gpu_tests_{name}.txt").read_text()
-        m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
-        verdict = m[-1] if m else ("no verdict: interrupted at the time limit" if "KeyboardInterrupt" in text
-                                   else "no summary")
-        print(f"- `{name}`: {verdict}")
+        print(f"- `{name}`: {_pytest_verdict(f'{base}/tp_tests/gpu_tests_{name}.txt')}")
     print("\n1P1D through the router (`lease_2xh200.sh verify_pd`: `benchmarks/router/pd_handover.py`, "
           "`pdserve serve --prefill 1 --decode 1`, dummy Qwen3-8B, 8 requests a length, 6 for the isolated and fp8 "
           "runs), beside session 4's run of the same script:\n")
     print("| run | prompt tokens | handover p50 ms (s4) | order path p50 ms | first token out p50 ms | TTFT router p50 ms "
           "| TTFT prefill alone p50 ms | router - alone ms (s4) |\n|---|---|---|---|---|---|---|---|")
-    for label, f in (("all GPUs visible", "pd_handover"), ("CUDA_VISIBLE_DEVICES per instance", "pd_handover_isolated"),
-                     ("fp8 KV cache", "pd_handover_fp8")):
+    for label, f in PD_RUNS:
         d = load(f"{base}/verify_pd/{f}.json")
         old = load(f"lease_s4/verify_pd/verify_pd/{f}.json")["results"]
         for n, r in d["results"].items():
@@ -624,9 +629,8 @@ def session20() -> None:
     print("| pass | " + " | ".join(f"{n} tokens" for n in lens) + " |\n|---|" + "---|" * len(lens))
     for k in ic["results_ms"][lens[0]]:
         print(f"| {k} | " + " | ".join(f"{ic['results_ms'][n][k]:.2f}" for n in lens) + " |")
-    text = (B / f"{base}/s20_pd_share2/gpu_tests_kv_cuda.txt").read_text()
-    m = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", text, re.M)
-    print(f"\nGPU tests `tests/kv/test_kv_cuda.py` on one H200 (s20_pd_share2): {m[-1] if m else 'no summary'}")
+    print(f"\nGPU tests `tests/kv/test_kv_cuda.py` on one H200 (s20_pd_share2): "
+          f"{_pytest_verdict(f'{base}/s20_pd_share2/gpu_tests_kv_cuda.txt')}")
 
 
 def session19() -> None:
