@@ -82,6 +82,8 @@
 #   s19e       (needs commit ea7eeda's tree) the KV write folded into the rotary kernel: GPU tests, batch-1 step and loops
 #              at 1 and 256 A/B x2
 #   s19f       the session's final engine code: GPU tests, then the batch-1 step and loops folded and not
+#   s21a       the library prefill fed leaner: GPU tests, the row old vs new and the 32k chunks as steps; o/down/qkv
+#              split over K with float32 parts
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -626,6 +628,25 @@ for n, r in json.load(open(sys.argv[1]))["results"].items():
 PY
     done
     tar czf "$OUT/s20_phases.tgz" -C "$OUT" s20_phases ;;
+  s21a)  # the library prefill fed leaner (the prefix gathered by a Triton kernel, no zero-filled copies of inputs that
+    # already fit, one query copy for both calls): GPU tests, the row old vs new on the 32k chunks (bench_library_row),
+    # the four chunks as engine steps; then o/down/qkv split over K with float32 parts at 32..384 rows
+    save() { tar czf "$OUT/s21a.tgz" -C "$OUT" s21a; }
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
+    save
+    timeout 150 python3 benchmarks/attention/bench_library_row.py --out "$W/library_row.json" > "$W/library_row.txt" 2>&1
+    grep -E "^ctx|Error|error" "$W/library_row.txt" | cut -c1-400
+    save
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --loop= --max-model-len 40960"
+    timeout 150 $B --decode= --prefill 8192,8192+8192,16384+8192,24576+8192 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(prefill|decode)[^ ]*:|ceilings|Error" "$W/steps.txt" | cut -c1-300
+    save
+    left=$(( 560 - ($(date +%s) - t0) ))
+    [ $left -gt 60 ] && timeout $left python3 benchmarks/engine/bench_gemm_rows.py --shapes o,down,qkv \
+      --rows 32,64,128,192,256,384 --split-k 2,3,4 --parts-dtype fp32 --out "$W/gemm_split.json" > "$W/gemm_split.txt" 2>&1
+    grep -E "rows|ceilings" "$W/gemm_split.txt" | cut -c1-200
+    save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -34,14 +34,20 @@ def split_k_mm(x: torch.Tensor, w: torch.Tensor, parts: torch.Tensor, out: torch
     s, m, n = parts.shape
     k = x.shape[1]
     ks = k // s
-    torch.bmm(x.as_strided((s, m, ks), (ks, x.stride(0), 1)), w.as_strided((s, ks, n), (ks, 1, w.stride(0))),
-              out=parts)
+    xs, ws = x.as_strided((s, m, ks), (ks, x.stride(0), 1)), w.as_strided((s, ks, n), (ks, 1, w.stride(0)))
+    if parts.dtype != x.dtype:  # float32 parts of 16-bit inputs: cuBLAS writes its accumulators unrounded
+        torch.bmm(xs, ws, out_dtype=parts.dtype, out=parts)
+    else:
+        torch.bmm(xs, ws, out=parts)
     if out is not None:
-        torch.sum(parts, 0, out=out)
+        if parts.dtype == out.dtype:
+            torch.sum(parts, 0, out=out)
+        else:
+            out.copy_(parts.sum(0))
 
 
 def bench(name: str, n: int, k: int, rows: list[int], ceil: dict, min_bytes: int, layers: int,
-          split_k: tuple[int, ...] = (1,)) -> list[dict]:
+          split_k: tuple[int, ...] = (1,), parts_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     nbytes = n * k * 2
     copies = max(2, -(-min_bytes // nbytes))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -54,13 +60,13 @@ def bench(name: str, n: int, k: int, rows: list[int], ceil: dict, min_bytes: int
         for s in split_k:
             if s == 1 or k % s:
                 continue
-            parts = torch.empty(s, m, n, device="cuda", dtype=torch.bfloat16)
+            parts = torch.empty(s, m, n, device="cuda", dtype=parts_dtype)
             split_k_mm(x, weights[0], parts, out[:m])
             err = ((out[:m].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             us_s = graph_us([functools.partial(split_k_mm, x, w, parts, out[:m]) for w in weights])
             us_b = graph_us([functools.partial(split_k_mm, x, w, parts, None) for w in weights])
             res.append({"shape": name, "n": n, "k": k, "rows": m, "split_k": s, "us": us_s, "us_bmm_only": us_b,
-                        "us_mm": us, "max_rel_err": err, "variant": True})
+                        "us_mm": us, "max_rel_err": err, "parts_dtype": str(parts_dtype), "variant": True})
             print(f"{name:8s} {n:6d}x{k:<6d} rows {m:5d}: split-K {s}: {us_s:8.2f} us with the sum, {us_b:8.2f} "
                   f"without (mm {us:8.2f} us; max error {err:.1e} of max |y|)", flush=True)
             del parts
@@ -91,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-k", default="1",
                     help="also time each product as this many K slices in one batched GEMM plus their sum "
                          "(comma-separated; 1: the plain product only)")
+    ap.add_argument("--parts-dtype", default="bf16", choices=["bf16", "fp32"],
+                    help="the split products' partial sums: rounded to bf16, or cuBLAS's float32 accumulators")
+    ap.add_argument("--shapes", default=None, help="only these projections of the preset (comma-separated names)")
     ap.add_argument("--out", default="gemm_rows.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -104,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     rows = [int(r) for r in args.rows.split(",")]
     results = []
+    parts_dtype = torch.float32 if args.parts_dtype == "fp32" else torch.bfloat16
     for name, n, k in PRESETS[args.model]:
+        if args.shapes and name not in args.shapes.split(","):
+            continue
         results += bench(name, n, k, rows, ceil, args.min_bytes, args.layers,
-                         tuple(int(s) for s in args.split_k.split(",")))
+                         tuple(int(s) for s in args.split_k.split(",")), parts_dtype)
     for m in rows:
         step = sum(r["us_per_step"] for r in results if r["rows"] == m and not r.get("variant"))
         print(f"rows {m}: the step's products {step / 1e3:.2f} ms", flush=True)

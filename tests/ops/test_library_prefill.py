@@ -88,16 +88,34 @@ def test_off_on_cpu_and_by_environment(monkeypatch):
     assert lib.library_rows(p.meta, p.q, p.kv_layer, p.k, None, None) is None  # CPU: the Triton path
 
 
-def test_gather_prefix_reads_the_real_pool_layout():
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("hk", [2, 3])
+def test_gather_prefix_reads_the_real_pool_layout(fused, hk):
+    """torch's index_select and the Triton kernel (a program per block and K or V; 3 heads: a masked head lane)."""
     g = torch.Generator().manual_seed(2)
-    nb, hk, layers, bs, d = 9, 2, 3, 4, 8
+    nb, layers, bs, d = 9, 3, 4, 8
     pool = torch.randn((nb, hk, layers, 2, bs, d), generator=g)  # runner.kv_cache_shape's layout
     layer = layer_view(pool, 1)
-    table = torch.tensor([5, 2, 7, 0], dtype=torch.int32)
-    k, v = lib.gather_prefix(layer, table, 13)
-    rk, rv = gather_seq(layer.contiguous(), table, 13)
-    assert k.shape == (13, hk, d)
-    assert torch.equal(k, rk) and torch.equal(v, rv)
+    table = torch.tensor([5, 2, 7, 0, 3], dtype=torch.int32)
+    for ctx in (13, 16, 1):
+        with force_fused(fused):
+            k, v = lib.gather_prefix(layer, table, ctx)
+        rk, rv = gather_seq(layer.contiguous(), table, ctx)
+        assert k.shape == (ctx, hk, d) and k.is_contiguous() and v.is_contiguous()
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_padded_inputs_zero_only_uncovered_rows_and_pass_packed_ones():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn((5, 2, 4), generator=g)
+    y = torch.randn((3, 2, 4), generator=g)
+    assert lib._padded([(x, 0)], 5) is x  # packed and of the call's length: no copy
+    strided = torch.randn((5, 3, 2, 4), generator=g)[:, 1]  # a view whose rows skip other heads (q of a qkv)
+    out = lib._padded([(strided, 0)], 5)
+    assert out is not strided and torch.equal(out, strided)
+    out = lib._padded([(y, 1), (x, 4)], 12)  # a dummy row, two parts, padding at the end
+    assert torch.equal(out[0], torch.zeros(2, 4)) and torch.equal(out[1:4], y) and torch.equal(out[4:9], x)
+    assert torch.equal(out[9:], torch.zeros(3, 2, 4))
 
 
 def _torch_cudnn(q, k, v, scale, causal, lse):
@@ -152,7 +170,8 @@ def test_triton_backend_takes_cudnn_for_long_rows(dtype):
         pytest.skip("cuDNN attention needs compute capability 9.0+")
     dev = torch.device("cuda")
     cases = (([lib.MIN_FRESH + 5], [lib.MIN_FRESH + 5]), ([lib.MIN_CHUNK + 2500, 300, 77], [lib.MIN_CHUNK, 1, 1]),
-             ([8192 + 1000], [8192]))  # fresh; a chunk with both calls and the merge; a prefix under one bucket
+             ([8192 + 1000], [8192]),  # fresh; a chunk with both calls and the merge; a prefix under one bucket
+             ([lib.MIN_CHUNK + 2 * lib.PREFIX_BUCKET], [lib.MIN_CHUNK]))  # aligned: one query copy for both calls
     for seq_lens, q_lens in cases:
         p = make_problem(seq_lens, q_lens, hq=32, hk=8, d=128, bs=16, dtype=dtype, device=dev)
         out = TritonAttentionBackend().forward(p.q, p.k, p.v, p.kv_layer, p.meta, 128 ** -0.5)

@@ -8,14 +8,17 @@ probe_sdpa_backends.py): 894 vs 1281 us for a fresh 8192-token prompt, 6.7 vs 9.
 
 How, for one prefill row of q_len new tokens on ctx tokens already in the pool:
 - ctx > 0: the prefix's K and V are gathered out of the pool (its blocks, in block-table order: 4 KiB a token for
-  8 x 128 bf16 heads);
+  8 x 128 bf16 heads), on CUDA by one Triton kernel (a program per block and K or V: the pool's layer view is
+  strided, and torch's index_select over it moved ~0.9 TB/s);
 - one causal call (top-left aligned) over the new tokens, with any prefix tokens past the last multiple of
   PREFIX_BUCKET in front of them as dummy query rows (so the square is causal as a chunk needs), zero-padded at
   the end to a multiple of QUERY_BUCKET;
 - where the prefix reaches PREFIX_BUCKET: one unmasked call of the new tokens (zero-padded likewise) against the
   prefix up to its last multiple of PREFIX_BUCKET, and `merge_two` (a Triton kernel) combines the two by their
   log-sum-exps, writing the output rows in place.
-Padding keeps the calls to a bounded set of shapes: cuDNN builds an execution plan the first time it sees a shape,
+An input already of its call's shape with its heads packed (stride H x D between rows, as q/k/v are once
+copied) goes in as it is, and a whole chunk's queries are copied once for both calls; only rows the input does not
+cover are zeroed. Padding keeps the calls to a bounded set of shapes: cuDNN builds an execution plan the first time it sees a shape,
 which took 49-105 ms on an H200 (709 ms for the process's first chunk), and without buckets every new prompt
 length, and every chunk whose size the step's decode rows shifted, would pay that in its TTFT. torch's single call
 with a lower-right causal mask ran 1.6-1.7x slower than the two calls (it materializes the mask). The calls are
@@ -42,6 +45,27 @@ import torch
 from pdserve import envs
 from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.metadata import AttentionMetadata
+from pdserve.ops.dispatch import HAS_TRITON, use_fused
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_blocks_kernel(KV, TABLE, Out, s_b, s_kv, s_t, s_h, s_okv, HK: tl.constexpr, D: tl.constexpr,
+                              BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Program (i, w): the row's i-th block of K (w = 0) or V (w = 1), [BS, HK, D] out of the strided layer view,
+        into rows i * BS ... of Out[w] ([rows, HK, D], contiguous)."""
+        i = tl.program_id(0)
+        w = tl.program_id(1)
+        blk = tl.load(TABLE + i).to(tl.int64)
+        t = tl.arange(0, BS)[:, None, None]
+        h = tl.arange(0, BLOCK_H)[None, :, None]
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        mask = (h < HK) & (d < D) & (t < BS)
+        x = tl.load(KV + blk * s_b + w * s_kv + t * s_t + h * s_h + d, mask=mask)
+        dst = Out + w.to(tl.int64) * s_okv + (i.to(tl.int64) * BS + t) * (HK * D) + h * D + d
+        tl.store(dst, x, mask=mask)
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +173,20 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_prefix(kv_layer: torch.Tensor, block_table_row: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ctx tokens' K and V of one row, [ctx, Hk, D] each, copied out of the pool
+    """The first ctx tokens' K and V of one row, [ctx, Hk, D] each (contiguous), copied out of the pool
     ([num_blocks, 2, block_size, Hk, D]) in block-table order."""
     bs, hk, d = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
-    blocks = block_table_row[: -(-ctx // bs)].long()
+    nblk = -(-ctx // bs)
+    if use_fused(kv_layer) and bs & (bs - 1) == 0 and kv_layer.stride(-1) == 1:
+        table = block_table_row[:nblk].to(device=kv_layer.device, dtype=torch.int32).contiguous()
+        out = torch.empty((2, nblk * bs, hk, d), dtype=kv_layer.dtype, device=kv_layer.device)
+        if nblk:
+            _gather_blocks_kernel[(nblk, 2)](
+                kv_layer, table, out, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+                out.stride(0), HK=hk, D=d, BS=bs, BLOCK_H=triton.next_power_of_2(hk),
+                BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+        return out[0, :ctx], out[1, :ctx]
+    blocks = block_table_row[:nblk].long()
     k = kv_layer[:, 0].index_select(0, blocks).view(-1, hk, d)[:ctx]
     v = kv_layer[:, 1].index_select(0, blocks).view(-1, hk, d)[:ctx]
     return k, v
@@ -162,12 +196,26 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _packed(x: torch.Tensor) -> bool:
+    """Rows of [L, H, D] whose heads lie back to back (row stride H x D): as a bucketed call takes its input."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and x.stride(-3) == x.shape[-2] * x.shape[-1]
+
+
 def _padded(rows: list[tuple[torch.Tensor, int]], length: int) -> torch.Tensor:
-    """[length, H, D] zeros with each (x, at) placed at row `at`: a bucketed call's input."""
+    """[length, H, D]: each (x, at) placed at row `at` (in order, not overlapping), zeros in the rows none covers; a
+    bucketed call's input. One x that already fills the length, heads packed, is returned as it is."""
     x0 = rows[0][0]
-    buf = torch.zeros((length, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
+    if len(rows) == 1 and rows[0][1] == 0 and x0.shape[0] == length and _packed(x0):
+        return x0
+    buf = torch.empty((length, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
+    end = 0
     for x, at in rows:
+        if at > end:
+            buf[end:at].zero_()
         buf[at: at + x.shape[0]].copy_(x)
+        end = at + x.shape[0]
+    if end < length:
+        buf[end:].zero_()
     return buf
 
 
@@ -205,11 +253,12 @@ def attend_row(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, kp: torch.T
     kb = _padded([(kp[c0:], 0), (kr, r)] if r else [(kr, 0)], sb)
     vb = _padded([(vp[c0:], 0), (vr, r)] if r else [(vr, 0)], sb)
     ob, lb = _cudnn(_heads_first(qb), _heads_first(kb), _heads_first(vb), scale, True, c0 > 0)
-    del qb, kb, vb
+    del kb, vb
     if c0 == 0:
         out.copy_(ob[0, :, r: r + q_len].transpose(0, 1))
         return
-    qa_buf = _padded([(qr, 0)], qa)
+    qa_buf = qb if r == 0 and sb == qa else _padded([(qr, 0)], qa)  # a whole chunk's queries: one copy for both
+    del qb
     oa, la = _cudnn(_heads_first(qa_buf), _heads_first(kp[:c0]), _heads_first(vp[:c0]), scale, False, True)
     del qa_buf
     merge_two(oa[0, :, :q_len], la.reshape(hq, qa)[:, :q_len], ob[0, :, r: r + q_len],
