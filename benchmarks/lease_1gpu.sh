@@ -84,6 +84,8 @@
 #   s19f       the session's final engine code: GPU tests, then the batch-1 step and loops folded and not
 #   s21a       the library prefill fed leaner: GPU tests, the row old vs new and the 32k chunks as steps; o/down/qkv
 #              split over K with float32 parts
+#   s21b       the one-pass sampling kernel: tests, the warm-up burst test, the sampler alone, the decode loops at
+#              temperature 1 with the kernel and with the torch path
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -647,6 +649,25 @@ PY
       --rows 32,64,128,192,256,384 --split-k 2,3,4 --parts-dtype fp32 --out "$W/gemm_split.json" > "$W/gemm_split.txt" 2>&1
     grep -E "rows|ceilings" "$W/gemm_split.txt" | cut -c1-200
     save ;;
+  s21b)  # the one-pass sampling kernel (pdserve.ops.sampling): its tests (compiled), the warm-up's burst test (the
+    # burst now half at the default temperature), the sampler alone torch vs kernel, then the steady decode loops at
+    # temperature 1 (what vLLM's bench serve requests get) with the kernel and with the torch path, alternating
+    save() { tar czf "$OUT/s21b.tgz" -C "$OUT" s21b; }
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_sampling_kernel.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 \
+      | tee "$W/gpu_tests_warmup.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    save
+    timeout 90 python3 benchmarks/engine/bench_sampler.py --out "$W/sampler.json" 2>&1 | grep -E "^rows|Error" | tee "$W/sampler.txt"
+    save
+    for v in kernel1 torch1 kernel2 torch2; do
+      left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in torch*) a="--sampler torch" ;; esac
+      timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= --loop 256x1024,1x8192 \
+        --loop-steps 100 --loop-temperature 1.0 $a --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

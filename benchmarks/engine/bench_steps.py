@@ -296,6 +296,9 @@ def loop_floor(sizes: dict, ceil: dict, loop: dict) -> dict:
     return {"floor_ms": f["floor_ms"], "fraction_of_floor": f["floor_ms"] / loop["step_ms"]}
 
 
+LOOP_TEMPERATURE = [0.0]  # the loops' requests' temperature (--loop-temperature)
+
+
 def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup: int, async_on: bool,
                      rng: random.Random, profiled: bool = False, top: int = 20) -> dict:
     """Steady decoding of `batch` requests with ~`ctx` tokens of context through `EngineCore.step`; `profiled`:
@@ -308,7 +311,7 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
     # (batch * ctx / the step's token budget steps earlier), so they need that many more tokens
     prefill_steps = -(-batch * ctx // core.config.max_num_batched_tokens) + 2
     params = SamplingParams(max_tokens=min(core.max_model_len - ctx, steps + warmup + prefill_steps + 8),
-                            temperature=0.0, ignore_eos=True)
+                            temperature=LOOP_TEMPERATURE[0], ignore_eos=True)
     for rid in rids:
         core.add_request(rid, [rng.randrange(vocab) for _ in range(ctx)], params)
     started: set[str] = set()
@@ -421,12 +424,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
                     help="the activation folded into one-row down projections (pdserve.ops.linear.set_fold); "
                          "--no-fold: its own kernel (an A/B)")
+    ap.add_argument("--loop-temperature", type=float, default=0.0,
+                    help="the decode loops' temperature (1.0: what a request without one samples at, as vLLM's "
+                         "bench serve sends them)")
+    ap.add_argument("--sampler", choices=["auto", "torch"], default="auto",
+                    help="torch: no one-pass sampling kernel (pdserve.ops.sampling), the torch path (an A/B)")
     ap.add_argument("--ablate", default="",
                     help="an experiment, not a model: skip these kernels (wrong outputs, timings only), comma-"
                          "separated: norm (the layers' RMS norms return their input; the final one stays), act "
                          "(SiLU*mul returns the gate half), kv_write (nothing written to the pool). What fusing "
                          "them away could save at most")
     args = ap.parse_args(argv)
+    LOOP_TEMPERATURE[0] = args.loop_temperature
+    if args.sampler == "torch":
+        from pdserve.engine import sampler as sampler_mod
+        sampler_mod.use_fused = lambda x: False
     if args.ablate:
         ablate(args.ablate.split(","))
     from pdserve.ops.attention import decode as decode_mod

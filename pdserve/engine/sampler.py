@@ -8,6 +8,10 @@ repetition divides positive and multiplies negative logits of tokens seen in the
 subtracts its value times a token's count in the output, presence subtracts its value once per token present in the
 output); then greedy argmax or sampling. Every per-row setting is gathered on the host into a few flat lists and
 applied to the whole batch with one scatter/index_put per kind, never one device call per row.
+
+On CUDA a batch of greedy rows and plain temperature sampling (no top-k/top-p/min-p, seed, logprobs or logit
+changes: a request that leaves those out, at the OpenAI default temperature of 1) is sampled by one kernel over the
+16-bit logits (pdserve.ops.sampling: the Gumbel-max trick, the same distribution as the exponential race here).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.ops.dispatch import use_fused
+from pdserve.ops.sampling import sample_tokens
 
 PENALTY_CHUNK_ELEMENTS = 1 << 25  # rows x vocab per count tensor (int32: 128 MiB), bounding the penalties' memory
 SAMPLER_CHUNK_ELEMENTS = 1 << 23  # rows x vocab sampled at a time (float32: 32 MiB a temporary; 55 rows of Qwen3's
@@ -272,6 +278,21 @@ def _is_light(r: Request) -> bool:
     return r.params.greedy and r.params.logprobs is None and not _needs_processing(r)
 
 
+def _one_pass(r: Request) -> bool:
+    """What pdserve.ops.sampling's one-pass kernel samples: greedy, or plain temperature sampling (no top-k, top-p
+    or min-p, no seed of its own); no logprobs and nothing that changes the logits."""
+    p = r.params
+    if p.logprobs is not None or _needs_processing(r):
+        return False
+    return p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and r.generator is None)
+
+
+def _step_seed() -> int:
+    """The one-pass kernel's random stream for a step, from torch's global generator (torch.manual_seed makes runs
+    repeat); 31 bits, so the kernel's seed argument keeps one type (no recompile)."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
 def sample_async(logits: torch.Tensor, reqs: list[Request]) -> PendingSample:
     """Sample every row of `logits` on its device without waiting for it: no `.tolist()`, `.item()` or blocking
     copy here (host lists reach the device through pinned memory). The tokens stay on the device for the next
@@ -285,9 +306,17 @@ def sample_async(logits: torch.Tensor, reqs: list[Request]) -> PendingSample:
     dev = logits.device
     want_lp = [r.params.logprobs for r in reqs]
     w_max = max(w or 0 for w in want_lp) if any(w is not None for w in want_lp) else None
-    step = n if all(_is_light(r) for r in reqs) else sampler_chunk_rows(n, logits.shape[-1])
-    parts = [_sample_rows(logits[s : s + step], reqs[s : s + step], w_max)
-             for s in range(0, n, step)]
+    light = all(_is_light(r) for r in reqs)
+    if not light and use_fused(logits) and all(_one_pass(r) for r in reqs):
+        # greedy rows and plain temperature sampling: one kernel over the 16-bit logits (pdserve.ops.sampling) in
+        # place of the float copies, softmax and exponential tensor of the torch path
+        inv_temp = to_device([0.0 if r.params.greedy else 1.0 / r.params.temperature for r in reqs], torch.float32,
+                             dev)
+        parts = [(sample_tokens(logits, inv_temp, _step_seed()), None, None, None)]
+    else:
+        step = n if light else sampler_chunk_rows(n, logits.shape[-1])
+        parts = [_sample_rows(logits[s : s + step], reqs[s : s + step], w_max)
+                 for s in range(0, n, step)]
     if len(parts) == 1:
         out, chosen, top_v, top_i = parts[0]
     else:

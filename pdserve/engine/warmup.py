@@ -17,7 +17,8 @@ The requests, each group submitted at once and run to its end (`warmup_plan`):
     and 40 short prompts (MIXED_ROWS: each count of rows takes another decode-kernel variant), and one more where the
     GPU's many-program tile is taken with several splits at fewer rows (decode.many_program_split_rows);
   - three short prompts alone (SHORT_ONLY), a 1-token one among them: a mixed step of few rows, all shorter than
-    one decode split's least keys (one split); then nine (SHORT_MANY), the many-row tile with one split.
+    one decode split's least keys (one split); then nine (SHORT_MANY), the many-row tile with one split. Every other
+    one of these sets no sampling option (temperature 1: the one-pass sampling kernel, pdserve.ops.sampling).
 
 Then each rank builds the library prefill attention's call shapes for long rows (`warm_library`: cuDNN's plans,
 pdserve.ops.attention.library_prefill). Afterwards the pool is whole, its blocks leave the prefix cache, and the counters a server reports are zero.
@@ -67,6 +68,11 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def _plain(max_tokens: int) -> SamplingParams:
+    """A request that sets no sampling option: temperature 1, which pdserve.ops.sampling's kernel samples."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
 def _sampled(max_tokens: int, i: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, top_k=40, seed=i, ignore_eos=True,
                           presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1, logprobs=2)
@@ -104,8 +110,9 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
             n = shorts[i % len(shorts)]
             mixed.append(WarmupRequest(n, _sampled(out_tokens, i) if i % 2 else _greedy(out_tokens)))
         groups.append(mixed)
-    for short in (SHORT_ONLY, SHORT_MANY):
-        groups.append([WarmupRequest(n, _greedy(out_tokens)) for n in short if n <= longest])
+    for short in (SHORT_ONLY, SHORT_MANY):  # every other one at the default temperature (the one-pass sampler)
+        groups.append([WarmupRequest(n, _plain(out_tokens) if i % 2 else _greedy(out_tokens))
+                       for i, n in enumerate(x for x in short if x <= longest)])
 
     def blocks(r: WarmupRequest) -> int:
         return -(-(r.prompt_len + r.params.max_tokens) // block_size)

@@ -29,6 +29,8 @@ def test_plan_covers_step_sizes_and_a_chunked_prompt():
     assert [r.prompt_len for r in plan[-2]] == list(SHORT_ONLY) and [r.prompt_len for r in plan[-1]] == list(SHORT_MANY)
     assert 1 in SHORT_ONLY and len(SHORT_ONLY) < 8 and max(SHORT_ONLY) <= MIN_SPLIT_KEYS
     assert 1 in SHORT_MANY and len(SHORT_MANY) >= 8 and max(SHORT_MANY) <= MIN_SPLIT_KEYS
+    for g in plan[-2:]:  # greedy rows beside rows at the default temperature: the one-pass sampling kernel
+        assert {r.params.temperature for r in g} == {0.0, 1.0}
 
 
 def _plan_8k(**extra):
@@ -120,7 +122,8 @@ def test_a_burst_after_the_warm_up_compiles_nothing():
         for i in range(96):  # 1000-token prompts: two per step, the earlier ones decoding beside them (up to 80
             # decode rows: past decode.many_program_rows, 66 for Qwen3-0.6B's 8 KV heads on an H200)
             ids = torch.randint(0, 151000, (1000 + i % 3,), generator=g).tolist()
-            core.add_request(f"burst-{i}", ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            temp = {"temperature": 0.0} if i % 2 else {}  # greedy, or the default temperature (sampled)
+            core.add_request(f"burst-{i}", ids, SamplingParams(max_tokens=40, ignore_eos=True, **temp))
         while core.has_work():
             core.step()
         # a prompt arriving while a few requests decode (mixed steps of few rows), then short prompts only

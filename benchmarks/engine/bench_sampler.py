@@ -1,0 +1,60 @@
+"""The sampler of a decode step on Qwen3's vocabulary (151,936 tokens, bf16 logits): the torch path against the
+one-pass kernel (pdserve.ops.sampling), for requests that leave out temperature (1.0, the OpenAI default, what
+vLLM's `bench serve` sends), that ask for 0.7, and greedy ones; at 1, 64 and 256 rows.
+
+Each time is triton.testing.do_bench's median over `sample_async` (host work plus kernels; the pinned copy of the
+tokens included, the wait for them not), in microseconds.
+
+    python benchmarks/engine/bench_sampler.py --out $OUT/sampler.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+from pdserve.bench.record import new_record, save_json
+from pdserve.engine import sampler as S
+from pdserve.engine.request import Request
+from pdserve.sampling_params import SamplingParams
+
+VOCAB = 151936
+KINDS = {"default (T=1)": {}, "T=0.7": {"temperature": 0.7}, "greedy": {"temperature": 0.0}}
+
+
+def us(fn) -> float:
+    return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,64,256")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    real = S.use_fused
+    rec = new_record("sampler", vars(args))
+    rec["results"] = []
+    for n in (int(r) for r in args.rows.split(",")):
+        logits = torch.randn((n, VOCAB), device=dev).to(torch.bfloat16)
+        for kind, params in KINDS.items():
+            reqs = [Request(f"r{i}", [1], SamplingParams(**params), frozenset()) for i in range(n)]
+            row = {"rows": n, "kind": kind}
+            for path, fused in (("torch", False), ("kernel", True)):
+                S.use_fused = real if fused else (lambda x: False)
+                try:
+                    S.sample_async(logits, reqs).result()
+                    row[f"{path}_us"] = us(lambda lg=logits, rq=reqs: S.sample_async(lg, rq))
+                finally:
+                    S.use_fused = real
+            rec["results"].append(row)
+            print(f"rows {n:4d} {kind:14s}: torch {row['torch_us']:8.1f} us, kernel {row['kernel_us']:8.1f} us "
+                  f"({row['torch_us'] / row['kernel_us']:.2f}x)", flush=True)
+    if args.out:
+        save_json(rec, args.out)
+
+
+if __name__ == "__main__":
+    main()
