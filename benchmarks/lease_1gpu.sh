@@ -86,6 +86,8 @@
 #              split over K with float32 parts
 #   s21b       the one-pass sampling kernel: tests, the warm-up burst test, the sampler alone, the decode loops at
 #              temperature 1 with the kernel and with the torch path
+#   s21c_tests the sampling kernel split over programs: tests, warm-up burst, the sampler alone
+#   s21c_loops the decode loops at temperature 1, kernel vs torch path, arms $ARMS
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -661,6 +663,25 @@ PY
     timeout 90 python3 benchmarks/engine/bench_sampler.py --out "$W/sampler.json" 2>&1 | grep -E "^rows|Error" | tee "$W/sampler.txt"
     save
     for v in kernel1 torch1 kernel2 torch2; do
+      left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in torch*) a="--sampler torch" ;; esac
+      timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= --loop 256x1024,1x8192 \
+        --loop-steps 100 --loop-temperature 1.0 $a --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done ;;
+  s21c_tests)  # the sampling kernel split over programs for few rows (s21b: one program a row took 155 us for one
+    # row): its tests compiled, the warm-up burst test, the sampler alone torch vs kernel
+    save() { tar czf "$OUT/s21c_tests.tgz" -C "$OUT" s21c_tests; }
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_sampling_kernel.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py \
+      tests/ops/test_library_prefill.py 2>&1 | tee "$W/gpu_tests_warmup.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    timeout 90 python3 benchmarks/engine/bench_sampler.py --out "$W/sampler.json" 2>&1 | grep -E "^rows|Error" | tee "$W/sampler.txt"
+    save ;;
+  s21c_loops)  # the steady decode loops at temperature 1, the kernel and the torch path, arms $ARMS in order
+    save() { tar czf "$OUT/s21c_loops.tgz" -C "$OUT" s21c_loops; }
+    for v in ${ARMS:-kernel1 torch1}; do
       left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
       a=""; case $v in torch*) a="--sampler torch" ;; esac
       timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= --loop 256x1024,1x8192 \

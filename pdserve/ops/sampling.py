@@ -9,44 +9,87 @@ kernels a step (at 256 rows of Qwen3's 151,936 tokens, 155 MB a pass). This kern
 
 Which rows: no logprobs, nothing that changes the logits (penalties, bias, allowed ids, min_tokens), no top-k, top-p
 or min-p, no per-request seed (those keep the torch path and its generators). Greedy rows give exactly
-`logits.argmax(-1)` (the first index of the largest value). `sample_ref` is the torch oracle of the same contract,
+`logits.argmax(-1)` (the first index of the largest value). A row is split over several programs when the batch has
+few rows (one row alone over ~4 x the SMs: its loop would otherwise be one program's), and a second kernel picks
+each row's best of their partial bests. `sample_ref` is the torch oracle of the same contract,
 used on CPU and in the tests; the draws differ from the kernel's (different random streams), their distribution not.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
 
-BLOCK = 2048  # vocabulary entries a program reads per step of its loop
+QUARTER = 512  # columns per draw of the Philox stream's four outputs: 2048 columns a step of a program's loop
+TARGET_PROGRAMS_PER_SM = 4  # a row is split over programs until the grid has about this many per SM
+LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["seed"])
-    def _gumbel_argmax_kernel(L, INV_T, Out, seed, V, s_l, BLOCK: tl.constexpr):
-        """Program r: the token of row r. INV_T[r] = 1 / temperature, or 0 for a greedy row (no noise)."""
+    def _gumbel_argmax_kernel(L, INV_T, PV, PI, seed, V, s_l, CHUNK, S, Q: tl.constexpr):
+        """Program (r, c): the best column of row r within columns [c * CHUNK, (c + 1) * CHUNK), into PV/PI[r * S + c]
+        (its score and index). INV_T[r] = 1 / temperature, or 0 for a greedy row (no noise). Scores are in log2 units
+        (x / T * log2(e) - log2(-log2(U)): the Gumbel-max score over ln 2, less a constant), so every logarithm is one
+        lg2; each Philox draw gives four uniforms, one for each quarter of a 4 * Q step."""
         r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
         inv_t = tl.load(INV_T + r)
         noisy = inv_t > 0.0
+        scale = tl.where(noisy, inv_t * 1.4426950408889634, 1.0)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
         best_v = -float("inf")
         best_i = 0
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            m = cols < V
-            x = tl.load(L + r * s_l + cols, mask=m, other=-float("inf")).to(tl.float32)
-            u = tl.rand(seed, (r * V + cols).to(tl.int32))  # one uniform per (row, token): distinct offsets
-            g = -tl.log(-tl.log(u))
-            x = x * tl.where(noisy, inv_t, 1.0) + tl.where(noisy, g, 0.0)
-            x = tl.where(m, x, -float("inf"))
-            v = tl.max(x, 0)
-            i = tl.argmax(x, 0, tie_break_left=True)
-            take = v > best_v
-            best_i = tl.where(take, start + i, best_i)
-            best_v = tl.where(take, v, best_v)
-        tl.store(Out + r, best_i.to(tl.int64))
+        q = tl.arange(0, Q)
+        for start in range(lo, hi, 4 * Q):
+            u0, u1, u2, u3 = tl.rand4x(seed, (r * ((V + 3) // 4) + start // 4 + q).to(tl.int32))
+            for j in tl.static_range(4):
+                u = u0 if j == 0 else u1 if j == 1 else u2 if j == 2 else u3
+                cols = start + j * Q + q
+                m = cols < hi
+                x = tl.load(L + r * s_l + cols, mask=m, other=-float("inf")).to(tl.float32)
+                g = -tl.log2(-tl.log2(u))
+                x = x * scale + tl.where(noisy, g, 0.0)
+                x = tl.where(m, x, -float("inf"))
+                v = tl.max(x, 0)
+                i = tl.argmax(x, 0, tie_break_left=True)
+                take = v > best_v
+                best_i = tl.where(take, start + j * Q + i, best_i)
+                best_v = tl.where(take, v, best_v)
+        tl.store(PV + r * S + c, best_v)
+        tl.store(PI + r * S + c, best_i.to(tl.int64))
+
+    @triton.jit
+    def _pick_kernel(PV, PI, Out, S, BLOCK_S: tl.constexpr):
+        """Program r: the first of row r's S partial bests with the highest score."""
+        r = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BLOCK_S)
+        v = tl.load(PV + r * S + k, mask=k < S, other=-float("inf"))
+        best = tl.argmax(v, 0, tie_break_left=True)
+        tl.store(Out + r, tl.load(PI + r * S + best))
+
+
+@lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_plan(rows: int, vocab: int, sms: int) -> tuple[int, int]:
+    """(programs a row, columns a program): enough programs for ~TARGET_PROGRAMS_PER_SM per SM, whole 4 * QUARTER
+    steps each."""
+    step = 4 * QUARTER
+    steps = -(-vocab // step)
+    s = max(1, min(steps, -(-TARGET_PROGRAMS_PER_SM * sms // max(1, rows))))
+    chunk = -(-steps // s) * step
+    return -(-vocab // chunk), chunk
 
 
 def sample_ref(logits: torch.Tensor, inv_temp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -62,15 +105,24 @@ def sample_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int) -> to
     """[rows] int64 token ids of `logits` [rows, vocab] (any float dtype, vocab contiguous); `inv_temp` [rows]
     float32 on the logits' device (0: greedy); `seed` picks the Philox stream (a fresh one each step)."""
     rows, vocab = logits.shape
-    if rows * vocab >= 2**31:
-        raise ValueError(f"sample_tokens: {rows} rows x {vocab} tokens exceed the random stream's int32 offsets")
+    per_row = -(-vocab // 4)  # the random stream's offsets a row takes (int32 in the kernel)
+    if rows * per_row >= 2**31:  # ~14k rows of a 152k vocabulary: in parts, each its own stream
+        part = (2**31 - 1) // per_row
+        return torch.cat([sample_tokens(logits[i: i + part], inv_temp[i: i + part], (seed + 1 + i // part) % 2**31)
+                          for i in range(0, rows, part)])
     if not use_fused(logits):
         g = torch.Generator(device=logits.device).manual_seed(seed)
         return sample_ref(logits, inv_temp, g)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _gumbel_argmax_kernel[(rows,)](logits, inv_temp, out, seed, vocab, logits.stride(0), BLOCK=BLOCK,
-                                       num_warps=8)
+    if not rows:
+        return out
+    s, chunk = split_plan(rows, vocab, _sm_count(logits.device))
+    pv = torch.empty(rows * s, dtype=torch.float32, device=logits.device)
+    pi = out if s == 1 else torch.empty(rows * s, dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(rows, s)](logits, inv_temp, pv, pi, seed, vocab, logits.stride(0), chunk, s, Q=QUARTER,
+                                     num_warps=4)
+    if s > 1:
+        _pick_kernel[(rows,)](pv, pi, out, s, BLOCK_S=triton.next_power_of_2(s), num_warps=1)
     return out
