@@ -25,13 +25,14 @@ from pdserve.ops.dispatch import HAS_TRITON, use_fused
 
 QUARTER = 512  # columns per draw of the Philox stream's four outputs: 2048 columns a step of a program's loop
 TARGET_PROGRAMS_PER_SM = 4  # a row is split over programs until the grid has about this many per SM
+MAX_SPLITS = 128  # programs a row at most: the pick kernel's one tile (one compiled variant for every split)
 LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit(do_not_specialize=["seed", "CHUNK", "S"])  # one binary whatever the split (no compile at serving)
     def _gumbel_argmax_kernel(L, INV_T, PV, PI, seed, V, s_l, CHUNK, S, Q: tl.constexpr):
         """Program (r, c): the best column of row r within columns [c * CHUNK, (c + 1) * CHUNK), into PV/PI[r * S + c]
         (its score and index). INV_T[r] = 1 / temperature, or 0 for a greedy row (no noise). Scores are in log2 units
@@ -65,7 +66,7 @@ if HAS_TRITON:
         tl.store(PV + r * S + c, best_v)
         tl.store(PI + r * S + c, best_i.to(tl.int64))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _pick_kernel(PV, PI, Out, S, BLOCK_S: tl.constexpr):
         """Program r: the first of row r's S partial bests with the highest score."""
         r = tl.program_id(0).to(tl.int64)
@@ -87,7 +88,7 @@ def split_plan(rows: int, vocab: int, sms: int) -> tuple[int, int]:
     steps each."""
     step = 4 * QUARTER
     steps = -(-vocab // step)
-    s = max(1, min(steps, -(-TARGET_PROGRAMS_PER_SM * sms // max(1, rows))))
+    s = max(1, min(steps, MAX_SPLITS, -(-TARGET_PROGRAMS_PER_SM * sms // max(1, rows))))
     chunk = -(-steps // s) * step
     return -(-vocab // chunk), chunk
 
@@ -124,5 +125,5 @@ def sample_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int) -> to
     _gumbel_argmax_kernel[(rows, s)](logits, inv_temp, pv, pi, seed, vocab, logits.stride(0), chunk, s, Q=QUARTER,
                                      num_warps=4)
     if s > 1:
-        _pick_kernel[(rows,)](pv, pi, out, s, BLOCK_S=triton.next_power_of_2(s), num_warps=1)
+        _pick_kernel[(rows,)](pv, pi, out, s, BLOCK_S=MAX_SPLITS, num_warps=1)
     return out
