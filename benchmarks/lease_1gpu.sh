@@ -636,7 +636,7 @@ PY
     # already fit, one query copy for both calls): GPU tests, the row old vs new on the 32k chunks (bench_library_row),
     # the four chunks as engine steps; then o/down/qkv split over K with float32 parts at 32..384 rows
     save() { tar czf "$OUT/s21a.tgz" -C "$OUT" s21a; }
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py 2>&1 \
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py 2>&1 \
       | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
     save
     timeout 150 python3 benchmarks/attention/bench_library_row.py --out "$W/library_row.json" > "$W/library_row.txt" 2>&1

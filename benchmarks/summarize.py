@@ -561,6 +561,105 @@ def _chunk_stats(d: dict) -> tuple[float, float]:
     return sum(len(r) + 1 for r in d["itls"]) / len(d["itls"]), 1e3 * gaps[len(gaps) // 2]
 
 
+def _misses(d: dict) -> tuple[float, float]:
+    """(mean TTFT ms, mean E2EL ms) of a --save-detailed run's requests after its first, which re-sends a warm-up
+    prompt (a prefix-cache hit on both servers)."""
+    t = d["ttfts"][1:]
+    e = [a + sum(r) for a, r in zip(d["ttfts"][1:], d["itls"][1:])]
+    return 1e3 * sum(t) / len(t), 1e3 * sum(e) / len(e)
+
+
+def session21() -> None:
+    """Session 21 (H200s): the library prefill fed leaner; o/down/qkv split over K with float32 parts; the one-pass
+    sampling kernel, alone and in the decode loops at temperature 1; the side by side."""
+    base = "lease_s21"
+    lr = load(f"{base}/s21a/library_row.json")["results"]
+    print("One long prefill row through cuDNN on the engine's real pool layout (s21a, machine 1, "
+          "`benchmarks/attention/bench_library_row.py`: dummy Qwen3-8B's 32 x 128 query heads over 8 KV heads, bf16; "
+          "before: torch's index_select over the layer's strided view and zero-filled copies of every call's inputs; "
+          "now: the Triton gather, no zero fill of rows an input covers, one query copy for both calls), us:\n")
+    print("| prefix + new | gather before | gather now (GB/s) | row before (TFLOP/s) | row now (TFLOP/s) | the two calls "
+          "alone (TFLOP/s) | outputs equal |\n|---|---|---|---|---|---|---|")
+    for r in lr:
+        g0 = f"{r['gather_old_us']:.1f}" if r["ctx"] else "-"
+        g1 = f"{r['gather_us']:.1f} ({r['gather_GBps']:,.0f})" if r["ctx"] else "-"
+        print(f"| {r['ctx']} + {r['new']} | {g0} | {g1} | {r['row_old_us']:.1f} ({r['row_old_tflops']:.0f}) | "
+              f"{r['row_us']:.1f} ({r['row_tflops']:.0f}) | {r['calls_us']:.1f} ({r['calls_tflops']:.0f}) | "
+              f"{'yes' if r['max_abs_diff'] == 0 else r['max_abs_diff']} |")
+    big = [r for r in lr if r["ctx"] >= 8192]
+    gx = [r["gather_old_us"] / r["gather_us"] for r in big]
+    ct = [r["calls_tflops"] for r in big]
+    print(f"\nThe gather is {min(gx):.1f}-{max(gx):.1f}x faster at 8k-24k prefixes, but the row is the two cuDNN calls "
+          f"({min(ct):.0f}-{max(ct):.0f} TFLOP/s there) plus the merge: what feeding them cost was a few percent of it, "
+          "within the calls' spread between runs (the 16k row was slower after, the 24k one faster).")
+    st = load(f"{base}/s21a/steps.json")
+    c = st["ceilings"]
+    print(f"\nThe 32k prompt's four 8192-token chunks as engine steps (same machine, `bench_steps.py`, eager; floor = "
+          f"the step's FLOPs at the bf16 matmul rate of the same run, {c['bf16_matmul_tflops']:.0f} TFLOP/s):\n")
+    print("| step | ms | of floor |\n|---|---|---|")
+    for r in st["results"]:
+        print(f"| {r['case']} | {r['step_ms_median']:.2f} | {r['fraction_of_floor']:.0%} |")
+    print(f"\nGPU tests of the library path (s21a): {_pytest_verdict(f'{base}/s21a/gpu_tests.txt')} (the whole file, "
+          "its CPU-only interpreter tests among them: they hand CPU tensors to Triton on a CUDA host; the stage now "
+          "runs `-m gpu`; s21c_tests below has the file's GPU tests passing).\n")
+    d = load(f"{base}/s21a/gemm_split.json")
+    c = d["ceilings"]
+    print("Projections split over K with float32 partial sums (s21a, `bench_gemm_rows.py --split-k 2,3,4 --parts-dtype "
+          f"fp32`; ceilings: HBM copy {c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} "
+          "TFLOP/s), us; `parts` leaves the sum to a later kernel (the next add + norm could take it):\n")
+    print("| projection | rows | cuBLAS | split 2 parts | split 3 parts | split 4 parts |\n|---|---|---|---|---|---|")
+    rows: dict = {}
+    for r in d["results"]:
+        key = (f"{r['shape']} {r['n']}x{r['k']}", r["rows"])
+        row = rows.setdefault(key, {})
+        if r.get("variant"):
+            row[r["split_k"]] = r["us_bmm_only"]
+            row["mm"] = r["us_mm"]
+    for (name, m), row in rows.items():
+        print(f"| {name} | {m} | {row['mm']:.2f} | " + " | ".join(
+            f"{row[k]:.2f}" if k in row else "-" for k in (2, 3, 4)) + " |")
+    print("\nThe one-pass sampling kernel (`pdserve.ops.sampling`) against the torch path, the sampler alone "
+          "(`bench_sampler.py`: `sample_async` on Qwen3's 151,936-token vocabulary, bf16 logits; do_bench medians, "
+          "host work included), us:\n")
+    print("| run | rows | requests | torch | kernel | torch / kernel |\n|---|---|---|---|---|---|")
+    for run, what in (("s21b", "s21b (machine 2: a program a row)"), ("s21c_tests_first", "s21c (machine 3: split "
+                                                                                           "rows)"),
+                      ("s21c_tests", "s21c (machine 4: the code as submitted)")):
+        for r in load(f"{base}/{run}/sampler.json")["results"]:
+            print(f"| {what} | {r['rows']} | {r['kind']} | {r['torch_us']:.1f} | {r['kernel_us']:.1f} | "
+                  f"{r['torch_us'] / r['kernel_us']:.2f} |")
+    print("\nAll-greedy batches keep torch's argmax (both columns the same path). One row's times are mostly the "
+          "host's (pinned copies, two launches) and varied between machines.\n")
+    for run, what in (("s21b", "s21b, machine 2, a program a row"), ("s21c_loops", "s21c, machine 4, the code as "
+                                                                                   "submitted")):
+        names = ("kernel1", "torch1", "kernel2", "torch2") if run == "s21b" else ("kernel1", "torch1", "torch2",
+                                                                                  "kernel2")
+        print(f"The steady decode loops at temperature 1 (every request samples; {what}; `bench_steps.py --loop "
+              "256x1024,1x8192 --loop-temperature 1.0`, the kernel and `--sampler torch` in the order shown; async "
+              "scheduling; floor = weights + KV at the HBM rate):\n")
+        _ab_steps([(v, load(f"{base}/{run}/loop_{v}.json")) for v in names])
+        print()
+    print(f"GPU tests (s21c_tests, machine 4): sampling kernel {_pytest_verdict(f'{base}/s21c_tests/gpu_tests.txt')}; "
+          f"warm-up burst and library prefill (-m gpu) {_pytest_verdict(f'{base}/s21c_tests/gpu_tests_warmup.txt')}. "
+          "At the code before (s21c_tests_first, machine 3) the burst test failed: "
+          f"{_pytest_verdict(f'{base}/s21c_tests_first/gpu_tests_warmup.txt')} (the pick kernel compiled per split "
+          "count; now one tile and the split counts unspecialized).\n")
+    print("Side by side with vLLM 0.22 (sbs/, machine 4 after s21c, `lease_1gpu.sh sbs`: vLLM, then pdserve, on the one "
+          "H200; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both, which sends no "
+          "temperature: both servers sample at 1.0; kernels pdserve compiled while serving: "
+          f"{_compiles(f'{base}/sbs/pdserve.log.gz')}):\n")
+    _sbs_table(f"{base}/sbs")
+    for w in ("8192x16_c1", "32768x16_c1"):
+        _sbs_chunks(f"{base}/sbs", w)
+    print("\nvLLM's stream sends its first tokens in one chunk, so its TTFT holds some decode steps and its TPOT is "
+          "below any decode step; the median gap between chunks is the decode pace (pdserve's lower at both lengths). "
+          "The long prompts without their first request (a warm-up prompt sent again: a prefix-cache hit on both):\n")
+    print("| workload | mean TTFT vLLM / pdserve ms | ratio | mean E2EL vLLM / pdserve ms | ratio |\n|---|---|---|---|---|")
+    for w in ("8192x16_c1", "32768x16_c1"):
+        (vt, ve), (pt, pe) = (_misses(load(f"{base}/sbs/{n}_single_{w}.json")) for n in ("vllm", "pdserve"))
+        print(f"| {w} | {vt:.1f} / {pt:.1f} | {pt / vt:.3f} | {ve:.1f} / {pe:.1f} | {pe / ve:.3f} |")
+
+
 def session20() -> None:
     """The session-20 lease: one 2xH200 machine, then the 2-GPU kind was no longer lent (benchmarks/lease_s20)."""
 
@@ -1443,6 +1542,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session21()
+    print()
     session20()
     print()
     session19()
