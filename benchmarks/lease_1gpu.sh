@@ -120,6 +120,18 @@ fold_ab() {  # LIMIT_S ARM_S ARMS...: the batch-1 8k step and the batch-1 loops 
     echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-200
   done
 }
+sampler_loops() {  # ARMS...: the steady decode loops (256x1024, 1x8192) at temperature 1 per arm, in order, until
+  # 560 s into the call; arms named torch* run with --sampler torch (no one-pass sampling kernel); `save` after each
+  local v a left
+  for v in "$@"; do
+    left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+    a=""; case $v in torch*) a="--sampler torch" ;; esac
+    timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= --loop 256x1024,1x8192 \
+      --loop-steps 100 --loop-temperature 1.0 $a --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+    echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+    save
+  done
+}
 # one pdserve server of dummy Qwen3-8B as the side by side starts it (--gpu-memory-utilization 0.9, --max-model-len
 # 40960), model $1 (a dir or a shipped shape): its start-up (launch to first completion), KV sizing and warm-up lines
 sizing_server() {
@@ -662,14 +674,7 @@ PY
     save
     timeout 90 python3 benchmarks/engine/bench_sampler.py --out "$W/sampler.json" 2>&1 | grep -E "^rows|Error" | tee "$W/sampler.txt"
     save
-    for v in kernel1 torch1 kernel2 torch2; do
-      left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in torch*) a="--sampler torch" ;; esac
-      timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= --loop 256x1024,1x8192 \
-        --loop-steps 100 --loop-temperature 1.0 $a --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
-      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
-      save
-    done ;;
+    sampler_loops kernel1 torch1 kernel2 torch2 ;;
   s21c_tests)  # the sampling kernel split over programs for few rows (s21b: one program a row took 155 us for one
     # row): its tests compiled, the warm-up burst test, the sampler alone torch vs kernel
     save() { tar czf "$OUT/s21c_tests.tgz" -C "$OUT" s21c_tests; }
@@ -681,14 +686,7 @@ PY
     save ;;
   s21c_loops)  # the steady decode loops at temperature 1, the kernel and the torch path, arms $ARMS in order
     save() { tar czf "$OUT/s21c_loops.tgz" -C "$OUT" s21c_loops; }
-    for v in ${ARMS:-kernel1 torch1}; do
-      left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in torch*) a="--sampler torch" ;; esac
-      timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= --loop 256x1024,1x8192 \
-        --loop-steps 100 --loop-temperature 1.0 $a --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
-      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
-      save
-    done ;;
+    sampler_loops ${ARMS:-kernel1 torch1} ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
