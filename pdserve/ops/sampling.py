@@ -26,7 +26,6 @@ from pdserve.ops.dispatch import HAS_TRITON, use_fused
 QUARTER = 512  # columns per draw of the Philox stream's four outputs: 2048 columns a step of a program's loop
 TARGET_PROGRAMS_PER_SM = 4  # a row is split over programs until the grid has about this many per SM
 MAX_SPLITS = 128  # programs a row at most: the pick kernel's one tile (one compiled variant for every split)
-LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
     import triton
@@ -49,7 +48,8 @@ if HAS_TRITON:
         best_i = 0
         q = tl.arange(0, Q)
         for start in range(lo, hi, 4 * Q):
-            u0, u1, u2, u3 = tl.rand4x(seed, (r * ((V + 3) // 4) + start // 4 + q).to(tl.int32))
+            # row r's draws: offsets [r * span, (r + 1) * span), span = Q per 4 * Q-column step of the row
+            u0, u1, u2, u3 = tl.rand4x(seed, (r * (tl.cdiv(V, 4 * Q) * Q) + start // 4 + q).to(tl.int32))
             for j in tl.static_range(4):
                 u = u0 if j == 0 else u1 if j == 1 else u2 if j == 2 else u3
                 cols = start + j * Q + q
@@ -106,7 +106,7 @@ def sample_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int) -> to
     """[rows] int64 token ids of `logits` [rows, vocab] (any float dtype, vocab contiguous); `inv_temp` [rows]
     float32 on the logits' device (0: greedy); `seed` picks the Philox stream (a fresh one each step)."""
     rows, vocab = logits.shape
-    per_row = -(-vocab // 4)  # the random stream's offsets a row takes (int32 in the kernel)
+    per_row = -(-vocab // (4 * QUARTER)) * QUARTER  # the random stream's offsets a row takes (int32 in the kernel)
     if rows * per_row >= 2**31:  # ~14k rows of a 152k vocabulary: in parts, each its own stream
         part = (2**31 - 1) // per_row
         return torch.cat([sample_tokens(logits[i: i + part], inv_temp[i: i + part], (seed + 1 + i // part) % 2**31)
