@@ -19,8 +19,8 @@ How, for one prefill row of q_len new tokens on ctx tokens already in the pool:
 An input already of its call's shape with its heads packed (stride H x D between rows, as q/k/v are once
 copied) goes in as it is, and a whole chunk's queries are copied once for both calls; only rows the input does not
 cover are zeroed. Padding keeps the calls to a bounded set of shapes: cuDNN builds an execution plan the first time
-it sees a shape, which took 49-105 ms on an H200 (709 ms for the process's first chunk), and without buckets every new prompt
-length, and every chunk whose size the step's decode rows shifted, would pay that in its TTFT. torch's single call
+it sees a shape, which took 49-105 ms on an H200 (709 ms for the process's first chunk), and without buckets every
+new prompt length, and every chunk whose size the step's decode rows shifted, would pay that in its TTFT. torch's single call
 with a lower-right causal mask ran 1.6-1.7x slower than the two calls (it materializes the mask). The calls are
 torch.ops.aten._scaled_dot_product_cudnn_attention, the op torch's SDPA dispatches to; grouped query heads go to
 cuDNN as they are (no repeat of K/V).
