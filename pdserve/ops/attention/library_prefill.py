@@ -16,11 +16,11 @@ How, for one prefill row of q_len new tokens on ctx tokens already in the pool:
 - where the prefix reaches PREFIX_BUCKET: one unmasked call of the new tokens (zero-padded likewise) against the
   prefix up to its last multiple of PREFIX_BUCKET, and `merge_two` (a Triton kernel) combines the two by their
   log-sum-exps, writing the output rows in place.
-An input already of its call's shape with its heads packed (stride H x D between rows, as q/k/v are once
-copied) goes in as it is, and a whole chunk's queries are copied once for both calls; only rows the input does not
-cover are zeroed. Padding keeps the calls to a bounded set of shapes: cuDNN builds an execution plan the first time
-it sees a shape, which took 49-105 ms on an H200 (709 ms for the process's first chunk), and without buckets every
-new prompt length, and every chunk whose size the step's decode rows shifted, would pay that in its TTFT. torch's single call
+An input already of its call's shape with its heads packed (stride H x D between rows, as q/k/v are once copied)
+goes in as it is, and a whole chunk's queries are copied once for both calls; only rows the input does not cover are
+zeroed. Padding keeps the calls to a bounded set of shapes: cuDNN builds an execution plan the first time it sees a
+shape, which took 49-105 ms on an H200 (709 ms for the process's first chunk), and without buckets every new prompt
+length, and every chunk whose size the step's decode rows shifted, would pay that in its TTFT. torch's single call
 with a lower-right causal mask ran 1.6-1.7x slower than the two calls (it materializes the mask). The calls are
 torch.ops.aten._scaled_dot_product_cudnn_attention, the op torch's SDPA dispatches to; grouped query heads go to
 cuDNN as they are (no repeat of K/V).
