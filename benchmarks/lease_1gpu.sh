@@ -88,6 +88,8 @@
 #              temperature 1 with the kernel and with the torch path
 #   s21c_tests the sampling kernel split over programs: tests, warm-up burst, the sampler alone
 #   s21c_loops the decode loops at temperature 1, kernel vs torch path, arms $ARMS
+#   s22a       o/down split over K, parts summed by the next add+RMSNorm: GPU tests, the table measured, steps and
+#              the batch-256 loop at temperature 1 with and without the split (on, off, on, off)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -687,6 +689,32 @@ PY
   s21c_loops)  # the steady decode loops at temperature 1, the kernel and the torch path, arms $ARMS in order
     save() { tar czf "$OUT/s21c_loops.tgz" -C "$OUT" s21c_loops; }
     sampler_loops ${ARMS:-kernel1 torch1} ;;
+  s22a)  # o/down split over K with float32 parts summed by the next add+RMSNorm (pdserve.ops.split_k): GPU tests
+    # (the fold against the reference, cuBLAS's parts, a tiny model through graphs with the split; the sampling
+    # kernel's per-row offsets, changed after s21's lease); the table measured (bench_split_k.py, written to
+    # $W/split_k_table.json and used by the rest of the call); then whole steps and the steady loop at batch 256
+    # (temperature 1) with the split and without, in the order on, off, on, off
+    save() { tar czf "$OUT/s22a.tgz" -C "$OUT" s22a; }
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_split_k.py \
+      tests/ops/test_norm.py tests/engine/test_split_k_engine.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" \
+      | cut -c1-900 | tail -8
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_sampling_kernel.py 2>&1 \
+      | tee "$W/gpu_tests_sampling.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    save
+    timeout 150 python3 benchmarks/engine/bench_split_k.py --out "$W/split_k.json" --table-out "$W/split_k_table.json" \
+      > "$W/split_k.txt" 2>&1
+    grep -E "rows (128|192|256|384|512):|a step|table|ceilings|Error" "$W/split_k.txt" | cut -c1-300
+    save
+    [ -f "$W/split_k_table.json" ] && export PDSERVE_SPLIT_K_CONFIG="$W/split_k_table.json"
+    for v in on1 off1 on2 off2; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in off*) a="--no-split-k" ;; esac
+      timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 --iters 20 $a \
+        --decode 128x1024,192x1024,256x1024 --loop 256x1024 --loop-steps 100 --loop-temperature 1.0 \
+        --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
+      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -63,6 +63,13 @@ def skinny_config_file() -> str | None:
     return os.environ.get("PDSERVE_SKINNY_CONFIG") or None
 
 
+def split_k_config_file() -> str | None:
+    """`PDSERVE_SPLIT_K_CONFIG`: a JSON file {"N,K": [[first_row, last_row, parts], ...]} of the products split over K
+    with their partial sums left to the next add+RMSNorm (pdserve.ops.split_k): what
+    `benchmarks/engine/bench_split_k.py --table-out FILE` measured on this GPU."""
+    return os.environ.get("PDSERVE_SPLIT_K_CONFIG") or None
+
+
 def prefill_library() -> str:
     """`PDSERVE_PREFILL_LIBRARY`: `auto` (default) runs long prefill rows through cuDNN's fused attention where the
     GPU and torch have it (pdserve.ops.attention.library_prefill says which rows and why); `none` keeps every row

@@ -424,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
                     help="the activation folded into one-row down projections (pdserve.ops.linear.set_fold); "
                          "--no-fold: its own kernel (an A/B)")
+    ap.add_argument("--split-k", action=argparse.BooleanOptionalAction, default=True,
+                    help="o/down split over K where the measured table says (pdserve.ops.split_k, the table shipped "
+                         "for the GPU or PDSERVE_SPLIT_K_CONFIG's); --no-split-k: never (an A/B)")
     ap.add_argument("--loop-temperature", type=float, default=0.0,
                     help="the decode loops' temperature (1.0: what a request without one samples at, as vLLM's "
                          "bench serve sends them)")
@@ -460,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.fold:
         from pdserve.ops.linear import set_fold
         set_fold(False)
+    if not args.split_k:
+        from pdserve.ops.split_k import set_split_k
+        set_split_k(False)
     if not args.prefill_new_kv:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.read_new_kv = False

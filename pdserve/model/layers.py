@@ -22,6 +22,7 @@ from pdserve.ops.activation import ACTIVATIONS, act_and_mul
 from pdserve.ops.linear import linear
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.rotary import qk_norm_rope
+from pdserve.ops.split_k import PartialSums
 from pdserve.parallel.group import current_tp
 from pdserve.parallel.ranges import even_range, kv_head_range
 
@@ -107,8 +108,12 @@ class GatedMLP(MergedLinearOwner):
     def _merged(self):
         return [("gate_up", [self.gate_proj, self.up_proj])]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor | PartialSums:
+        """down(act(gate(x)) * up(x)); with `parts`, the down projection may come back as float32 partial sums over
+        K (pdserve.ops.split_k) for the caller's add+RMSNorm to sum."""
         n = x.shape[0]
+        if parts and 1 < n <= MLP_CHUNK_TOKENS:
+            return self.down_proj.forward_parts(self._act(x))
         if n <= MLP_CHUNK_TOKENS:  # for one row on CUDA the activation runs inside the down projection's kernel
             return self.down_proj.act_forward(linear(x, self.gate_up_weight), self.act)
         out = x.new_empty((n, self.down_proj.out_features))  # each part's down projection lands in place (no cat)
@@ -173,7 +178,9 @@ class PagedAttention(MergedLinearOwner):
     def _merged(self):
         return [("qkv", [self.q_proj, self.k_proj, self.v_proj])]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, parts: bool = False) -> torch.Tensor | PartialSums:
+        """The layer's attention output after o_proj; with `parts`, possibly as float32 partial sums over K
+        (pdserve.ops.split_k) for the caller's add+RMSNorm to sum."""
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -185,5 +192,5 @@ class PagedAttention(MergedLinearOwner):
                                 self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
         else:
             q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin)
-        o = attend(self, q, k, v)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = attend(self, q, k, v).reshape(t, self.q_size)
+        return self.o_proj.forward_parts(o) if parts else self.o_proj(o)

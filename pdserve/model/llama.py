@@ -1,8 +1,10 @@
 """Llama (Llama 2/3 family): pre-norm decoder, GQA, SwiGLU, RoPE with optional llama3 scaling.
 
 Decoder layers carry the residual stream separately (`hidden, residual = layer(positions, hidden, residual)`),
-so each residual add is fused into the norm after it. Tensor-parallel through the shared layers
-(pdserve.model.parallel): vocabulary-parallel embedding and LM head, sharded attention and MLP.
+so each residual add is fused into the norm after it; o_proj and down_proj may hand that norm float32 partial sums
+over K instead of their output (pdserve.ops.split_k: a few hundred rows, on a GPU whose measured table says so).
+Tensor-parallel through the shared layers (pdserve.model.parallel): vocabulary-parallel embedding and LM head,
+sharded attention and MLP.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pdserve.model import shapes
 from pdserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from pdserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 from pdserve.model.rope_config import rope_params
+from pdserve.ops.split_k import PartialSums
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -41,16 +44,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
         """(this layer's output, the residual stream before it): the next norm adds them."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden, parts=True)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # MoE models put their sparse block in place of the dense MLP (qwen3_moe.py): it returns a tensor
+        return (self.mlp(hidden, parts=True) if isinstance(self.mlp, GatedMLP) else self.mlp(hidden)), residual
 
 
 class LlamaModel(nn.Module):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.ops.linear import act_linear, linear
+from pdserve.ops.split_k import PartialSums, linear_parts
 from pdserve.parallel.group import TPGroup, current_tp
 
 
@@ -89,6 +90,14 @@ class RowParallelLinear(nn.Linear):
             return linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
+
+    def forward_parts(self, x: torch.Tensor) -> torch.Tensor | PartialSums:
+        """forward(x), or its float32 partial sums over K where the measured table splits this product at x's row
+        count (pdserve.ops.split_k): for a caller whose next op is an add+RMSNorm, which sums them. One rank, no
+        bias only (the ranks' outputs are all-reduced as one tensor)."""
+        if self.tp.size == 1 and self.bias is None:
+            return linear_parts(x, self.weight)
+        return self.forward(x)
 
     def act_forward(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         """forward(act(gate) * up) of a merged gate_up [T, 2 * in_features]: for one row on CUDA the activation

@@ -3,7 +3,9 @@ float32 accumulation), and the torch reference each kernel is tested against (th
 
 `offset=1` is Gemma's (1 + weight) form. The fused form is the pre-norm decoder's
 `residual = x + residual; x = norm(residual)`; it returns both. `rows` normalizes only the given rows (the final
-norm of the rows the sampler needs, gathered in the same pass).
+norm of the rows the sampler needs, gathered in the same pass). `x` may also be a product left as float32 partial
+sums over K (pdserve.ops.split_k.PartialSums): the kernel adds the parts, rounds their sum to the model's dtype as
+the product would have been, then adds the residual.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from pdserve.ops.dispatch import HAS_TRITON, num_warps_for, use_fused
 from pdserve.ops.pdl import pdl_args
+from pdserve.ops.split_k import MAX_PARTS, PartialSums, materialize
 
 if HAS_TRITON:
     import triton
@@ -20,9 +23,9 @@ if HAS_TRITON:
     from pdserve.ops.pdl import pdl_enter
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, ROWS, Out, ROut, s_x, s_r, s_o, s_ro, n_cols, eps, offset,
+    def _rms_norm_kernel(X, R, W, ROWS, Out, ROut, s_x, s_part, s_r, s_o, s_ro, n_cols, eps, offset,
                          HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, STORE_RES: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)  # pdserve.ops.pdl
         i = tl.program_id(0).to(tl.int64)
         row = i
@@ -31,9 +34,14 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(X + row * s_x + cols, mask=mask, other=0.0)
+        if PARTS > 1:  # float32 partial products over K (pdserve.ops.split_k): their sum, rounded once
+            xf = x.to(tl.float32)
+            for p in tl.static_range(1, PARTS):
+                xf += tl.load(X + p * s_part + row * s_x + cols, mask=mask, other=0.0)
+            x = xf.to(Out.dtype.element_ty)
         if HAS_RES:
             r = tl.load(R + row * s_r + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)  # rounded as the model's dtype adds
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(Out.dtype.element_ty)  # rounded as the model's dtype adds
             if STORE_RES:
                 tl.store(ROut + i * s_ro + cols, x, mask=mask)
         xf = x.to(tl.float32)
@@ -64,22 +72,31 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x, residual, weight, eps, offset, rows, store_res):
-    shape = x.shape
-    x2 = _rows2d(x)
-    n_rows, n = x2.shape
+    shape, dtype = x.shape, x.dtype
+    if isinstance(x, PartialSums):
+        x2 = x.parts if x.parts.stride(-1) == 1 else x.parts.contiguous()
+        num_parts, s_part = x2.shape[0], x2.stride(0)
+        if x2.dim() != 3 or x2.stride(1) != x2.shape[2] or num_parts > MAX_PARTS:
+            raise ValueError(f"partial sums of shape {tuple(x2.shape)}: [parts <= {MAX_PARTS}, rows, cols] with "
+                             "row-major parts")
+        _, n_rows, n = x2.shape
+    else:
+        x2 = _rows2d(x)
+        num_parts, s_part = 1, 0
+        n_rows, n = x2.shape
     r2 = _rows2d(residual) if residual is not None else x2
     if rows is not None:
         rows = rows.reshape(-1)
         n_rows = rows.shape[0]
-    out = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
-    r_out = torch.empty((n_rows, n), dtype=x.dtype, device=x.device) if store_res else out
+    out = torch.empty((n_rows, n), dtype=dtype, device=x.device)
+    r_out = torch.empty((n_rows, n), dtype=dtype, device=x.device) if store_res else out
     if n_rows:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(n_rows,)](
             x2, r2, weight, rows if rows is not None else x2, out, r_out,
-            x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), n, eps, float(offset),
-            HAS_RES=residual is not None, HAS_ROWS=rows is not None, STORE_RES=store_res, BLOCK=block,
-            num_warps=num_warps_for(block), **pdl_args(x2),
+            x2.stride(-2), s_part, r2.stride(0), out.stride(0), r_out.stride(0), n, eps, float(offset),
+            HAS_RES=residual is not None, HAS_ROWS=rows is not None, STORE_RES=store_res, PARTS=num_parts,
+            BLOCK=block, num_warps=num_warps_for(block), **pdl_args(x2),
         )
     if rows is None:
         out = out.view(shape)
@@ -103,28 +120,34 @@ def add_rms_norm_rows_triton(x: torch.Tensor, residual: torch.Tensor | None, wei
     return _launch(x, residual, weight, eps, offset, rows, False)[0]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    if use_fused(x):
+def _fused_for(x: torch.Tensor | PartialSums) -> bool:
+    return use_fused(x.parts if isinstance(x, PartialSums) else x)
+
+
+def rms_norm(x: torch.Tensor | PartialSums, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    if _fused_for(x):
         return rms_norm_triton(x, weight, eps, offset)
-    return rms_norm_ref(x, weight, eps, offset)
+    return rms_norm_ref(materialize(x), weight, eps, offset)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+def fused_add_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual); new tensors, the inputs are left as they were."""
-    if use_fused(x):
+    """(norm(x + residual), x + residual); new tensors, the inputs are left as they were. `x` may be a product's
+    float32 partial sums over K (pdserve.ops.split_k), summed here and rounded once before the add."""
+    if _fused_for(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps, offset)
-    return fused_add_rms_norm_ref(x, residual, weight, eps, offset)
+    return fused_add_rms_norm_ref(materialize(x), residual, weight, eps, offset)
 
 
-def final_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def final_rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                    offset: float = 0.0, rows: torch.Tensor | None = None) -> torch.Tensor:
     """norm(x + residual) of `rows` (every row when None): the model's last norm, before the LM head."""
-    if use_fused(x):
+    if _fused_for(x):
         if rows is None:
             return (fused_add_rms_norm_triton(x, residual, weight, eps, offset)[0] if residual is not None
                     else rms_norm_triton(x, weight, eps, offset))
         return add_rms_norm_rows_triton(x, residual, weight, eps, offset, rows)
+    x = materialize(x)
     if rows is not None:
         x = x.index_select(0, rows)
         residual = residual.index_select(0, rows) if residual is not None else None
