@@ -90,6 +90,8 @@
 #   s21c_loops the decode loops at temperature 1, kernel vs torch path, arms $ARMS
 #   s22a       o/down split over K, parts summed by the next add+RMSNorm: GPU tests, the table measured, steps and
 #              the batch-256 loop at temperature 1 with and without the split (on, off, on, off)
+#   s22b       the batch-256 loop at temperature 1 under the profiler with the shipped split table; the loop without
+#              and with the split (off, on, off, on)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -713,6 +715,22 @@ PY
         --decode 128x1024,192x1024,256x1024 --loop 256x1024 --loop-steps 100 --loop-temperature 1.0 \
         --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
       echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done ;;
+  s22b)  # the steady batch-256 loop at temperature 1 with the shipped split table: its kernels and the GPU's idle
+    # time under the profiler; then the loop with the split and without, in the order off, on, off, on
+    save() { tar czf "$OUT/s22b.tgz" -C "$OUT" s22b; }
+    timeout 200 $STEPS_8B --max-model-len 16384 --iters 20 --top 30 --decode= --loop 256x1024 \
+      --profile-loop 256x1024 --loop-steps 40 --loop-temperature 1.0 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -E "^loop[^ ]*:|^  idle|^\||^profile|GPU busy" | grep -v "async off" \
+      | cut -c1-200 | head -45
+    save
+    for v in off1 on1 off2 on2; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in off*) a="--no-split-k" ;; esac
+      timeout $(( left < 90 ? left : 90 )) $STEPS_8B --max-model-len 16384 $a --decode= --loop 256x1024 \
+        --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
       save
     done ;;
   moe_tune)
