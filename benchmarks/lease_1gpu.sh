@@ -92,6 +92,8 @@
 #              the batch-256 loop at temperature 1 with and without the split (on, off, on, off)
 #   s22b       the batch-256 loop at temperature 1 under the profiler with the shipped split table; the loop without
 #              and with the split (off, on, off, on)
+#   s22c       the sampling kernel with per-lane bests against s21's: tests, the sampler alone, the loops at
+#              temperature 1 (new, old, new, old)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -733,6 +735,32 @@ PY
       echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
       save
     done ;;
+  s22c)  # the sampling kernel with one reduction per program (per-lane bests) against s21's (two block reductions per
+    # 512 columns; benchmarks/lease_s22/_old_sampling.py, untracked, carried for this call): tests, the sampler alone
+    # and the steady loops at temperature 1 (256x1024, 1x8192), in the order new, old, new, old
+    save() { tar czf "$OUT/s22c.tgz" -C "$OUT" s22c; }
+    cp pdserve/ops/sampling.py /tmp/sampling_new.py
+    use() { if [ $1 = old ]; then cp benchmarks/lease_s22/_old_sampling.py pdserve/ops/sampling.py; else cp /tmp/sampling_new.py pdserve/ops/sampling.py; fi; }
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_sampling_kernel.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 \
+      | tee "$W/gpu_tests_warmup.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    save
+    for v in new old; do
+      use $v
+      timeout 90 python3 benchmarks/engine/bench_sampler.py --out "$W/sampler_$v.json" 2>&1 | grep -E "^rows|Error" \
+        | sed "s/^/$v: /" | tee "$W/sampler_$v.txt"
+    done
+    save
+    for v in new1 old1 new2 old2; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+      use ${v%?}
+      timeout $(( left < 100 ? left : 100 )) $STEPS_8B --max-model-len 16384 --decode= --loop 256x1024,1x8192 \
+        --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done
+    use new ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

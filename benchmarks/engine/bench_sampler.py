@@ -3,7 +3,8 @@ one-pass kernel (pdserve.ops.sampling), for requests that leave out temperature 
 vLLM's `bench serve` sends), that ask for 0.7, and greedy ones; at 1, 64 and 256 rows.
 
 Each time is triton.testing.do_bench's median over `sample_async` (host work plus kernels; the pinned copy of the
-tokens included, the wait for them not), in microseconds.
+tokens included, the wait for them not), in microseconds; at the default temperature also the kernels alone
+(`sample_tokens` replayed in a CUDA graph).
 
     python benchmarks/engine/bench_sampler.py --out $OUT/sampler.json
 """
@@ -11,13 +12,16 @@ tokens included, the wait for them not), in microseconds.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton.testing
 
+from pdserve.bench.ceilings import graph_us
 from pdserve.bench.record import new_record, save_json
 from pdserve.engine import sampler as S
 from pdserve.engine.request import Request
+from pdserve.ops.sampling import sample_tokens
 from pdserve.sampling_params import SamplingParams
 
 VOCAB = 151936
@@ -49,9 +53,15 @@ def main() -> None:
                     row[f"{path}_us"] = us(lambda lg=logits, rq=reqs: S.sample_async(lg, rq))
                 finally:
                     S.use_fused = real
+            if kind == "default (T=1)":  # the kernels alone, in a CUDA graph (no host work)
+                inv_t = torch.ones(n, device=dev)
+                row["kernel_graph_us"] = graph_us([functools.partial(sample_tokens, logits, inv_t, i + 1)
+                                                   for i in range(20)])
             rec["results"].append(row)
             print(f"rows {n:4d} {kind:14s}: torch {row['torch_us']:8.1f} us, kernel {row['kernel_us']:8.1f} us "
-                  f"({row['torch_us'] / row['kernel_us']:.2f}x)", flush=True)
+                  f"({row['torch_us'] / row['kernel_us']:.2f}x)"
+                  + (f"; the kernels alone {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else ""),
+                  flush=True)
     if args.out:
         save_json(rec, args.out)
 

@@ -44,8 +44,10 @@ if HAS_TRITON:
         scale = tl.where(noisy, inv_t * 1.4426950408889634, 1.0)
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
-        best_v = -float("inf")
-        best_i = 0
+        # per lane: the best score so far and its column (strictly greater only, so each lane keeps the first of
+        # equal scores: its columns only grow); one reduction across lanes at the end, not two a quarter
+        best_v = tl.full([Q], -float("inf"), tl.float32)
+        best_i = tl.zeros([Q], tl.int32)
         q = tl.arange(0, Q)
         for start in range(lo, hi, 4 * Q):
             # row r's draws: offsets [r * span, (r + 1) * span), span = Q per 4 * Q-column step of the row
@@ -57,14 +59,13 @@ if HAS_TRITON:
                 x = tl.load(L + r * s_l + cols, mask=m, other=-float("inf")).to(tl.float32)
                 g = -tl.log2(-tl.log2(u))
                 x = x * scale + tl.where(noisy, g, 0.0)
-                x = tl.where(m, x, -float("inf"))
-                v = tl.max(x, 0)
-                i = tl.argmax(x, 0, tie_break_left=True)
-                take = v > best_v
-                best_i = tl.where(take, start + j * Q + i, best_i)
-                best_v = tl.where(take, v, best_v)
-        tl.store(PV + r * S + c, best_v)
-        tl.store(PI + r * S + c, best_i.to(tl.int64))
+                take = m & (x > best_v)
+                best_i = tl.where(take, cols, best_i)
+                best_v = tl.where(take, x, best_v)
+        v = tl.max(best_v, 0)
+        i = tl.min(tl.where(best_v == v, best_i, V), 0)  # the first column of the best score across lanes
+        tl.store(PV + r * S + c, v)
+        tl.store(PI + r * S + c, i.to(tl.int64))
 
     @triton.jit(do_not_specialize=["S"])
     def _pick_kernel(PV, PI, Out, S, BLOCK_S: tl.constexpr):

@@ -25,14 +25,16 @@ def _draw(logits, inv_temp, seed, fused):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_rows_are_the_argmax_first_index_on_ties(fused, dtype):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn((5, 4100), generator=g).to(dtype)  # past two of the kernel's 2048-entry steps
+    x = torch.randn((7, 4100), generator=g).to(dtype)  # past two of the kernel's 2048-entry steps
     x[1, 7] = x[1, 4000] = 50.0  # a tie across steps: the first wins
     x[2, 2047] = x[2, 2048] = 50.0  # across the step boundary
     x[3, :] = 1.0  # all equal: token 0
     x[4, 4099] = float("inf")
-    out = _draw(x, torch.zeros(5), 1, fused)
+    x[5, 600] = x[5, 300] = 50.0  # the later column in a lower lane of the kernel's 512 (600 - 512 = 88 < 300)
+    x[6, 2148] = x[6, 1900] = 50.0  # the same across steps
+    out = _draw(x, torch.zeros(7), 1, fused)
     assert out.tolist() == x.argmax(-1).tolist()
-    assert out.tolist()[:4] == [x[0].argmax().item(), 7, 2047, 0]
+    assert out.tolist()[:4] + out.tolist()[5:] == [x[0].argmax().item(), 7, 2047, 0, 300, 1900]
 
 
 @pytest.mark.parametrize("fused", [False, True])
