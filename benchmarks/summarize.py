@@ -569,6 +569,78 @@ def _misses(d: dict) -> tuple[float, float]:
     return 1e3 * sum(t) / len(t), 1e3 * sum(e) / len(e)
 
 
+def session22() -> None:
+    """Session 22 (H200s): o/down split over K with float32 parts summed by the next add+RMSNorm (the table, steps,
+    loops), the batch-256 loop's kernels, the sampling kernel's per-lane bests, the side by side."""
+    base = "lease_s22"
+    d = load(f"{base}/s22a/split_k.json")
+    c = d["ceilings"]
+    print("A product and the add+RMSNorm after it, plain (the skinny kernel up to 16 rows, cuBLAS above, then the norm) "
+          "against the product split over K into float32 parts that the norm sums (s22a, machine 1, "
+          "`benchmarks/engine/bench_split_k.py`; graphs of pairs over weight copies larger than L2; same run: HBM copy "
+          f"{c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s), us, at a selection "
+          "of the 41 row counts measured:\n")
+    print("| projection | rows | plain | split 2 | split 3 | split 4 | best against plain |\n|---|---|---|---|---|---|---|")
+    for r in d["results"]:
+        if r["rows"] in (1, 16, 64, 128, 160, 192, 224, 256, 272, 320, 384, 512, 1024):
+            sp = r["split_us"]
+            print(f"| {r['shape']} {r['n']}x{r['k']} | {r['rows']} | {r['plain_us']:.2f} | "
+                  + " | ".join(f"{sp[k]:.2f}" if k in sp else "-" for k in ("2", "3", "4"))
+                  + f" | {100 * r['gain']:+.1f} % |")
+    print("\nThe table it wrote (shipped as `pdserve/ops/configs/split_k/device=NVIDIA_H200.json`; [first row, last "
+          "row, parts] where the split won by more than 3 %; an MLP of one row keeps its folded activation kernel and "
+          "is never split):\n")
+    for key, runs in d["table"].items():
+        print(f"- {key}: {runs}")
+    for m in (128, 192, 256, 384):
+        pairs = [r for r in d["results"] if r["rows"] == m and r["n"] == 4096]
+        before = sum(r["plain_us"] for r in pairs) * 36
+        after = sum(r["best_us"] if r["gain"] > 0.03 else r["plain_us"] for r in pairs) * 36
+        print(f"{'' if m != 128 else chr(10)}- Qwen3-8B at {m} rows, o + down with their norms over 36 layers: "
+              f"{before / 1e3:.3f} -> {after / 1e3:.3f} ms a step")
+    print(f"\nGPU tests (s22a): split products, norms and a tiny model through graphs with the split (-m gpu) "
+          f"{_pytest_verdict(f'{base}/s22a/gpu_tests.txt')}; the sampling kernel (its per-row offsets changed after "
+          f"s21's lease) {_pytest_verdict(f'{base}/s22a/gpu_tests_sampling.txt')}.\n")
+    print("Whole steps and the steady loop at batch 256, temperature 1, with the measured table and `--no-split-k` "
+          "(s22a, same call, order on, off, on, off; floor = weights + KV at the HBM rate):\n")
+    _ab_steps([(v, load(f"{base}/s22a/steps_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
+    print("\nThe same loop on another machine (s22b, machine 2, order off, on, off, on):\n")
+    _ab_steps([(v, load(f"{base}/s22b/loop_{v}.json")) for v in ("off1", "on1", "off2", "on2")])
+    lp = next(x for x in load(f"{base}/s22b/profile.json")["loops"] if x.get("profile"))
+    pr = lp["profile"]
+    print(f"\nThe batch-256 loop at temperature 1 under the profiler with the split (s22b; {lp['step_ms']:.2f} ms a "
+          f"step, {pr['kernels_per_step']:.0f} kernels, {pr['gpu_us_per_step'] / 1e3:.2f} ms of kernels a step; at "
+          "256 rows the table splits down, not o):\n")
+    print("| kernel | per step | us a step | share |\n|---|---|---|---|")
+    for k in pr["top"][:12]:
+        print(f"| {k['name'][:60]} | {k['count_per_step']:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |")
+    print("\nThe sampling kernel with per-lane bests (one reduction a program) against s21's (a block-wide max and "
+          "argmax per 512 columns), s22c, machine 3, `bench_sampler.py`: the kernels alone in a CUDA graph at the "
+          "default temperature, and `sample_async` with its host work, us:\n")
+    print("| rows | kernels alone s21 | kernels alone now | sample_async s21 | sample_async now |\n|---|---|---|---|---|")
+    old, new = (load(f"{base}/s22c/sampler_{v}.json")["results"] for v in ("old", "new"))
+    for o, n in zip(old, new):
+        if o["kind"] == "default (T=1)":
+            print(f"| {o['rows']} | {o['kernel_graph_us']:.1f} | {n['kernel_graph_us']:.1f} | {o['kernel_us']:.1f} | "
+                  f"{n['kernel_us']:.1f} |")
+    print(f"\nTests (s22c): sampling kernel {_pytest_verdict(f'{base}/s22c/gpu_tests.txt')}; the warm-up burst "
+          f"{_pytest_verdict(f'{base}/s22c/gpu_tests_warmup.txt')}. The loops at temperature 1, new kernel and s21's "
+          "(order new, old, new, old):\n")
+    _ab_steps([(v, load(f"{base}/s22c/loop_{v}.json")) for v in ("new1", "old1", "new2", "old2")])
+    print("\nSide by side with vLLM 0.22 (sbs/, machine 4, `lease_1gpu.sh sbs`, the split table shipped, s21's "
+          "sampling kernel: vLLM, then pdserve, on the one H200; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; "
+          "vLLM's `bench serve` on both, no temperature sent: both sample at 1.0; kernels pdserve compiled while "
+          f"serving: {_compiles(f'{base}/sbs/pdserve.log.gz')}):\n")
+    _sbs_table(f"{base}/sbs")
+    for w in ("8192x16_c1", "32768x16_c1"):
+        _sbs_chunks(f"{base}/sbs", w)
+    print("\nThe long prompts without their first request (a warm-up prompt sent again: a prefix-cache hit on both):\n")
+    print("| workload | mean TTFT vLLM / pdserve ms | ratio | mean E2EL vLLM / pdserve ms | ratio |\n|---|---|---|---|---|")
+    for w in ("8192x16_c1", "32768x16_c1"):
+        (vt, ve), (pt, pe) = (_misses(load(f"{base}/sbs/{n}_single_{w}.json")) for n in ("vllm", "pdserve"))
+        print(f"| {w} | {vt:.1f} / {pt:.1f} | {pt / vt:.3f} | {ve:.1f} / {pe:.1f} | {pe / ve:.3f} |")
+
+
 def session21() -> None:
     """Session 21 (H200s): the library prefill fed leaner; o/down/qkv split over K with float32 parts; the one-pass
     sampling kernel, alone and in the decode loops at temperature 1; the side by side."""
@@ -1542,6 +1614,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session22()
+    print()
     session21()
     print()
     session20()
