@@ -94,6 +94,7 @@
 #              and with the split (off, on, off, on)
 #   s22c       the sampling kernel with per-lane bests against s21's: tests, the sampler alone, the loops at
 #              temperature 1 (new, old, new, old)
+#   s22d       the split table on another GPU kind (H100): tests, bench_split_k.py, the batch-256 loop on and off
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -761,6 +762,25 @@ PY
       save
     done
     use new ;;
+  s22d)  # the split table on another GPU kind (an H100 when run there): GPU tests of the split, bench_split_k.py's
+    # table (used by the rest of the call), then the batch-256 loop at temperature 1 with it and without (on, off)
+    save() { tar czf "$OUT/s22d.tgz" -C "$OUT" s22d; }
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_split_k.py \
+      tests/ops/test_norm.py tests/engine/test_split_k_engine.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" \
+      | cut -c1-900 | tail -8
+    timeout 150 python3 benchmarks/engine/bench_split_k.py --out "$W/split_k.json" --table-out "$W/split_k_table.json" \
+      > "$W/split_k.txt" 2>&1
+    grep -E "a step|table|ceilings|Error" "$W/split_k.txt" | cut -c1-400
+    save
+    [ -f "$W/split_k_table.json" ] && export PDSERVE_SPLIT_K_CONFIG="$W/split_k_table.json"
+    for v in on1 off1; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in off*) a="--no-split-k" ;; esac
+      timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 $a --decode= --loop 256x1024 \
+        --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

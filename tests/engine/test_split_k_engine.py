@@ -102,3 +102,22 @@ def test_split_products_on_cuda_with_graphs(tiny_model_dirs, forced_split):
     assert not forced_split
     assert out == ref_out
     _assert_same_logits(logits, ref_logits, atol=2e-2)
+
+
+def test_split_products_in_a_moe_model_match_the_reference_path(tmp_path, forced_split):
+    """Qwen3-MoE: the attention's o_proj splits on every layer; the sparse blocks return tensors, and the dense MLP
+    of its mlp_only layer splits its down projection."""
+    from tests.engine.tiny_models import write_tiny_model
+
+    path = write_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
+    ref_out, ref_logits = _run(_core(path), max_tokens=2)
+    with force_fused():
+        core = _core(path)
+        out, logits = _run(core, max_tokens=2)
+    layers = core.model.model.layers
+    o = {layer.self_attn.o_proj.weight.data_ptr() for layer in layers}
+    dense = {layer.mlp.down_proj.weight.data_ptr() for layer in layers if hasattr(layer.mlp, "down_proj")}
+    assert len(dense) == 1
+    assert {w for w, _ in forced_split} == o | dense
+    assert out == ref_out
+    _assert_same_logits(logits, ref_logits, atol=1e-4)
