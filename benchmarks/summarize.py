@@ -627,6 +627,15 @@ def session22() -> None:
           f"{_pytest_verdict(f'{base}/s22c/gpu_tests_warmup.txt')}. The loops at temperature 1, new kernel and s21's "
           "(order new, old, new, old):\n")
     _ab_steps([(v, load(f"{base}/s22c/loop_{v}.json")) for v in ("new1", "old1", "new2", "old2")])
+    h = load(f"{base}/s22d/split_k.json")
+    print(f"\nThe same table measured on an H100 (s22d, machine 5, {h['ceilings']['gpu']}; HBM copy "
+          f"{h['ceilings']['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {h['ceilings']['bf16_matmul_tflops']:.0f} TFLOP/s; "
+          "shipped as `device=NVIDIA_H100_80GB_HBM3.json`; GPU tests of the split "
+          f"{_pytest_verdict(f'{base}/s22d/gpu_tests.txt')}):\n")
+    for key, runs in h["table"].items():
+        print(f"- {key}: {runs}")
+    print("\nThe batch-256 loop at temperature 1 on that H100, with its table and without:\n")
+    _ab_steps([(v, load(f"{base}/s22d/loop_{v}.json")) for v in ("on1", "off1")])
     print("\nSide by side with vLLM 0.22 (sbs/, machine 4, `lease_1gpu.sh sbs`, the split table shipped, s21's "
           "sampling kernel: vLLM, then pdserve, on the one H200; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; "
           "vLLM's `bench serve` on both, no temperature sent: both sample at 1.0; kernels pdserve compiled while "
