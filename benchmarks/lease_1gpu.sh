@@ -95,6 +95,8 @@
 #   s22c       the sampling kernel with per-lane bests against s21's: tests, the sampler alone, the loops at
 #              temperature 1 (new, old, new, old)
 #   s22d       the split table on another GPU kind (H100): tests, bench_split_k.py, the batch-256 loop on and off
+#   s22e       probes: the batch-256 step's KV read (paged read-only, flat, the decode kernel) and the sampling
+#              kernel's launch shapes
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -781,6 +783,18 @@ PY
       echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
       save
     done ;;
+  s22e)  # where the batch-256 step's last few percent could come from: the KV read by a read-only probe over the
+    # decode kernel's paged pattern against a flat stream and the decode kernel (probe_kv_read.py); the sampling
+    # kernel's launch shape (bench_sampler.py --sweep)
+    save() { tar czf "$OUT/s22e.tgz" -C "$OUT" s22e; }
+    timeout 300 python3 benchmarks/attention/probe_kv_read.py --out "$W/kv_read.json" > "$W/kv_read.txt" 2>&1
+    grep -E "^(decode|flat)|GB a layer|Error" "$W/kv_read.txt" | cut -c1-200
+    grep -E "^paged" "$W/kv_read.txt" | sort -n -r -k8 | head -8
+    save
+    timeout 200 python3 benchmarks/engine/bench_sampler.py --sweep --out "$W/sampler.json" > "$W/sampler.txt" 2>&1
+    grep -E "^rows|Error" "$W/sampler.txt"
+    for r in 1 64 256; do grep -E "^sweep rows +$r " "$W/sampler.txt" | sort -n -k8 | head -3; done
+    save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -35,6 +35,7 @@ def us(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,64,256")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels per launch shape")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -62,6 +63,17 @@ def main() -> None:
                   f"({row['torch_us'] / row['kernel_us']:.2f}x)"
                   + (f"; the kernels alone {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else ""),
                   flush=True)
+    if args.sweep:  # the kernels alone at the default temperature per launch shape (programs per SM, warps)
+        rec["sweep"] = []
+        for n in (int(r) for r in args.rows.split(",")):
+            logits = torch.randn((n, VOCAB), device=dev).to(torch.bfloat16)
+            inv_t = torch.ones(n, device=dev)
+            for per_sm in (2, 4, 8, 16, 32):
+                for warps in (2, 4, 8):
+                    t = graph_us([functools.partial(sample_tokens, logits, inv_t, i + 1, programs_per_sm=per_sm,
+                                                    num_warps=warps) for i in range(20)])
+                    rec["sweep"].append({"rows": n, "programs_per_sm": per_sm, "num_warps": warps, "us": t})
+                    print(f"sweep rows {n:4d} programs/SM {per_sm:3d} warps {warps}: {t:8.1f} us", flush=True)
     if args.out:
         save_json(rec, args.out)
 

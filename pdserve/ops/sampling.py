@@ -84,12 +84,13 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_plan(rows: int, vocab: int, sms: int) -> tuple[int, int]:
+def split_plan(rows: int, vocab: int, sms: int, programs_per_sm: int | None = None) -> tuple[int, int]:
     """(programs a row, columns a program): enough programs for ~TARGET_PROGRAMS_PER_SM per SM, whole 4 * QUARTER
     steps each."""
     step = 4 * QUARTER
     steps = -(-vocab // step)
-    s = max(1, min(steps, MAX_SPLITS, -(-TARGET_PROGRAMS_PER_SM * sms // max(1, rows))))
+    per_sm = programs_per_sm or TARGET_PROGRAMS_PER_SM
+    s = max(1, min(steps, MAX_SPLITS, -(-per_sm * sms // max(1, rows))))
     chunk = -(-steps // s) * step
     return -(-vocab // chunk), chunk
 
@@ -103,14 +104,17 @@ def sample_ref(logits: torch.Tensor, inv_temp: torch.Tensor, generator: torch.Ge
     return y.argmax(-1)
 
 
-def sample_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int, *, programs_per_sm: int | None = None,
+                  num_warps: int = 4) -> torch.Tensor:
     """[rows] int64 token ids of `logits` [rows, vocab] (any float dtype, vocab contiguous); `inv_temp` [rows]
-    float32 on the logits' device (0: greedy); `seed` picks the Philox stream (a fresh one each step)."""
+    float32 on the logits' device (0: greedy); `seed` picks the Philox stream (a fresh one each step).
+    `programs_per_sm` and `num_warps` override the launch shape (benchmarks/engine/bench_sampler.py --sweep)."""
     rows, vocab = logits.shape
     per_row = -(-vocab // (4 * QUARTER)) * QUARTER  # the random stream's offsets a row takes (int32 in the kernel)
     if rows * per_row >= 2**31:  # ~14k rows of a 152k vocabulary: in parts, each its own stream
         part = (2**31 - 1) // per_row
-        return torch.cat([sample_tokens(logits[i: i + part], inv_temp[i: i + part], (seed + 1 + i // part) % 2**31)
+        return torch.cat([sample_tokens(logits[i: i + part], inv_temp[i: i + part], (seed + 1 + i // part) % 2**31,
+                                        programs_per_sm=programs_per_sm, num_warps=num_warps)
                           for i in range(0, rows, part)])
     if not use_fused(logits):
         g = torch.Generator(device=logits.device).manual_seed(seed)
@@ -120,11 +124,11 @@ def sample_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int) -> to
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
         return out
-    s, chunk = split_plan(rows, vocab, _sm_count(logits.device))
+    s, chunk = split_plan(rows, vocab, _sm_count(logits.device), programs_per_sm)
     pv = torch.empty(rows * s, dtype=torch.float32, device=logits.device)
     pi = out if s == 1 else torch.empty(rows * s, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(rows, s)](logits, inv_temp, pv, pi, seed, vocab, logits.stride(0), chunk, s, Q=QUARTER,
-                                     num_warps=4)
+                                     num_warps=num_warps)
     if s > 1:
         _pick_kernel[(rows,)](pv, pi, out, s, BLOCK_S=MAX_SPLITS, num_warps=1)
     return out

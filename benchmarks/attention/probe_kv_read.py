@@ -1,0 +1,130 @@
+"""How fast can a batch-256 decode step's KV be read from the engine's pool? The decode kernel reads each (row, KV
+head)'s pages at about the HBM copy rate; a read-only stream can beat a copy (no write turnarounds: the one-row
+LM-head product read its weight at ~107 % of the copy rate, docs/benchmarks.md). This probe times, over the same
+bytes in the engine's head-major pool layout (one layer's strided view, random pages, layers cycled so the KV is
+not in L2):
+
+- `paged`: a kernel that only reads the K and V pages of every (row, KV head) through the block table, as the
+  decode kernel walks them, and sums them (keys per step, warps, pipeline stages, and a cache policy varied);
+- `flat`: the same number of bytes read as one contiguous stream;
+- `decode`: the engine's decode kernel on that step (paged_decode, its own tile choice);
+
+each against the HBM copy rate measured in the same run.
+
+    python benchmarks/attention/probe_kv_read.py --out $OUT/kv_read.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.bench.ceilings import graph_us, hbm_copy_gbps
+from pdserve.bench.record import new_record, save_json
+from pdserve.ops.attention.decode import decode_tile, paged_decode
+
+
+@triton.jit
+def _paged_read_kernel(KV, BT, Out, s_kvb, s_kvkv, s_kvt, s_kvh, s_btb, seq_len,
+                       D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                       EVICT: tl.constexpr):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    d = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for n0 in tl.range(0, seq_len, BLOCK_N, num_stages=STAGES):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < seq_len
+        page = tl.load(BT + b * s_btb + n // BS, mask=valid, other=0)
+        base = page.to(tl.int64) * s_kvb + (n % BS) * s_kvt + hk * s_kvh
+        k = tl.load(KV + base[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT)
+        v = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT)
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(Out + (b * tl.num_programs(1) + hk) * D + d, tl.sum(acc, 0))
+
+
+@triton.jit
+def _flat_read_kernel(X, Out, n_per_prog, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    base = X + p * n_per_prog
+    for i in tl.range(0, n_per_prog, BLOCK, num_stages=STAGES):
+        acc += tl.load(base + i + offs).to(tl.float32)
+    tl.store(Out + p, tl.sum(acc, 0))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1088)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hk", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    hbm = hbm_copy_gbps(dev)
+    rec = new_record("kv_read_probe", vars(args))
+    rec["ceilings"] = {"hbm_copy_gbps": hbm, "gpu": torch.cuda.get_device_name(dev)}
+    rec["rows"] = []
+    b, ctx, hk, d, bs, nl = args.batch, args.context, args.hk, args.head_dim, args.block_size, args.layers
+    width = -(-ctx // bs)
+    nb = b * width + 64
+    pool = torch.randn((nb, hk, nl, 2, bs, d), dtype=torch.bfloat16, device=dev)
+    layers = [pool[:, :, i].permute(0, 2, 3, 1, 4) for i in range(nl)]  # [blocks, 2, bs, hk, d]
+    rng = np.random.default_rng(0)
+    bt = torch.tensor(rng.permutation(nb)[: b * width].reshape(b, width).astype(np.int32), device=dev)
+    kv_bytes = b * ctx * hk * d * 2 * 2
+    out = torch.empty((b * hk * d,), dtype=torch.float32, device=dev)
+
+    def report(name: str, us: float, **kw) -> None:
+        gbps = kv_bytes / (us * 1e-6) / 1e9
+        rec["rows"].append({"probe": name, "us": us, "gbps": gbps, "of_copy": gbps / hbm, **kw})
+        print(f"{name:8s} {' '.join(f'{k}={v}' for k, v in kw.items()):45s} {us:8.1f} us  {gbps:7.0f} GB/s  "
+              f"{100 * gbps / hbm:5.1f} % of the copy rate", flush=True)
+
+    print(f"{torch.cuda.get_device_name(dev)}: HBM copy {hbm:.0f} GB/s; {b} rows x {ctx} keys x {hk} KV heads: "
+          f"{kv_bytes / 1e9:.2f} GB a layer", flush=True)
+    for block_n, warps, stages, evict in itertools.product((16, 32, 64, 128), (4, 8), (2, 3, 4),
+                                                           ("", "evict_first")):
+        def run(lay, block_n=block_n, warps=warps, stages=stages, evict=evict):
+            _paged_read_kernel[(b, hk)](lay, bt, out, lay.stride(0), lay.stride(1), lay.stride(2), lay.stride(3),
+                                        bt.stride(0), ctx, D=d, BS=bs, BLOCK_N=block_n, STAGES=stages, EVICT=evict,
+                                        num_warps=warps)
+        try:
+            us = graph_us([functools.partial(run, lay) for lay in layers])
+        except Exception as e:  # out of resources
+            print(f"paged {block_n} {warps} {stages} {evict}: {str(e)[:120]}")
+            continue
+        report("paged", us, keys=block_n, warps=warps, stages=stages, evict=evict or "default")
+    flat = pool.view(-1)
+    per_layer = kv_bytes // 2  # elements of one layer's share
+    progs = b * hk
+    n_per = per_layer // progs
+    for block, stages, warps in itertools.product((1024, 4096), (2, 4), (4, 8)):
+        views = [flat[i * per_layer:(i + 1) * per_layer] for i in range(min(nl, flat.numel() // per_layer))]
+        us = graph_us([functools.partial(_flat_read_kernel[(progs,)], v, out, n_per, BLOCK=block, STAGES=stages,
+                                         num_warps=warps) for v in views])
+        report("flat", us, block=block, stages=stages, warps=warps)
+    q = torch.randn((b, args.hq, d), dtype=torch.bfloat16, device=dev)
+    sl = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    eng = decode_tile(d, torch.bfloat16, False, b, b * hk, dev)
+    for tile in {eng, (64, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 4), (32, 4, 4)}:
+        us = graph_us([functools.partial(paged_decode, q, lay, bt, sl, ctx, d ** -0.5, tile=tile) for lay in layers])
+        report("decode", us, tile=tile, engine=tile == eng)
+    if args.out:
+        save_json(rec, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
