@@ -101,9 +101,9 @@ def test_more_rows_than_one_random_stream_addresses_go_in_parts(monkeypatch):
     seen = []
     real = sampling.sample_tokens
 
-    def spy(logits, inv_temp, seed):
+    def spy(logits, inv_temp, seed, **launch):
         seen.append((logits.shape[0], seed))
-        return real(logits, inv_temp, seed)
+        return real(logits, inv_temp, seed, **launch)
 
     monkeypatch.setattr(sampling, "sample_tokens", spy)
     x = torch.empty((2**18 + 5, 2**15), dtype=torch.bfloat16, device="meta")
