@@ -97,6 +97,8 @@
 #   s22d       the split table on another GPU kind (H100): tests, bench_split_k.py, the batch-256 loop on and off
 #   s22e       probes: the batch-256 step's KV read (paged read-only, flat, the decode kernel) and the sampling
 #              kernel's launch shapes
+#   s22f       the sampling kernel at 8 warps: tests, warm-up burst, the sampler alone; the batch-256 loop with one
+#              split (as shipped) and with two (--decode-waves 32), alternating
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -795,6 +797,25 @@ PY
     grep -E "^rows|Error" "$W/sampler.txt"
     for r in 1 64 256; do grep -E "^sweep rows +$r " "$W/sampler.txt" | sort -n -k8 | head -3; done
     save ;;
+  s22f)  # the sampling kernel at 8 warps a program (s22e's sweep): its tests, the warm-up burst (compiles nothing), the
+    # sampler alone; then the batch-256 loop at temperature 1 with the decode kernel's rule as shipped (one split at
+    # 256 rows) and with 32 waves' worth of programs (two splits and the merge), in the order base, w32, base, w32
+    save() { tar czf "$OUT/s22f.tgz" -C "$OUT" s22f; }
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_sampling_kernel.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 \
+      | tee "$W/gpu_tests_warmup.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    timeout 90 python3 benchmarks/engine/bench_sampler.py --out "$W/sampler.json" 2>&1 | grep -E "^rows|Error" \
+      | tee "$W/sampler.txt"
+    save
+    for v in base1 w32a base2 w32b; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in w32*) a="--decode-waves 32" ;; esac
+      timeout $(( left < 90 ? left : 90 )) $STEPS_8B --max-model-len 16384 $a --decode= --loop 256x1024 \
+        --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -26,6 +26,9 @@ from pdserve.ops.dispatch import HAS_TRITON, use_fused
 QUARTER = 512  # columns per draw of the Philox stream's four outputs: 2048 columns a step of a program's loop
 TARGET_PROGRAMS_PER_SM = 4  # a row is split over programs until the grid has about this many per SM
 MAX_SPLITS = 128  # programs a row at most: the pick kernel's one tile (one compiled variant for every split)
+# warps a program: 8 against 4 took the kernels from 173.3 to 142.1 us at 256 rows, 43.5 to 38.5 at 64 and 5.8 to
+# 4.4 at one row on an H200 (bench_sampler.py --sweep, benchmarks/lease_s22/s22e; more programs per SM moved little)
+NUM_WARPS = 8
 
 if HAS_TRITON:
     import triton
@@ -105,7 +108,7 @@ def sample_ref(logits: torch.Tensor, inv_temp: torch.Tensor, generator: torch.Ge
 
 
 def sample_tokens(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int, *, programs_per_sm: int | None = None,
-                  num_warps: int = 4) -> torch.Tensor:
+                  num_warps: int = NUM_WARPS) -> torch.Tensor:
     """[rows] int64 token ids of `logits` [rows, vocab] (any float dtype, vocab contiguous); `inv_temp` [rows]
     float32 on the logits' device (0: greedy); `seed` picks the Philox stream (a fresh one each step).
     `programs_per_sm` and `num_warps` override the launch shape (benchmarks/engine/bench_sampler.py --sweep)."""
