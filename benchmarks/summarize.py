@@ -627,6 +627,42 @@ def session22() -> None:
           f"{_pytest_verdict(f'{base}/s22c/gpu_tests_warmup.txt')}. The loops at temperature 1, new kernel and s21's "
           "(order new, old, new, old):\n")
     _ab_steps([(v, load(f"{base}/s22c/loop_{v}.json")) for v in ("new1", "old1", "new2", "old2")])
+    sw = load(f"{base}/s22e/sampler.json")["sweep"]
+    print("\nThe sampling kernels alone at the default temperature per launch shape (s22e, machine 6, `bench_sampler.py "
+          "--sweep`; programs per SM sets how far a row is split), us:\n")
+    rows = sorted({r["rows"] for r in sw})
+    print("| programs per SM | warps | " + " | ".join(f"{n} rows" for n in rows) + " |\n|---|---|"
+          + "---|" * len(rows))
+    for per_sm in sorted({r["programs_per_sm"] for r in sw}):
+        for w in sorted({r["num_warps"] for r in sw}):
+            cells = [next(r["us"] for r in sw if r["rows"] == n and r["programs_per_sm"] == per_sm
+                          and r["num_warps"] == w) for n in rows]
+            print(f"| {per_sm} | {w} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    f = load(f"{base}/s22f/sampler.json")["results"]
+    alone = {r["rows"]: r["kernel_graph_us"] for r in f if "kernel_graph_us" in r}
+    print("\nShipped: 8 warps, 4 programs per SM. At that code (s22f, machine 7): the kernels alone "
+          + ", ".join(f"{v:.1f} us at {k} rows" for k, v in alone.items())
+          + f"; sampling kernel tests {_pytest_verdict(f'{base}/s22f/gpu_tests.txt')}; the warm-up burst "
+          f"{_pytest_verdict(f'{base}/s22f/gpu_tests_warmup.txt')}.")
+    kv = load(f"{base}/s22e/kv_read.json")
+    c = kv["ceilings"]
+    a = kv["args"]
+    print(f"\nReading a batch-256 decode step's KV (s22e, machine 6, `benchmarks/attention/probe_kv_read.py`: "
+          f"{a['batch']} rows x {a['context']} keys x {a['hk']} KV heads x {a['head_dim']}, bf16, the engine's "
+          f"head-major pool with random pages, {a['layers']} layers cycled; HBM copy {c['hbm_copy_gbps']:,.0f} GB/s "
+          "in the same run), the best of each kind:\n")
+    print("| probe | setting | us a layer | GB/s | of the copy rate |\n|---|---|---|---|---|")
+    for probe in ("flat", "paged", "decode"):
+        rs = [r for r in kv["rows"] if r["probe"] == probe]
+        best = max(rs, key=lambda r: r["gbps"])
+        picks = [best] + [r for r in rs if probe == "decode" and r.get("engine") and r is not best]
+        for r in picks:
+            setting = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("probe", "us", "gbps", "of_copy"))
+            print(f"| {probe} | {setting} | {r['us']:.1f} | {r['gbps']:,.0f} | {100 * r['of_copy']:.1f} % |")
+    print("\nThe decode kernel reads within a few percent of what a kernel that only reads the same pages reaches. "
+          "Two splits a row at batch 256 (`--decode-waves 32`: 4,096 programs and the merge) against one (s22f, "
+          "machine 7, order base, w32, base, w32):\n")
+    _ab_steps([(v, load(f"{base}/s22f/loop_{v}.json")) for v in ("base1", "w32a", "base2", "w32b")])
     h = load(f"{base}/s22d/split_k.json")
     print(f"\nThe same table measured on an H100 (s22d, machine 5, {h['ceilings']['gpu']}; HBM copy "
           f"{h['ceilings']['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {h['ceilings']['bf16_matmul_tflops']:.0f} TFLOP/s; "
