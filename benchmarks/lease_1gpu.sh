@@ -143,6 +143,19 @@ sampler_loops() {  # ARMS...: the steady decode loops (256x1024, 1x8192) at temp
     save
   done
 }
+ab_loops() {  # PREFIX PATTERN FLAGS CASES ARMS...: dummy Qwen3-8B steps and steady loops at temperature 1 (CASES:
+  # bench_steps.py's --decode/--loop arguments) per arm, in order, until 565 s into the call, each at most 110 s; arms
+  # matching PATTERN run with FLAGS; results in $W/PREFIX_<arm>.json; `save` after each
+  local prefix=$1 pat=$2 flags=$3 cases=$4 v a left; shift 4
+  for v in "$@"; do
+    left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
+    a=""; case $v in $pat) a="$flags" ;; esac
+    timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 --iters 20 $a $cases --loop-steps 100 \
+      --loop-temperature 1.0 --out "$W/${prefix}_$v.json" > "$W/${prefix}_$v.txt" 2>&1
+    echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/${prefix}_$v.txt" | grep -v "async off" | cut -c1-220
+    save
+  done
+}
 # one pdserve server of dummy Qwen3-8B as the side by side starts it (--gpu-memory-utilization 0.9, --max-model-len
 # 40960), model $1 (a dir or a shipped shape): its start-up (launch to first completion), KV sizing and warm-up lines
 sizing_server() {
@@ -715,15 +728,7 @@ PY
     grep -E "rows (128|192|256|384|512):|a step|table|ceilings|Error" "$W/split_k.txt" | cut -c1-300
     save
     [ -f "$W/split_k_table.json" ] && export PDSERVE_SPLIT_K_CONFIG="$W/split_k_table.json"
-    for v in on1 off1 on2 off2; do
-      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in off*) a="--no-split-k" ;; esac
-      timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 --iters 20 $a \
-        --decode 128x1024,192x1024,256x1024 --loop 256x1024 --loop-steps 100 --loop-temperature 1.0 \
-        --out "$W/steps_$v.json" > "$W/steps_$v.txt" 2>&1
-      echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_$v.txt" | grep -v "async off" | cut -c1-220
-      save
-    done ;;
+    ab_loops steps "off*" --no-split-k "--decode 128x1024,192x1024,256x1024 --loop 256x1024" on1 off1 on2 off2 ;;
   s22b)  # the steady batch-256 loop at temperature 1 with the shipped split table: its kernels and the GPU's idle
     # time under the profiler; then the loop with the split and without, in the order off, on, off, on
     save() { tar czf "$OUT/s22b.tgz" -C "$OUT" s22b; }
@@ -732,14 +737,7 @@ PY
     grep -v " INFO " "$W/profile.txt" | grep -E "^loop[^ ]*:|^  idle|^\||^profile|GPU busy" | grep -v "async off" \
       | cut -c1-200 | head -45
     save
-    for v in off1 on1 off2 on2; do
-      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in off*) a="--no-split-k" ;; esac
-      timeout $(( left < 90 ? left : 90 )) $STEPS_8B --max-model-len 16384 $a --decode= --loop 256x1024 \
-        --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
-      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
-      save
-    done ;;
+    ab_loops loop "off*" --no-split-k "--decode= --loop 256x1024" off1 on1 off2 on2 ;;
   s22c)  # the sampling kernel with one reduction per program (per-lane bests) against s21's (two block reductions per
     # 512 columns; benchmarks/lease_s22/_old_sampling.py, untracked, carried for this call): tests, the sampler alone
     # and the steady loops at temperature 1 (256x1024, 1x8192), in the order new, old, new, old
@@ -777,14 +775,7 @@ PY
     grep -E "a step|table|ceilings|Error" "$W/split_k.txt" | cut -c1-400
     save
     [ -f "$W/split_k_table.json" ] && export PDSERVE_SPLIT_K_CONFIG="$W/split_k_table.json"
-    for v in on1 off1; do
-      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in off*) a="--no-split-k" ;; esac
-      timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 $a --decode= --loop 256x1024 \
-        --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
-      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
-      save
-    done ;;
+    ab_loops loop "off*" --no-split-k "--decode= --loop 256x1024" on1 off1 ;;
   s22e)  # where the batch-256 step's last few percent could come from: the KV read by a read-only probe over the
     # decode kernel's paged pattern against a flat stream and the decode kernel (probe_kv_read.py); the sampling
     # kernel's launch shape (bench_sampler.py --sweep)
@@ -808,14 +799,7 @@ PY
     timeout 90 python3 benchmarks/engine/bench_sampler.py --out "$W/sampler.json" 2>&1 | grep -E "^rows|Error" \
       | tee "$W/sampler.txt"
     save
-    for v in base1 w32a base2 w32b; do
-      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in w32*) a="--decode-waves 32" ;; esac
-      timeout $(( left < 90 ? left : 90 )) $STEPS_8B --max-model-len 16384 $a --decode= --loop 256x1024 \
-        --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
-      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
-      save
-    done ;;
+    ab_loops loop "w32*" "--decode-waves 32" "--decode= --loop 256x1024" base1 w32a base2 w32b ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
