@@ -99,6 +99,8 @@
 #              kernel's launch shapes
 #   s22f       the sampling kernel at 8 warps: tests, warm-up burst, the sampler alone; the batch-256 loop with one
 #              split (as shipped) and with two (--decode-waves 32), alternating
+#   s22g       the session's code against 45e1c9d's (archived untracked under benchmarks/lease_s22/_old/): loops at
+#              temperature 1, batch 256 and batch 1 at 8k, alternating
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -800,6 +802,19 @@ PY
       | tee "$W/sampler.txt"
     save
     ab_loops loop "w32*" "--decode-waves 32" "--decode= --loop 256x1024" base1 w32a base2 w32b ;;
+  s22g)  # the session's code against the code it started from (45e1c9d's pdserve/, archived into the untracked
+    # benchmarks/lease_s22/_old/ and carried for this call, first on PYTHONPATH in the `old` arms): the steady loops at
+    # temperature 1, batch 256 at 1k and batch 1 at 8k, in the order new, old, new, old
+    save() { tar czf "$OUT/s22g.tgz" -C "$OUT" s22g; }
+    for v in new1 old1 new2 old2; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+      pp=""; case $v in old*) pp="$PWD/benchmarks/lease_s22/_old" ;; esac
+      PYTHONPATH=$pp timeout $(( left < 120 ? left : 120 )) $STEPS_8B --max-model-len 16384 --decode= \
+        --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      PYTHONPATH=$pp python3 -c "import pdserve.ops.sampling as s; print('sampling from', s.__file__, 'split_k:', end=' '); import importlib.util as u; print(u.find_spec('pdserve.ops.split_k') is not None)"
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
