@@ -812,7 +812,7 @@ PY
       PYTHONPATH=$pp timeout $(( left < 120 ? left : 120 )) $STEPS_8B --max-model-len 16384 --decode= \
         --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
       echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
-      PYTHONPATH=$pp python3 -c "import pdserve.ops.sampling as s; print('sampling from', s.__file__, 'split_k:', end=' '); import importlib.util as u; print(u.find_spec('pdserve.ops.split_k') is not None)"
+      PYTHONPATH=$pp python3 -P -c "import pdserve.ops.sampling as s; print('sampling from', s.__file__, 'split_k:', end=' '); import importlib.util as u; print(u.find_spec('pdserve.ops.split_k') is not None)"
       save
     done ;;
   moe_tune)
