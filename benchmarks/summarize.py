@@ -663,6 +663,10 @@ def session22() -> None:
           "Two splits a row at batch 256 (`--decode-waves 32`: 4,096 programs and the merge) against one (s22f, "
           "machine 7, order base, w32, base, w32):\n")
     _ab_steps([(v, load(f"{base}/s22f/loop_{v}.json")) for v in ("base1", "w32a", "base2", "w32b")])
+    print("\nThe session's code against the code it started from (s22g, machine 8: 45e1c9d's `pdserve/` first on "
+          "PYTHONPATH in the `old` arms; the split tables and the sampling kernel's changes are the difference; order "
+          "new, old, new, old):\n")
+    _ab_steps([(v, load(f"{base}/s22g/loop_{v}.json")) for v in ("new1", "old1", "new2", "old2")])
     h = load(f"{base}/s22d/split_k.json")
     print(f"\nThe same table measured on an H100 (s22d, machine 5, {h['ceilings']['gpu']}; HBM copy "
           f"{h['ceilings']['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {h['ceilings']['bf16_matmul_tflops']:.0f} TFLOP/s; "
