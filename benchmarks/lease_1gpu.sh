@@ -101,6 +101,8 @@
 #              split (as shipped) and with two (--decode-waves 32), alternating
 #   s22g       the session's code against 45e1c9d's (archived untracked under benchmarks/lease_s22/_old/): loops at
 #              temperature 1, batch 256 and batch 1 at 8k, alternating
+#   s23a       probes: the decode kernel's batch-256 tiles and a persistent flattened-loop variant; which decode
+#              products gain from a split over K
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -815,6 +817,16 @@ PY
       PYTHONPATH=$pp python3 -P -c "import pdserve.ops.sampling as s; print('sampling from', s.__file__, 'split_k:', end=' '); import importlib.util as u; print(u.find_spec('pdserve.ops.split_k') is not None)"
       save
     done ;;
+  s23a)  # exploration: the decode kernel's batch-256 tiles and a persistent flattened-loop variant
+    # (probe_decode_variants.py), and which of a step's products would gain from a split over K (probe_gemm_split.py)
+    save() { tar czf "$OUT/s23a.tgz" -C "$OUT" s23a; }
+    timeout 240 python3 benchmarks/attention/probe_decode_variants.py --out "$W/decode_variants.json" \
+      > "$W/decode_variants.txt" 2>&1
+    grep -v "^$" "$W/decode_variants.txt" | cut -c1-200 | tail -25
+    save
+    timeout 240 python3 benchmarks/engine/probe_gemm_split.py --out "$W/gemm_split.json" > "$W/gemm_split.txt" 2>&1
+    grep -v "^$" "$W/gemm_split.txt" | cut -c1-200 | tail -34
+    save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
