@@ -103,6 +103,12 @@
 #              temperature 1, batch 256 and batch 1 at 8k, alternating
 #   s23a       probes: the decode kernel's batch-256 tiles and a persistent flattened-loop variant; which decode
 #              products gain from a split over K
+#   s23b       GPU tests of the KV write in the rotary kernel; Nsight Compute on the batch-256 decode kernel against
+#              the read-only pass
+#   s23e       the inverse-CDF sampling kernel: GPU tests, the sampler alone
+#   s23c       the session's code against de870cd's (archived untracked under benchmarks/lease_s23/_old/): loops at
+#              temperature 1, batch 256 and batch 1 at 8k, alternating
+#   s23d       the KV write in the rotary kernel on and off (--no-kv-write-early), loops alternating
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -827,6 +833,54 @@ PY
     timeout 240 python3 benchmarks/engine/probe_gemm_split.py --out "$W/gemm_split.json" > "$W/gemm_split.txt" 2>&1
     grep -v "^$" "$W/gemm_split.txt" | cut -c1-200 | tail -34
     save ;;
+  s23b)  # the KV write inside the rotary kernel on the GPU (tests: fp8 pools, graphs against eager with the Triton
+    # backend, the warm-up burst compiles nothing while serving); then Nsight Compute on the batch-256 decode kernel
+    # and the read-only pass over the same pages
+    save() { tar czf "$OUT/s23b.tgz" -C "$OUT" s23b; }
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_rotary.py \
+      tests/ops/test_attention_kv_write.py tests/engine/test_cuda_graphs.py tests/engine/test_split_k_engine.py \
+      tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
+    save
+    uname -r | tee "$W/kernel.txt"
+    left=$(( 560 - ($(date +%s) - t0) ))
+    [ $left -gt 60 ] && timeout $left ncu --clock-control none -k regex:"_decode_kernel|_paged_read_kernel" \
+      --launch-skip 2 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+      python3 benchmarks/attention/ncu_decode.py > "$W/ncu.txt" 2>&1
+    grep -E "regs|==PROF==|Error|_kernel|Throughput|Duration|Occupancy|Registers|Shared Memory|Stall|Warp Cycles|Block Limit|Waves" "$W/ncu.txt" | cut -c1-160 | head -70
+    save ;;
+  s23e)  # the inverse-CDF sampling kernel: its tests on the GPU, the sampler alone with the launch-shape sweep
+    save() { tar czf "$OUT/s23e.tgz" -C "$OUT" s23e; }
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_sampling_kernel.py 2>&1 \
+      | tee "$W/gpu_tests_sampling.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    save
+    timeout 120 python3 benchmarks/engine/bench_sampler.py --sweep --out "$W/sampler.json" > "$W/sampler.txt" 2>&1
+    grep -E "^rows|Error" "$W/sampler.txt"; for r in 1 64 256; do grep -E "^sweep rows +$r " "$W/sampler.txt" | sort -n -k8 | head -3; done
+    save ;;
+  s23c)  # the session's engine code against the code it started from (de870cd's pdserve/, archived into the
+    # untracked benchmarks/lease_s23/_old/ and first on PYTHONPATH in the `old` arms): the steady loops at
+    # temperature 1, batch 256 at 1k and batch 1 at 8k, in the order new, old, new, old
+    save() { tar czf "$OUT/s23c.tgz" -C "$OUT" s23c; }
+    for v in new1 old1 new2 old2; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+      pp=""; case $v in old*) pp="$PWD/benchmarks/lease_s23/_old" ;; esac
+      PYTHONPATH=$pp timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= \
+        --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      PYTHONPATH=$pp python3 -P -c "import pdserve.ops.sampling as s; print('sampling from', s.__file__)"
+      save
+    done ;;
+  s23d)  # the KV write inside the rotary kernel on and off (--no-kv-write-early: the backend's write_kv kernel), the
+    # rest of the session's code the same: the steady loops at temperature 1, in the order on, off, on, off
+    save() { tar czf "$OUT/s23d.tgz" -C "$OUT" s23d; }
+    for v in on1 off1 on2 off2; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in off*) a="--no-kv-write-early" ;; esac
+      timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= $a \
+        --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

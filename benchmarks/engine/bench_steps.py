@@ -66,6 +66,7 @@ def ablate(kinds: list[str]) -> None:
             layers.act_and_mul = lambda x, act: x[..., : x.shape[-1] // 2]
         elif kind == "kv_write":
             triton_backend.write_kv = lambda *a, **kw: None
+            triton_backend.TritonAttentionBackend.writes_kv_early = False  # nor by the rotary kernel
         else:
             raise SystemExit(f"--ablate: unknown kernel {kind!r} (norm, act, kv_write)")
     print(f"ablated (outputs wrong, timings only): {','.join(kinds)}", flush=True)
@@ -432,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                          "bench serve sends them)")
     ap.add_argument("--sampler", choices=["auto", "torch"], default="auto",
                     help="torch: no one-pass sampling kernel (pdserve.ops.sampling), the torch path (an A/B)")
+    ap.add_argument("--kv-write-early", action=argparse.BooleanOptionalAction, default=True,
+                    help="the rotary kernel writes the step's K/V into the pool (TritonAttentionBackend."
+                         "writes_kv_early); --no-kv-write-early: the backend's own write_kv kernel (an A/B)")
     ap.add_argument("--ablate", default="",
                     help="an experiment, not a model: skip these kernels (wrong outputs, timings only), comma-"
                          "separated: norm (the layers' RMS norms return their input; the final one stays), act "
@@ -466,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.split_k:
         from pdserve.ops.split_k import set_split_k
         set_split_k(False)
+    if not args.kv_write_early:
+        from pdserve.ops.attention.triton_backend import TritonAttentionBackend
+        TritonAttentionBackend.writes_kv_early = False
     if not args.prefill_new_kv:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.read_new_kv = False

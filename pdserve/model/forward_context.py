@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.ops.attention import AttentionMetadata
+from pdserve.ops.attention.common import KVTarget
 
 
 @dataclass
@@ -48,12 +49,25 @@ def layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
     return kv_cache[:, :, layer].permute(0, 2, 3, 1, 4)
 
 
-def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Paged attention of one layer (`layer_idx`, `scale`, `sliding_window`, `softcap`, `k_scale`, `v_scale`):
-    the backend writes k/v into the layer's slice of the pool and attends; then the layer hook runs."""
+def kv_target(layer) -> KVTarget | None:
+    """Where the kernel before attention may write this layer's new K/V (pdserve.ops.rotary.qk_norm_rope), or None
+    where the backend writes them itself: only a backend that says it skips its write for such a step
+    (`writes_kv_early`, the Triton backend) with the step's metadata at hand (not a piecewise capture, whose
+    stand-in backend records attention and writes the real rows' KV when it replays it)."""
     ctx = get_forward_context()
+    if ctx.meta is None or not getattr(ctx.backend, "writes_kv_early", False):
+        return None
+    return KVTarget(layer_view(ctx.kv_cache, layer.layer_idx), ctx.meta.slot_mapping, layer.k_scale, layer.v_scale)
+
+
+def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+    """Paged attention of one layer (`layer_idx`, `scale`, `sliding_window`, `softcap`, `k_scale`, `v_scale`):
+    the backend writes k/v into the layer's slice of the pool (unless `kv_written`: a kernel before it did, at
+    kv_target's slots) and attends; then the layer hook runs."""
+    ctx = get_forward_context()
+    extra = {"kv_written": True} if kv_written else {}
     o = ctx.backend.forward(q, k, v, layer_view(ctx.kv_cache, layer.layer_idx), ctx.meta, layer.scale, layer.sliding_window,
-                            layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale)
+                            layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale, **extra)
     if ctx.after_layer is not None:
         ctx.after_layer(layer.layer_idx)
     return o

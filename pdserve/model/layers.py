@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from pdserve.model.forward_context import attend
+from pdserve.model.forward_context import attend, kv_target
 from pdserve.model.merged import MergedLinearOwner, merge_linears, merged_parts
 from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
@@ -187,10 +187,11 @@ class PagedAttention(MergedLinearOwner):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        kv = kv_target(self)  # the rotary kernel writes the new K/V into the pool where the backend allows it
         if self.q_norm is not None:
             q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, self.q_norm.weight,
-                                self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
+                                self.k_norm.weight, self.q_norm.eps, self.q_norm.offset, v=v, kv=kv)
         else:
-            q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin)
-        o = attend(self, q, k, v).reshape(t, self.q_size)
+            q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, v=v, kv=kv)
+        o = attend(self, q, k, v, kv_written=kv is not None).reshape(t, self.q_size)
         return self.o_proj.forward_parts(o) if parts else self.o_proj(o)

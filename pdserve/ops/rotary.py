@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.ops.attention.common import KVTarget, check_kv_args, fp8_max, is_fp8
+from pdserve.ops.attention.torch_ref import write_kv as write_kv_ref
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
 from pdserve.ops.norm import rms_norm_ref
 from pdserve.ops.pdl import pdl_args
@@ -19,10 +21,13 @@ if HAS_TRITON:
 
     from pdserve.ops.pdl import pdl_enter
 
-    @triton.jit
-    def _qk_norm_rope_kernel(Q, K, POS, COS, SIN, QW, KW, s_qt, s_qh, s_kt, s_kh, s_cos, n_qh, n_kh, eps, offset,
+    @triton.jit(do_not_specialize_on_alignment=["SLOTS", "KS", "VS"])  # step metadata: see decode.METADATA_PTRS
+    def _qk_norm_rope_kernel(Q, K, POS, COS, SIN, QW, KW, V, KV, SLOTS, KS, VS,
+                             s_qt, s_qh, s_kt, s_kh, s_cos, n_qh, n_kh, eps, offset,
+                             s_vt, s_vh, s_kvb, s_kvkv, s_kvt, s_kvh, n_slots,
                              HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, HB: tl.constexpr,
-                             HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                             HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr,
+                             HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)  # pdserve.ops.pdl
         # programs [0, n_qb) take HB query heads each, the rest HB key heads; both address sets are formed and
         # the other one masked off (no branch on which tensor: one straight-line kernel)
@@ -58,6 +63,41 @@ if HAS_TRITON:
         tl.store(pq + HALF, o2, mask=mq)
         tl.store(pk, o1, mask=mk)
         tl.store(pk + HALF, o2, mask=mk)
+        if WRITE_KV:  # the key programs also put their rotated keys and the token's values into the pool at its slot
+            slot = tl.load(SLOTS + t, mask=t < n_slots, other=-1)
+            mw = mk & (slot >= 0)
+            slot = tl.maximum(slot, 0).to(tl.int64)
+            dst = KV + (slot // BS) * s_kvb + (slot % BS) * s_kvt + tl.maximum(hk, 0)[:, None].to(tl.int64) * s_kvh \
+                + d[None, :]
+            pv = V + t * s_vt + tl.maximum(hk, 0)[:, None].to(tl.int64) * s_vh + d[None, :]
+            v1 = tl.load(pv, mask=mw, other=0.0)
+            v2 = tl.load(pv + HALF, mask=mw, other=0.0)
+            if FP8:  # as write_kv: the stored 16-bit key (and the value) / scale, saturated, nearest even
+                k1 = o1.to(tl.float32)
+                k2 = o2.to(tl.float32)
+                v1 = v1.to(tl.float32)
+                v2 = v2.to(tl.float32)
+                if HAS_KS:
+                    ks = tl.load(KS)
+                    k1 = tl.math.div_rn(k1, ks)
+                    k2 = tl.math.div_rn(k2, ks)
+                if HAS_VS:
+                    vs = tl.load(VS)
+                    v1 = tl.math.div_rn(v1, vs)
+                    v2 = tl.math.div_rn(v2, vs)
+                k1 = tl.clamp(k1, -FP8_MAX, FP8_MAX)
+                k2 = tl.clamp(k2, -FP8_MAX, FP8_MAX)
+                v1 = tl.clamp(v1, -FP8_MAX, FP8_MAX)
+                v2 = tl.clamp(v2, -FP8_MAX, FP8_MAX)
+                tl.store(dst, k1.to(KV.dtype.element_ty), mask=mw)
+                tl.store(dst + HALF, k2.to(KV.dtype.element_ty), mask=mw)
+                tl.store(dst + s_kvkv, v1.to(KV.dtype.element_ty), mask=mw)
+                tl.store(dst + s_kvkv + HALF, v2.to(KV.dtype.element_ty), mask=mw)
+            else:
+                tl.store(dst, o1.to(KV.dtype.element_ty), mask=mw)
+                tl.store(dst + HALF, o2.to(KV.dtype.element_ty), mask=mw)
+                tl.store(dst + s_kvkv, v1.to(KV.dtype.element_ty), mask=mw)
+                tl.store(dst + s_kvkv + HALF, v2.to(KV.dtype.element_ty), mask=mw)
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,8 +121,10 @@ def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 
 def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                        eps: float = 1e-6, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on q and k (any token/head strides, head_dim contiguous); returns them."""
+                        eps: float = 1e-6, offset: float = 0.0, v: torch.Tensor | None = None,
+                        kv: KVTarget | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q and k (any token/head strides, head_dim contiguous); returns them. With `kv` (and `v`), the
+    rotated keys and the values are also written into the pool at the tokens' slots, as write_kv would."""
     t, n_qh, d = q.shape
     n_kh = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or k.dtype != q.dtype or d % 2:
@@ -96,19 +138,41 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     hb = max(1, min(triton.next_power_of_2(max(n_qh, n_kh)), 512 // block_half))
     grid = (t, triton.cdiv(n_qh, hb) + triton.cdiv(n_kh, hb))
     has_norm = q_weight is not None
+    if kv is not None:
+        pool = kv.kv_layer
+        check_kv_args(pool, k, v)
+        fp8 = is_fp8(pool.dtype)
+        has_ks, has_vs = fp8 and kv.k_scale is not None, fp8 and kv.v_scale is not None
+        slots = kv.slot_mapping
+        write = dict(V=v, KV=pool, SLOTS=slots, KS=kv.k_scale if has_ks else slots, VS=kv.v_scale if has_vs else slots,
+                     s_vt=v.stride(0), s_vh=v.stride(1), s_kvb=pool.stride(0), s_kvkv=pool.stride(1),
+                     s_kvt=pool.stride(2), s_kvh=pool.stride(3), n_slots=slots.shape[0], WRITE_KV=True,
+                     BS=pool.shape[2], FP8=fp8, HAS_KS=has_ks, HAS_VS=has_vs, FP8_MAX=fp8_max(pool.dtype) if fp8 else 0.0)
+    else:  # never read
+        write = dict(V=q, KV=q, SLOTS=positions, KS=positions, VS=positions, s_vt=0, s_vh=0, s_kvb=0, s_kvkv=0,
+                     s_kvt=0, s_kvh=0, n_slots=0, WRITE_KV=False, BS=1, FP8=False, HAS_KS=False, HAS_VS=False,
+                     FP8_MAX=0.0)
     _qk_norm_rope_kernel[grid](
         q, k, positions, cos, sin, q_weight if has_norm else q, k_weight if has_norm else q,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), n_qh, n_kh, eps, float(offset),
-        HALF=half, BLOCK_HALF=block_half, HB=hb, HAS_NORM=has_norm, num_warps=4 if hb * block_half >= 512 else 2,
-        **pdl_args(q),
+        s_qt=q.stride(0), s_qh=q.stride(1), s_kt=k.stride(0), s_kh=k.stride(1), s_cos=cos.stride(0), n_qh=n_qh,
+        n_kh=n_kh, eps=eps, offset=float(offset), HALF=half, BLOCK_HALF=block_half, HB=hb, HAS_NORM=has_norm,
+        num_warps=4 if hb * block_half >= 512 else 2, **write, **pdl_args(q),
     )
     return q, k
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized and rotated (q, k). The fused kernel works in place; use the returned tensors."""
+                 offset: float = 0.0, v: torch.Tensor | None = None,
+                 kv: KVTarget | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalized and rotated (q, k). The fused kernel works in place; use the returned tensors. With `kv` (a layer's
+    pool view and the step's slots) and `v`, the new keys (as returned) and values are also written into the pool
+    (the Triton kernel does it in the same pass; the reference path calls the torch write_kv)."""
+    if kv is not None and v is None:
+        raise ValueError("qk_norm_rope: writing the KV needs v")
     if use_fused(q):
-        return qk_norm_rope_triton(q, k, positions, cos, sin, q_weight, k_weight, eps, offset)
-    return qk_norm_rope_ref(q, k, positions, cos, sin, q_weight, k_weight, eps, offset)
+        return qk_norm_rope_triton(q, k, positions, cos, sin, q_weight, k_weight, eps, offset, v, kv)
+    q, k = qk_norm_rope_ref(q, k, positions, cos, sin, q_weight, k_weight, eps, offset)
+    if kv is not None:
+        write_kv_ref(kv.kv_layer, k, v, kv.slot_mapping, kv.k_scale, kv.v_scale)
+    return q, k

@@ -91,6 +91,31 @@ def test_activation_folded_into_one_row_down_projection_matches_the_reference_pa
     _assert_same_logits(logits, ref_logits, atol=2e-2)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kv_written_by_the_rotary_kernel_equals_the_backends_write(arch, tiny_model_dirs, monkeypatch):
+    """The Triton attention backend in the interpreter: with `writes_kv_early` the rotary kernel writes each layer's
+    new K/V and the backend's write_kv never runs; the pool, the logits and the tokens are those of the backend's
+    own write (the same bytes: the kernel stores the keys it returns)."""
+    from pdserve.ops.attention import triton_backend as tb
+
+    writes = []
+    real = tb.write_kv
+    monkeypatch.setattr(tb, "write_kv", lambda *a, **kw: writes.append(1) or real(*a, **kw))
+    with force_fused():
+        monkeypatch.setattr(tb.TritonAttentionBackend, "writes_kv_early", False)
+        ref_core = _core(tiny_model_dirs[arch], attention_backend="triton")
+        ref_out, ref_logits = _run(ref_core, max_tokens=3)
+        assert writes, "the backend wrote the KV itself"
+        writes.clear()
+        monkeypatch.setattr(tb.TritonAttentionBackend, "writes_kv_early", True)
+        core = _core(tiny_model_dirs[arch], attention_backend="triton")
+        out, logits = _run(core, max_tokens=3)
+    assert not writes, "the rotary kernel wrote every layer's KV"
+    assert out == ref_out
+    _assert_same_logits(logits, ref_logits, atol=0.0)
+    assert torch.equal(core.runner.kv_cache, ref_core.runner.kv_cache)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_graph_data_flow_matches_eager(arch, tiny_model_dirs):
     ref_out, ref_logits = _run(_core(tiny_model_dirs[arch], enforce_eager=True), max_tokens=6)

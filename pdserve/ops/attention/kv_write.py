@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops.attention.common import fp8_max, is_fp8
+from pdserve.ops.attention.common import check_kv_args, fp8_max, is_fp8
 from pdserve.ops.pdl import pdl_args, pdl_enter
 
 
@@ -59,11 +59,8 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     t = slot_mapping.shape[0]
     if t == 0:
         return
+    check_kv_args(kv_layer, k, v)
     hk, d = kv_layer.shape[3], kv_layer.shape[4]
-    if k.shape[1:] != (hk, d) or v.shape[1:] != (hk, d):
-        raise ValueError(f"k/v of shape {tuple(k.shape)}/{tuple(v.shape)} do not match the pool's heads {hk}x{d}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_layer.stride(-1) != 1:
-        raise ValueError("k, v and the pool need a contiguous last dimension")
     fp8 = is_fp8(kv_layer.dtype)
     dummy = slot_mapping  # never read: the scale pointers of a non-fp8 pool or an absent scale
     _write_kv_kernel[(t,)](

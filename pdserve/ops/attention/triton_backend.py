@@ -1,6 +1,7 @@
 """The Triton attention backend: KV write, split-K decode and varlen paged prefill, all reading the pool in place.
 
-forward() writes the step's K/V (quantizing for fp8 pools), then runs the decode kernel over the rows with one new
+forward() writes the step's K/V (quantizing for fp8 pools; unless the model's rotary kernel already did:
+`writes_kv_early`), then runs the decode kernel over the rows with one new
 token and the prefill kernel over the tile table of the others (each launched only when the step can have such
 rows); the prefill kernel reads the new tokens' K/V from the step's k and v rather than the pool (prefill.py says
 why). Every launch size comes from tensor shapes and host ints fixed for a padded batch (token count, row count,
@@ -27,6 +28,9 @@ class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True  # decode-only and mixed steps, with builder-made (static) metadata
     read_new_kv = True  # prefill rows read their new tokens' K/V from k/v; False: all from the pool (benchmark A/B)
+    # the model's rotary kernel may write the step's K/V into the pool (pdserve.model.forward_context.kv_target):
+    # forward(kv_written=True) then skips write_kv (one kernel a layer less; False: an A/B in bench_steps.py)
+    writes_kv_early = True
 
     def __init__(self, prefill_config: PrefillConfig | None = None):
         self.prefill_config = prefill_config  # None: chosen per head dim and dtype (prefill.prefill_config)
@@ -43,9 +47,11 @@ class TritonAttentionBackend:
         softcap: float | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         meta.ensure_device(q.device)
-        write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
+        if not kv_written:
+            write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
         new = (k, v) if self.read_new_kv else (None, None)
         return self.attend(q, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale, *new)
 
