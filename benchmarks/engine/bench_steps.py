@@ -433,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                          "bench serve sends them)")
     ap.add_argument("--sampler", choices=["auto", "torch"], default="auto",
                     help="torch: no one-pass sampling kernel (pdserve.ops.sampling), the torch path (an A/B)")
+    ap.add_argument("--decode-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                    help="the many-program decode tile reads the block table a tile ahead (decode.MANY_PROGRAMS_"
+                         "PREFETCH, tile (64, 4, 2)); --no-decode-prefetch: session 22's (64, 4, 3) without (an A/B)")
     ap.add_argument("--kv-write-early", action=argparse.BooleanOptionalAction, default=True,
                     help="the rotary kernel writes the step's K/V into the pool (TritonAttentionBackend."
                          "writes_kv_early); --no-kv-write-early: the backend's own write_kv kernel (an A/B)")
@@ -452,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.many_programs_tile:
         decode_mod.MANY_PROGRAMS_TILE = (None if args.many_programs_tile == "none"
                                          else tuple(int(x) for x in args.many_programs_tile.split(",")))
+    if not args.decode_prefetch:
+        decode_mod.MANY_PROGRAMS_PREFETCH = False
+        decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
     if args.decode_waves:
         decode_mod.DECODE_WAVES = args.decode_waves
     if args.min_split_keys:

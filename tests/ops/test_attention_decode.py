@@ -20,12 +20,12 @@ def _reference(p, scale, window, softcap):
     return TorchAttentionBackend().attend(p.q.float(), layer, p.meta, scale, window, softcap, p.k_scale, p.v_scale)
 
 
-def _run(p, scale, window=None, softcap=None, mixed=False, splits=None):
+def _run(p, scale, window=None, softcap=None, mixed=False, splits=None, prefetch=None):
     m = p.meta
     out = poisoned(p.q)
     paged_decode(p.q, p.kv_layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap,
                  p.k_scale, p.v_scale, query_start_loc=m.query_start_loc_t if mixed else None, out=out,
-                 num_splits=splits)
+                 num_splits=splits, prefetch=prefetch)
     return out
 
 
@@ -51,10 +51,47 @@ def test_decode_matches_reference(hq, hk, d, bs, dtype, kv_dtype, window, softca
     assert_close(out, _reference(p, scale, window, softcap), dtype, "decode")
 
 
+@pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window,softcap,splits", CPU_CASES[1:4] + CPU_CASES[5:6])
+def test_block_table_read_a_tile_ahead_matches_reference(hq, hk, d, bs, dtype, kv_dtype, window, softcap, splits):
+    """The kernel's PREFETCH_BT loop (the next tile's page ids loaded before this tile's K/V) in every mode: windows,
+    softcapping, several splits (empty ones included: 1-key rows), an fp8 pool, and mixed batches below."""
+    p = make_problem([1, 17, 130, 64, 45], [1] * 5, hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype,
+                     seed=hq + d + bs + 1)
+    scale = d ** -0.5
+    out = _run(p, scale, window, softcap, splits=splits, prefetch=True)
+    assert_close(out, _reference(p, scale, window, softcap), dtype, "decode, block table read ahead")
+
+
+def test_block_table_read_ahead_is_the_many_program_default():
+    cpu = torch.device("cpu")
+    p = make_problem([40] * 16, [1] * 16, hq=4, hk=2, d=32, bs=16, dtype=torch.float16, seed=3)
+    seen = []
+    real = D._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["PREFETCH_BT"])
+                return real[grid](*a, **kw)
+            return launch
+
+    D._decode_kernel = Spy()
+    try:
+        _run(p, 0.2, splits=1)  # 16 rows x 2 heads: 32 programs, MANY_PROGRAM_WAVES waves of 8 SMs
+        _run(p, 0.2, splits=1, prefetch=False)
+        m = p.meta
+        paged_decode(p.q[:4], p.kv_layer, m.block_tables[:4], m.seq_lens_t[:4], m.max_seq_len, 0.2, num_splits=1)
+    finally:
+        D._decode_kernel = real
+    assert D.decode_tile(32, torch.float16, False, 16, 32, cpu) == D.MANY_PROGRAMS_TILE
+    assert seen == [D.MANY_PROGRAMS_PREFETCH, False, False]  # fewer programs: the table's tiles, no read ahead
+
+
 @pytest.mark.parametrize("splits", [1, 4])
-def test_mixed_batch_leaves_prefill_rows_alone(splits):
+@pytest.mark.parametrize("prefetch", [None, True])
+def test_mixed_batch_leaves_prefill_rows_alone(splits, prefetch):
     p = make_problem([33, 70, 9, 120, 16], [1, 20, 1, 5, 16], hq=8, hk=2, d=64, bs=16, seed=11)
-    out = _run(p, 0.125, mixed=True, splits=splits)
+    out = _run(p, 0.125, mixed=True, splits=splits, prefetch=prefetch)
     dec, pre = row_kinds(p.meta)
     assert torch.isnan(out[pre]).all()
     assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed decode rows")
@@ -88,7 +125,8 @@ def test_many_program_split_rows_is_the_fewest_rows_taking_that_tile_with_splits
 
 @pytest.mark.parametrize("mixed", [False, True])
 def test_decode_of_many_rows_matches_reference(mixed):
-    """16 rows x 2 KV heads, one split: the many-program tile (64 keys, 3 stages) on the interpreter's 8 SMs."""
+    """16 rows x 2 KV heads, one split: the many-program tile (64 keys, the block table read ahead) on the
+    interpreter's 8 SMs."""
     lens = [1, 17, 130, 64, 45, 16, 33, 200, 90, 2, 31, 64, 65, 120, 7, 80]
     q_lens = [1] * 16 if not mixed else [1] * 7 + [20] + [1] * 8
     p = make_problem(lens, q_lens, hq=8, hk=2, d=64, bs=16, dtype=torch.float16, seed=5)

@@ -46,7 +46,7 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F16: tl.constexpr, PDL: tl.constexpr,
+    DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False,
 ):
     pdl_enter(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
@@ -82,10 +82,18 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    if PREFETCH_BT:  # the block table a tile ahead (MANY_PROGRAMS_PREFETCH says why)
+        n_next = start + tl.arange(0, BLOCK_N)
+        pg = tl.load(BT + b * s_btb + n_next // BS, mask=n_next < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
-        page = tl.load(BT + b * s_btb + n // BS, mask=valid, other=0)
+        if PREFETCH_BT:
+            page = pg
+            n_next = n + BLOCK_N
+            pg = tl.load(BT + b * s_btb + n_next // BS, mask=n_next < end, other=0)
+        else:
+            page = tl.load(BT + b * s_btb + n // BS, mask=valid, other=0)
         page = tl.maximum(page, 0)  # -1 entries (padded rows) never address outside the pool
         base = page.to(tl.int64) * s_kvb + (n % BS) * s_kvt + hk * s_kvh
         kv_mask = valid[:, None] & dmask[None, :]
@@ -167,12 +175,21 @@ DECODE_TILES = {(False, False): (64, 4, 2), (False, True): (128, 4, 3), (True, F
 
 
 # Rows x KV heads x splits for at least MANY_PROGRAM_WAVES waves of the GPU (a batch-256 step of Qwen3-8B: 2048
-# programs of 1024 keys, one split) take 64-key tiles with 3 stages on a 16-bit pool: on an H200 they read 128 x 2048
+# programs of 1024 keys, one split) take 64-key tiles on a 16-bit pool (until session 23 with 3 stages and the page ids
+# read in the same step, below: 2 stages and read a tile ahead): on an H200 they read 128 x 2048
 # at 98.9 % of the HBM copy rate and 256 x 1024 at 98.2 %, against 95.3 % and 95.4 % with the 128-key tile, which
 # stays ahead where fewer programs have more keys each (32 x 4096: 91.3 % against 76.2 %)
 # (benchmarks/attention/results_h200/decode_sweep_fp16dot.json). None: the table alone (an A/B in bench_steps.py).
-MANY_PROGRAMS_TILE: tuple[int, int, int] | None = (64, 4, 3)
+MANY_PROGRAMS_TILE: tuple[int, int, int] | None = (64, 4, 2)
 MANY_PROGRAM_WAVES = 4
+# ... and read the block table a tile ahead (the kernel's PREFETCH_BT): the page ids of the next tile are loaded into
+# a loop-carried value before this tile's K/V, so Triton's software pipeliner sees the K/V loads as direct ones. With
+# the page ids loaded in the same step, the K/V loads are indirect and the pipeliner keeps one tile of them and waits
+# for every copy at the top of each step, whatever num_stages (39 KB of shared memory at 2, 3 or 4 stages; ptxas on
+# sm_90). At 256 rows x 1088 keys on an H200 the prefetching kernel at (64, 4, 2) took 260.8/261.2 and 266.0/266.6 us a
+# layer against 263.2/263.0 and 268.4/268.4 for (64, 4, 3) without (benchmarks/lease_s23/s23f, s23g; two machines, two
+# rounds each); with 3 stages it holds two K/V tiles (72 KB), fits 3 programs an SM instead of 4 and was slower.
+MANY_PROGRAMS_PREFETCH = True
 
 
 def many_program_rows(num_kv_heads: int, device: torch.device) -> int:
@@ -196,13 +213,18 @@ def many_program_split_rows(num_kv_heads: int, max_seq_len: int, device: torch.d
     return 0
 
 
+def many_programs(dtype: torch.dtype, fp8: bool, num_programs: int, device: torch.device | None) -> bool:
+    """Whether a launch of `num_programs` programs takes MANY_PROGRAMS_TILE (16-bit queries and pool)."""
+    return (dtype != torch.float32 and not fp8 and MANY_PROGRAMS_TILE is not None and device is not None
+            and num_programs >= MANY_PROGRAM_WAVES * num_sms(device))
+
+
 def decode_tile(head_dim: int, dtype: torch.dtype, fp8: bool, num_rows: int = 8, num_programs: int = 0,
                 device: torch.device | None = None) -> tuple[int, int, int]:
     """(keys per step, warps, stages) for a launch of `num_programs` programs (rows x KV heads x splits)."""
     if dtype == torch.float32:
         return decode_block_n(16, head_dim, dtype), 4, 2
-    if (not fp8 and MANY_PROGRAMS_TILE is not None and device is not None
-            and num_programs >= MANY_PROGRAM_WAVES * num_sms(device)):
+    if many_programs(dtype, fp8, num_programs, device):
         return MANY_PROGRAMS_TILE
     return DECODE_TILES[(fp8, num_rows >= 8)]
 
@@ -237,14 +259,16 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
                  max_seq_len: int, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  query_start_loc: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 num_splits: int | None = None, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, tile: tuple[int, int, int] | None = None,
+                 prefetch: bool | None = None) -> torch.Tensor:
     """Decode attention of rows with one new token.
 
     q [T, Hq, D]; kv_layer [num_blocks, 2, block_size, Hk, D] (any strides, D contiguous); block_tables [B, W] and
     seq_lens [B] int32 on device. Without `query_start_loc`, row b's query is token b (a decode-only batch); with it
     ([B+1] int32), row b's query is token query_start_loc[b] and rows with another count of new tokens are skipped
     (their output rows are left as they are). Returns `out` ([T, Hq, D], allocated if not given). `tile` =
-    (keys per step, warps, stages) overrides decode_tile's choice (benchmarks/attention/sweep_decode.py).
+    (keys per step, warps, stages) overrides decode_tile's choice (benchmarks/attention/sweep_decode.py), `prefetch`
+    the block table read a tile ahead (None: with MANY_PROGRAMS_TILE, as MANY_PROGRAMS_PREFETCH says).
     """
     b = seq_lens.shape[0]
     if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
@@ -262,6 +286,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     single = splits == 1
     block_d = triton.next_power_of_2(d)
     block_n, warps, stages = tile or decode_tile(d, q.dtype, fp8, b, b * hk * splits, q.device)
+    if prefetch is None:
+        prefetch = tile is None and MANY_PROGRAMS_PREFETCH and many_programs(q.dtype, fp8, b * hk * splits, q.device)
     if single:
         part_o = part_m = part_l = out
         s_p = (0, 0, 0)
@@ -285,7 +311,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
         HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
-        num_warps=warps, num_stages=stages, **pdl_args(q),
+        PREFETCH_BT=prefetch, num_warps=warps, num_stages=stages, **pdl_args(q),
     )
     if not single:
         _merge_kernel[(b, hq)](
