@@ -109,6 +109,9 @@
 #   s23c       the session's code against de870cd's (archived untracked under benchmarks/lease_s23/_old/): loops at
 #              temperature 1, batch 256 and batch 1 at 8k, alternating
 #   s23d       the KV write in the rotary kernel on and off (--no-kv-write-early), loops alternating
+#   s23f       the decode kernel with the block table read a tile ahead, against the engine's (probe)
+#   s23g       the decode kernel with its registers capped (maxnreg), with and without the block table read ahead
+#   s23h       decode read-ahead + KV write in the rotary kernel: GPU tests; loops with both and with neither
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -877,6 +880,35 @@ PY
       left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
       a=""; case $v in off*) a="--no-kv-write-early" ;; esac
       timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= $a \
+        --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
+      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
+      save
+    done ;;
+  s23f)  # the decode kernel with the block table read a tile ahead (probe_decode_variants.py: the pipeliner then keeps
+    # num_stages - 1 K/V tiles in flight) against the engine's, at several tiles, two rounds
+    save() { tar czf "$OUT/s23f.tgz" -C "$OUT" s23f; }
+    timeout 300 python3 benchmarks/attention/probe_decode_variants.py --out "$W/decode_variants.json" \
+      > "$W/decode_variants.txt" 2>&1
+    grep -v "^$" "$W/decode_variants.txt" | cut -c1-200 | tail -32
+    save ;;
+  s23g)  # the decode kernel's registers capped (maxnreg: 5 programs an SM instead of 4) with and without the block
+    # table read a tile ahead, against the engine's kernel as shipped (probe_decode_variants.py), two rounds
+    save() { tar czf "$OUT/s23g.tgz" -C "$OUT" s23g; }
+    timeout 300 python3 benchmarks/attention/probe_decode_variants.py --out "$W/decode_variants.json" \
+      > "$W/decode_variants.txt" 2>&1
+    grep -v "^$" "$W/decode_variants.txt" | cut -c1-200 | tail -32
+    save ;;
+  s23h)  # the decode kernel's block table read a tile ahead and the KV write in the rotary kernel on the GPU: decode
+    # and warm-up tests; then the steady loops at temperature 1 with both (new) and with neither (old:
+    # --no-decode-prefetch --no-kv-write-early), in the order new, old, new, old
+    save() { tar czf "$OUT/s23h.tgz" -C "$OUT" s23h; }
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    save
+    for v in new1 old1 new2 old2; do
+      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+      a=""; case $v in old*) a="--no-decode-prefetch --no-kv-write-early" ;; esac
+      timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 --decode= $a \
         --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
       echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
       save
