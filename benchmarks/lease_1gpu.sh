@@ -874,12 +874,13 @@ PY
       save
     done ;;
   s23d)  # the KV write inside the rotary kernel on and off (--no-kv-write-early: the backend's write_kv kernel), the
-    # rest of the session's code the same: the steady loops at temperature 1, in the order on, off, on, off
+    # rest of the session's code the same (the decode read-ahead on): the batch-256 and batch-1 8k loops at
+    # temperature 1, in the order on, off, on, off
     save() { tar czf "$OUT/s23d.tgz" -C "$OUT" s23d; }
     for v in on1 off1 on2 off2; do
       left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
       a=""; case $v in off*) a="--no-kv-write-early" ;; esac
-      timeout $(( left < 130 ? left : 130 )) $STEPS_8B --max-model-len 16384 --decode= $a \
+      timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 --decode= $a \
         --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
       echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
       save
