@@ -105,7 +105,7 @@
 #              products gain from a split over K
 #   s23b       GPU tests of the KV write in the rotary kernel; Nsight Compute on the batch-256 decode kernel against
 #              the read-only pass
-#   s23e       the inverse-CDF sampling kernel: GPU tests, the sampler alone
+#   s23e       the inverse-CDF sampling kernel: GPU tests, the warm-up burst, the sampler alone
 #   s23c       the session's code against de870cd's (archived untracked under benchmarks/lease_s23/_old/): loops at
 #              temperature 1, batch 256 and batch 1 at 8k, alternating
 #   s23d       the KV write in the rotary kernel on and off (--no-kv-write-early), loops alternating
@@ -856,6 +856,8 @@ PY
     save() { tar czf "$OUT/s23e.tgz" -C "$OUT" s23e; }
     timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/ops/test_sampling_kernel.py 2>&1 \
       | tee "$W/gpu_tests_sampling.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 \
+      | tee "$W/gpu_tests_warmup.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
     save
     timeout 120 python3 benchmarks/engine/bench_sampler.py --sweep --out "$W/sampler.json" > "$W/sampler.txt" 2>&1
     grep -E "^rows|Error" "$W/sampler.txt"; for r in 1 64 256; do grep -E "^sweep rows +$r " "$W/sampler.txt" | sort -n -k8 | head -3; done

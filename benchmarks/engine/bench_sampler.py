@@ -1,10 +1,12 @@
 """The sampler of a decode step on Qwen3's vocabulary (151,936 tokens, bf16 logits): the torch path against the
-one-pass kernel (pdserve.ops.sampling), for requests that leave out temperature (1.0, the OpenAI default, what
-vLLM's `bench serve` sends), that ask for 0.7, and greedy ones; at 1, 64 and 256 rows.
+sampling kernels (pdserve.ops.sampling: `_partials_kernel` reads the logits once, `_pick_kernel` draws by the inverse
+CDF), for requests that leave out temperature (1.0, the OpenAI default, what vLLM's `bench serve` sends), that ask
+for 0.7, and greedy ones; at 1, 64 and 256 rows.
 
 Each time is triton.testing.do_bench's median over `sample_async` (host work plus kernels; the pinned copy of the
 tokens included, the wait for them not), in microseconds; at the default temperature also the kernels alone
-(`sample_tokens` replayed in a CUDA graph).
+(`sample_tokens` replayed in a CUDA graph). --sweep: the kernels alone per launch shape (programs per SM and warps
+of the first kernel, steps of 2048 columns a chunk at most, warps of the second).
 
     python benchmarks/engine/bench_sampler.py --out $OUT/sampler.json
 """
@@ -21,7 +23,7 @@ from pdserve.bench.ceilings import graph_us
 from pdserve.bench.record import new_record, save_json
 from pdserve.engine import sampler as S
 from pdserve.engine.request import Request
-from pdserve.ops.sampling import sample_tokens
+from pdserve.ops.sampling import MAX_CHUNK_STEPS, NUM_WARPS, TARGET_PROGRAMS_PER_SM, sample_tokens
 from pdserve.sampling_params import SamplingParams
 
 VOCAB = 151936
@@ -63,17 +65,20 @@ def main() -> None:
                   f"({row['torch_us'] / row['kernel_us']:.2f}x)"
                   + (f"; the kernels alone {row['kernel_graph_us']:.1f} us" if "kernel_graph_us" in row else ""),
                   flush=True)
-    if args.sweep:  # the kernels alone at the default temperature per launch shape (programs per SM, warps)
+    if args.sweep:  # the kernels alone at the default temperature per launch shape
         rec["sweep"] = []
         for n in (int(r) for r in args.rows.split(",")):
             logits = torch.randn((n, VOCAB), device=dev).to(torch.bfloat16)
             inv_t = torch.ones(n, device=dev)
-            for per_sm in (2, 4, 8, 16, 32):
-                for warps in (2, 4, 8):
-                    t = graph_us([functools.partial(sample_tokens, logits, inv_t, i + 1, programs_per_sm=per_sm,
-                                                    num_warps=warps) for i in range(20)])
-                    rec["sweep"].append({"rows": n, "programs_per_sm": per_sm, "num_warps": warps, "us": t})
-                    print(f"sweep rows {n:4d} programs/SM {per_sm:3d} warps {warps}: {t:8.1f} us", flush=True)
+            shapes = [{"programs_per_sm": per_sm, "num_warps": warps, "max_chunk_steps": steps}
+                      for per_sm in (2, 4, 8, 16) for warps in (4, 8) for steps in (4, 8, 16)]
+            shapes += [{"programs_per_sm": TARGET_PROGRAMS_PER_SM, "num_warps": NUM_WARPS,
+                        "max_chunk_steps": MAX_CHUNK_STEPS, "pick_warps": w} for w in (1, 2, 4, 8)]
+            for shape in shapes:
+                t = graph_us([functools.partial(sample_tokens, logits, inv_t, i + 1, **shape) for i in range(20)])
+                rec["sweep"].append({"rows": n, **shape, "us": t})
+                print(f"sweep rows {n:4d} " + " ".join(f"{k} {v}" for k, v in shape.items()) + f": {t:8.1f} us",
+                      flush=True)
     if args.out:
         save_json(rec, args.out)
 
