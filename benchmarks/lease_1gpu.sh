@@ -112,6 +112,7 @@
 #   s23f       the decode kernel with the block table read a tile ahead, against the engine's (probe)
 #   s23g       the decode kernel with its registers capped (maxnreg), with and without the block table read ahead
 #   s23h       decode read-ahead + KV write in the rotary kernel: GPU tests; loops with both and with neither
+#   s23i       the batch-256 loop's kernels under the profiler with the session's code
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -916,6 +917,14 @@ PY
       echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
       save
     done ;;
+  s23i)  # the batch-256 loop at temperature 1 under the profiler with the session's code (the decode read-ahead, the
+    # KV write in the rotary kernel, the inverse-CDF sampler): its kernels and the GPU's idle time
+    save() { tar czf "$OUT/s23i.tgz" -C "$OUT" s23i; }
+    timeout 250 $STEPS_8B --max-model-len 16384 --iters 20 --top 30 --decode= --loop 256x1024 \
+      --profile-loop 256x1024 --loop-steps 40 --loop-temperature 1.0 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -E "^loop[^ ]*:|^  idle|^\||^profile|GPU busy" | grep -v "async off" \
+      | cut -c1-200 | head -40
+    save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
