@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 B = Path(__file__).parent
@@ -567,6 +568,84 @@ def _misses(d: dict) -> tuple[float, float]:
     t = d["ttfts"][1:]
     e = [a + sum(r) for a, r in zip(d["ttfts"][1:], d["itls"][1:])]
     return 1e3 * sum(t) / len(t), 1e3 * sum(e) / len(e)
+
+
+def session23() -> None:
+    """Session 23 (H200s, one H100): the decode kernel's block table read a tile ahead, the KV write in the rotary
+    kernel, the inverse-CDF sampling kernel, the side by side."""
+    base = "lease_s23"
+    print("Where the batch-256 decode kernel waits (s23b, machine 2, an H100, `ncu --clock-control none` on "
+          "`benchmarks/attention/ncu_decode.py`: 256 rows x 1088 keys x 8 KV heads, the engine's (64, 4, 3) tile):\n")
+    txt = (B / base / "s23b" / "ncu.txt").read_text()
+    for key in ("DRAM Throughput", "Registers Per Thread", "Dynamic Shared Memory Per Block", "Block Limit Registers",
+                "Block Limit Shared Mem", "Achieved Occupancy", "Waves Per SM", "Warp Cycles Per Issued Instruction"):
+        m = re.search(rf"{key}\s+(\S+)\s+([\d.,]+)", txt)
+        if m:
+            print(f"- {key}: {m.group(2)} {m.group(1) if not m.group(1)[0].isdigit() else ''}".rstrip())
+    m = re.search(r"spends ([\d.]+) cycles being stalled waiting for a scoreboard dependency\s+on a L1TEX", txt)
+    if m:
+        print(f"- stalled on global loads (L1TEX scoreboard): {m.group(1)} of the cycles between two instructions")
+    print("\nCompiled for sm_90 here (ptxas), the kernel's loop keeps one K/V tile in shared memory at any num_stages: "
+          "the K/V addresses come from the block table loaded in the same step, and the pipeliner waits for every "
+          "copy at the top of each step. With the next tile's page ids loaded a step ahead (a loop-carried value), "
+          "num_stages - 1 tiles are in flight. The two kernels at 256 rows x 1088 keys (`probe_decode_variants.py`; "
+          "s23f machine 3, s23g machine 4; two rounds each):\n")
+    print("| run | kernel | tile | maxnreg | round | us a layer | of the copy rate |\n|---|---|---|---|---|---|---|")
+    for run in ("s23f", "s23g"):
+        for r in load(f"{base}/{run}/decode_variants.json")["rows"]:
+            name = r.get("kernel", r["probe"])
+            print(f"| {run} | {name} | {tuple(r['tile'])} | {r.get('maxnreg') or '-'} | {r['round']} | "
+                  f"{r['us']:.1f} | {100 * r['of_copy']:.1f} % |")
+    a = load(f"{base}/s23a/decode_variants.json")
+    pers = [r for r in a["rows"] if r["probe"] == "persistent"]
+    best = max(pers, key=lambda r: r["of_copy"])
+    eng = next(r for r in a["rows"] if r["probe"] == "decode" and r.get("engine"))
+    print(f"\nA persistent kernel walking its rows' tiles as one flattened loop (s23a, machine 1) reached at best "
+          f"{100 * best['of_copy']:.1f} % ({best['per_sm']} programs an SM, {best['keys']} keys, {best['warps']} warps, "
+          f"{best['stages']} stages) against the engine's {100 * eng['of_copy']:.1f} %; not pursued.")
+    g = load(f"{base}/s23a/gemm_split.json")
+    print(f"\nEvery decode product split over K, the GEMM alone (s23a, `probe_gemm_split.py`; bf16 matmul "
+          f"{g['ceilings']['bf16_matmul_tflops']:.0f} TFLOP/s in the same run), us:\n")
+    print("| product | rows | plain (TFLOP/s) | split 2 | split 3 | split 4 |\n|---|---|---|---|---|---|")
+    for r in g["rows"]:
+        sp = r["split_us"]
+        print(f"| {r['shape']} {r['n']}x{r['k']} | {r['rows']} | {r['plain_us']:.2f} ({r['plain_tflops']:.0f}) | "
+              + " | ".join(f"{sp[k]:.2f}" if k in sp else "-" for k in ("2", "3", "4")) + " |")
+    print(f"\nGPU tests of the KV write in the rotary kernel (fp8 pools, graphs against eager with the Triton backend, "
+          f"the warm-up burst; s23b, the H100): {_pytest_verdict(f'{base}/s23b/gpu_tests.txt')}; of the read-ahead "
+          f"(decode kernel, warm-up; s23h, machine 5): {_pytest_verdict(f'{base}/s23h/gpu_tests.txt')}.")
+    print("\nThe steady loops at temperature 1 with the read-ahead and the KV write in the rotary kernel (new) and "
+          "with neither (old: `--no-decode-prefetch --no-kv-write-early`), s22's sampling kernel in both (s23h, "
+          "machine 5, order new, old, new, old):\n")
+    _ab_steps([(v, load(f"{base}/s23h/loop_{v}.json")) for v in ("new1", "old1", "new2", "old2")])
+    print("\nThe KV write in the rotary kernel alone, on and off (`--no-kv-write-early`), the read-ahead on (s23d, the "
+          "same machine):\n")
+    _ab_steps([(v, load(f"{base}/s23d/loop_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
+    e = load(f"{base}/s23e/sampler.json")
+    print(f"\nThe inverse-CDF sampling kernel (s23e, machine 6; tests {_pytest_verdict(f'{base}/s23e/gpu_tests_sampling.txt')}"
+          f"; the warm-up burst compiles nothing while serving: {_pytest_verdict(f'{base}/s23e/gpu_tests_warmup.txt')}). "
+          "`bench_sampler.py`: the kernels alone in a CUDA graph, and the sampler with its host work, us (s22's Gumbel "
+          "kernels alone: see Session 22):\n")
+    print("| rows | kind | torch path | sampler | kernels alone |\n|---|---|---|---|---|")
+    for r in e["results"]:
+        ka = f"{r['kernel_graph_us']:.1f}" if "kernel_graph_us" in r else "-"
+        print(f"| {r['rows']} | {r['kind']} | {r['torch_us']:.1f} | {r['kernel_us']:.1f} | {ka} |")
+    print("\nThe session's code (aaef1e7) against the code it started from (de870cd's `pdserve/` first on PYTHONPATH in "
+          "the `old` arms), s23c, machine 6, order new, old, new, old:\n")
+    _ab_steps([(v, load(f"{base}/s23c/loop_{v}.json")) for v in ("new1", "old1", "new2", "old2")])
+    lp = next(x for x in load(f"{base}/s23i/profile.json")["loops"] if x.get("profile"))
+    pr = lp["profile"]
+    print(f"\nThe batch-256 loop at temperature 1 under the profiler at aaef1e7 (s23i, machine 6; {lp['step_ms']:.2f} ms "
+          f"a step, {pr['kernels_per_step']:.0f} kernels, {pr['gpu_us_per_step'] / 1e3:.2f} ms of kernels a step):\n")
+    print("| kernel | per step | us a step | share |\n|---|---|---|---|")
+    for k in pr["top"][:12]:
+        print(f"| {k['name'][:60]} | {k['count_per_step']:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |")
+    print("\nSide by side with vLLM 0.22 (sbs/, machine 6, `lease_1gpu.sh sbs` at aaef1e7: vLLM, then pdserve, on the "
+          "one H200; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both, no temperature "
+          f"sent: both sample at 1.0; kernels pdserve compiled while serving: {_compiles(f'{base}/sbs/pdserve.log.gz')}):\n")
+    _sbs_table(f"{base}/sbs")
+    for w in ("8192x16_c1", "32768x16_c1"):
+        _sbs_chunks(f"{base}/sbs", w)
 
 
 def session22() -> None:
@@ -1663,6 +1742,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session23()
+    print()
     session22()
     print()
     session21()
