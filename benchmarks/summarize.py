@@ -621,6 +621,9 @@ def session23() -> None:
     print("\nThe KV write in the rotary kernel alone, on and off (`--no-kv-write-early`), the read-ahead on (s23d, the "
           "same machine):\n")
     _ab_steps([(v, load(f"{base}/s23d/loop_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
+    print(f"\nThe same on an H100 (s23h_h100, machine 7; the inverse-CDF sampler in both arms; GPU tests "
+          f"{_pytest_verdict(f'{base}/s23h_h100/gpu_tests.txt')}):\n")
+    _ab_steps([(v, load(f"{base}/s23h_h100/loop_{v}.json")) for v in ("new1", "old1", "new2", "old2")])
     e = load(f"{base}/s23e/sampler.json")
     print(f"\nThe inverse-CDF sampling kernel (s23e, machine 6; tests {_pytest_verdict(f'{base}/s23e/gpu_tests_sampling.txt')}"
           f"; the warm-up burst compiles nothing while serving: {_pytest_verdict(f'{base}/s23e/gpu_tests_warmup.txt')}). "
