@@ -9,17 +9,7 @@ from __future__ import annotations
 
 import os
 
-# One compute thread per process (the test process and every process it starts inherit this): the suite runs
-# several torch processes at once (servers, tensor-parallel workers, pytest-xdist workers) on few cores, and
-# OpenMP's per-op thread teams oversubscribed there spin and wait on descheduled threads (tiny-model tests ran 50-100x
-# slower on a busy 2-core machine: 0.4 s -> 34 s). Parallelism comes from the processes instead.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch before this file
+import torch
 
 # The deployment secret every prefill/decode instance the tests start proves to its KV peers (tests of the
 # refusal without one remove it from their child's environment).
@@ -74,30 +64,3 @@ if not torch.cuda.is_available():
 
         _interp._patch_lang = _patch_lang
         _interp.GridExecutor.__call__ = _grid_call
-
-
-# Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command): the tests that start model-serving
-# processes, or that hold wall-clock bounds (timeouts, latencies, simulated service times), run one after another on
-# one worker, as they were written to (each assumes the machine's two cores are its own processes'); the rest (kernels
-# in the interpreter, in-process engines, pure logic) share the other worker and fill its idle time.
-SERIAL_DIRS = ("tests/bench/", "tests/disagg/", "tests/router/", "tests/server/")
-SERIAL_FILES = (
-    "tests/engine/test_engine_proc_exit.py",
-    "tests/engine/test_engine_proc_start.py",
-    "tests/kv/test_kv_bounds.py",
-    "tests/kv/test_kv_failures.py",
-    "tests/kv/test_kv_nccl.py",
-    "tests/parallel/test_tp_failure.py",
-    "tests/test_cli.py",
-)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        serial = path.startswith(SERIAL_DIRS) or path in SERIAL_FILES
-        # a file's tests stay together otherwise too, so its module-scoped fixtures are made once
-        item.add_marker(pytest.mark.xdist_group("serial" if serial else path))
