@@ -880,14 +880,7 @@ PY
     # rest of the session's code the same (the decode read-ahead on): the batch-256 and batch-1 8k loops at
     # temperature 1, in the order on, off, on, off
     save() { tar czf "$OUT/s23d.tgz" -C "$OUT" s23d; }
-    for v in on1 off1 on2 off2; do
-      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in off*) a="--no-kv-write-early" ;; esac
-      timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 --decode= $a \
-        --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
-      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
-      save
-    done ;;
+    ab_loops loop "off*" --no-kv-write-early "--decode= --loop 256x1024,1x8192" on1 off1 on2 off2 ;;
   s23f)  # the decode kernel with the block table read a tile ahead (probe_decode_variants.py: the pipeliner then keeps
     # num_stages - 1 K/V tiles in flight) against the engine's, at several tiles, two rounds
     save() { tar czf "$OUT/s23f.tgz" -C "$OUT" s23f; }
@@ -909,14 +902,8 @@ PY
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
       tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
     save
-    for v in new1 old1 new2 old2; do
-      left=$(( 565 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
-      a=""; case $v in old*) a="--no-decode-prefetch --no-kv-write-early" ;; esac
-      timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 --decode= $a \
-        --loop 256x1024,1x8192 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_$v.json" > "$W/loop_$v.txt" 2>&1
-      echo "== $v"; grep -E "^loop[^ ]*:|Error" "$W/loop_$v.txt" | grep -v "async off" | cut -c1-220
-      save
-    done ;;
+    ab_loops loop "old*" "--no-decode-prefetch --no-kv-write-early" "--decode= --loop 256x1024,1x8192" \
+      new1 old1 new2 old2 ;;
   s23i)  # the batch-256 loop at temperature 1 under the profiler with the session's code (the decode read-ahead, the
     # KV write in the rotary kernel, the inverse-CDF sampler): its kernels and the GPU's idle time
     save() { tar czf "$OUT/s23i.tgz" -C "$OUT" s23i; }

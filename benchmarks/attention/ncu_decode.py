@@ -13,29 +13,23 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_kv_read import _paged_read_kernel  # noqa: E402
+from probe_kv_read import _paged_read_kernel, add_step_args, step_pool  # noqa: E402
 
 from pdserve.ops.attention.decode import _decode_kernel, decode_tile, paged_decode  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--context", type=int, default=1088)
+    add_step_args(ap)
     ap.add_argument("--launches", type=int, default=4)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    b, ctx, hq, hk, d, bs, nl = args.batch, args.context, 32, 8, 128, 16, 4
-    width = -(-ctx // bs)
-    nb = b * width + 64
-    pool = torch.randn((nb, hk, nl, 2, bs, d), dtype=torch.bfloat16, device=dev)
-    lay = pool[:, :, 0].permute(0, 2, 3, 1, 4)
-    rng = np.random.default_rng(0)
-    bt = torch.tensor(rng.permutation(nb)[: b * width].reshape(b, width).astype(np.int32), device=dev)
+    b, ctx, hq, hk, d, bs = args.batch, args.context, args.hq, args.hk, args.head_dim, args.block_size
+    _, layers, bt, _ = step_pool(args, dev)
+    lay = layers[0]
     q = torch.randn((b, hq, d), dtype=torch.bfloat16, device=dev)
     sl = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     out = torch.empty((b * hk * d,), dtype=torch.float32, device=dev)

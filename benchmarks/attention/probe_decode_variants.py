@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +33,9 @@ from pdserve.bench.ceilings import graph_us, hbm_copy_gbps
 from pdserve.bench.record import new_record, save_json
 from pdserve.ops.attention import decode as decode_mod
 from pdserve.ops.attention.decode import decode_tile, paged_decode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_kv_read import add_step_args, reporter, step_pool  # noqa: E402
 
 ENGINE_LOOP = """    for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -131,13 +134,7 @@ def persistent_decode(q, lay, bt, ctx, scale, out, programs, block_n, warps, sta
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--context", type=int, default=1088)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hk", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=12)
+    add_step_args(ap)
     ap.add_argument("--persistent", action="store_true", help="also the persistent flattened-loop kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -147,24 +144,14 @@ def main(argv=None) -> int:
     rec = new_record("decode_variants_probe", vars(args))
     rec["ceilings"] = {"hbm_copy_gbps": hbm, "gpu": torch.cuda.get_device_name(dev)}
     rec["rows"] = []
-    b, ctx, hk, d, bs, nl = args.batch, args.context, args.hk, args.head_dim, args.block_size, args.layers
-    width = -(-ctx // bs)
-    nb = b * width + 64
-    pool = torch.randn((nb, hk, nl, 2, bs, d), dtype=torch.bfloat16, device=dev)
-    layers = [pool[:, :, i].permute(0, 2, 3, 1, 4) for i in range(nl)]
-    rng = np.random.default_rng(0)
-    bt = torch.tensor(rng.permutation(nb)[: b * width].reshape(b, width).astype(np.int32), device=dev)
-    kv_bytes = b * ctx * hk * d * 2 * 2
+    b, ctx, hk, d = args.batch, args.context, args.hk, args.head_dim
+    _, layers, bt, kv_bytes = step_pool(args, dev)
     q = torch.randn((b, args.hq, d), dtype=torch.bfloat16, device=dev)
     sl = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     scale = d ** -0.5
     ref = paged_decode(q, layers[0], bt, sl, ctx, scale)
 
-    def report(name: str, us: float, **kw) -> None:
-        gbps = kv_bytes / (us * 1e-6) / 1e9
-        rec["rows"].append({"probe": name, "us": us, "gbps": gbps, "of_copy": gbps / hbm, **kw})
-        print(f"{name:11s} {' '.join(f'{k}={v}' for k, v in kw.items()):60s} {us:8.1f} us  {gbps:7.0f} GB/s  "
-              f"{100 * gbps / hbm:5.1f} % of the copy rate", flush=True)
+    report = reporter(rec, kv_bytes, hbm, 11, 60)
 
     print(f"{torch.cuda.get_device_name(dev)}: HBM copy {hbm:.0f} GB/s; {b} rows x {ctx} keys x {hk} KV heads: "
           f"{kv_bytes / 1e9:.2f} GB a layer; {sms} SMs", flush=True)

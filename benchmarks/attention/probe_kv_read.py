@@ -60,8 +60,8 @@ def _flat_read_kernel(X, Out, n_per_prog, BLOCK: tl.constexpr, STAGES: tl.conste
     tl.store(Out + p, tl.sum(acc, 0))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_args(ap: argparse.ArgumentParser) -> None:
+    """The batch-256 decode step's shape (dummy Qwen3-8B) the KV probes share."""
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=1088)
     ap.add_argument("--hq", type=int, default=32)
@@ -69,6 +69,36 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=12)
+
+
+def step_pool(args, dev: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, int]:
+    """(pool, per-layer views [blocks, 2, bs, hk, d], block table of random pages, one layer's KV bytes) in the
+    engine's head-major layout [blocks, hk, layers, 2, bs, d]."""
+    b, ctx, hk, d, bs, nl = args.batch, args.context, args.hk, args.head_dim, args.block_size, args.layers
+    width = -(-ctx // bs)
+    nb = b * width + 64
+    pool = torch.randn((nb, hk, nl, 2, bs, d), dtype=torch.bfloat16, device=dev)
+    layers = [pool[:, :, i].permute(0, 2, 3, 1, 4) for i in range(nl)]
+    rng = np.random.default_rng(0)
+    bt = torch.tensor(rng.permutation(nb)[: b * width].reshape(b, width).astype(np.int32), device=dev)
+    return pool, layers, bt, b * ctx * hk * d * 2 * 2
+
+
+def reporter(rec: dict, kv_bytes: int, hbm: float, name_width: int, kw_width: int):
+    """report(name, us, **settings): one timing of a layer's KV read into rec["rows"] and printed, against the
+    HBM copy rate of the same run."""
+    def report(name: str, us: float, **kw) -> None:
+        gbps = kv_bytes / (us * 1e-6) / 1e9
+        rec["rows"].append({"probe": name, "us": us, "gbps": gbps, "of_copy": gbps / hbm, **kw})
+        settings = " ".join(f"{k}={v}" for k, v in kw.items())
+        print(f"{name:{name_width}s} {settings:{kw_width}s} {us:8.1f} us  {gbps:7.0f} GB/s  "
+              f"{100 * gbps / hbm:5.1f} % of the copy rate", flush=True)
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_args(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -77,20 +107,10 @@ def main(argv=None) -> int:
     rec["ceilings"] = {"hbm_copy_gbps": hbm, "gpu": torch.cuda.get_device_name(dev)}
     rec["rows"] = []
     b, ctx, hk, d, bs, nl = args.batch, args.context, args.hk, args.head_dim, args.block_size, args.layers
-    width = -(-ctx // bs)
-    nb = b * width + 64
-    pool = torch.randn((nb, hk, nl, 2, bs, d), dtype=torch.bfloat16, device=dev)
-    layers = [pool[:, :, i].permute(0, 2, 3, 1, 4) for i in range(nl)]  # [blocks, 2, bs, hk, d]
-    rng = np.random.default_rng(0)
-    bt = torch.tensor(rng.permutation(nb)[: b * width].reshape(b, width).astype(np.int32), device=dev)
-    kv_bytes = b * ctx * hk * d * 2 * 2
+    pool, layers, bt, kv_bytes = step_pool(args, dev)
     out = torch.empty((b * hk * d,), dtype=torch.float32, device=dev)
 
-    def report(name: str, us: float, **kw) -> None:
-        gbps = kv_bytes / (us * 1e-6) / 1e9
-        rec["rows"].append({"probe": name, "us": us, "gbps": gbps, "of_copy": gbps / hbm, **kw})
-        print(f"{name:8s} {' '.join(f'{k}={v}' for k, v in kw.items()):45s} {us:8.1f} us  {gbps:7.0f} GB/s  "
-              f"{100 * gbps / hbm:5.1f} % of the copy rate", flush=True)
+    report = reporter(rec, kv_bytes, hbm, 8, 45)
 
     print(f"{torch.cuda.get_device_name(dev)}: HBM copy {hbm:.0f} GB/s; {b} rows x {ctx} keys x {hk} KV heads: "
           f"{kv_bytes / 1e9:.2f} GB a layer", flush=True)
