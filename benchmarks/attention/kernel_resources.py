@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.ops.attention.decode import _decode_kernel, decode_tile
+from pdserve.ops.attention.decode import MANY_PROGRAMS_PREFETCH, MANY_PROGRAMS_TILE, _decode_kernel, decode_tile
 from pdserve.ops.attention.kv_write import _write_kv_kernel
 from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, _prefill_kernel, default_g_pack
 
@@ -73,17 +73,20 @@ def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, 
     return _compile(_prefill_kernel, types, ce, cfg.num_warps, cfg.num_stages, aligned)
 
 
-def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16) -> dict:
+def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16, many: bool = False) -> dict:
+    """many: the many-program tile (a batch-256 step) with its block table read a tile ahead."""
     types = dict(Q=f"*{dt}", KV=f"*{kv}", BT="*i32", SL="*i32", QSL="*i32", KS="*fp32", VS="*fp32", Out=f"*{dt}",
                  PartO="*fp32", PartM="*fp32", PartL="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
                  s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_btb="i32", s_pb="i32", s_ph="i32",
                  s_ps="i32", sm_scale="fp32", softcap="fp32", window="i32")
     qdt = getattr(torch, TORCH_DT[dt])
     block_n, warps, stages = decode_tile(d, qdt, kv in FP8)  # the many-row tile (the larger of the two)
+    if many:
+        block_n, warps, stages = MANY_PROGRAMS_TILE
     ce = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs,
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
-              DOT_F16=kv in FP8 and dt != "fp32", PDL=1)
+              DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH)
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
                "s_kvh", "s_pb", "s_ph", "s_ps"]
     return _compile(_decode_kernel, types, ce, warps, stages, aligned)
@@ -121,6 +124,11 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                     desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=single, mixed=mixed)
                     cases.append((f"decode {dt}/{kv} d={d} g={g} single={single} mixed={mixed}", desc,
                                   lambda dt=dt, kv=kv, d=d, g=g, s=single, m=mixed: decode(dt, kv, d, g, s, m)))
+                if kv == dt and dt != "fp32" and MANY_PROGRAMS_TILE is not None:  # what paged_decode picks at 256 rows
+                    for mixed in (False, True):
+                        desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=True, mixed=mixed, many=True)
+                        cases.append((f"decode {dt}/{kv} d={d} g={g} single=True mixed={mixed} many programs", desc,
+                                      lambda dt=dt, kv=kv, d=d, g=g, m=mixed: decode(dt, kv, d, g, True, m, many=True)))
             desc = dict(kernel="kv_write", dtype=dt, kv=kv)
             cases.append((f"kv_write {dt}/{kv}", desc, lambda dt=dt, kv=kv: kv_write(dt, kv, 8, 128)))
     return cases

@@ -30,7 +30,7 @@ def test_default_kernels_fit_sm90(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())
     count = {k: sum(r["kernel"] == k for r in rows) for k in ("prefill", "decode", "kv_write")}
-    assert count == {"prefill": 8, "decode": 6, "kv_write": 3}, count
+    assert count == {"prefill": 8, "decode": 8, "kv_write": 3}, count  # decode: 6 table tiles, 2 many-program
     for r in rows:
         assert r["spill_bytes"] == 0 and r["shared"] <= 227 * 1024, r
         if r["kernel"] == "prefill":
