@@ -60,14 +60,15 @@ def kv_target(layer) -> KVTarget | None:
     return KVTarget(layer_view(ctx.kv_cache, layer.layer_idx), ctx.meta.slot_mapping, layer.k_scale, layer.v_scale)
 
 
-def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False) -> torch.Tensor:
+def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVTarget | None = None) -> torch.Tensor:
     """Paged attention of one layer (`layer_idx`, `scale`, `sliding_window`, `softcap`, `k_scale`, `v_scale`):
-    the backend writes k/v into the layer's slice of the pool (unless `kv_written`: a kernel before it did, at
-    kv_target's slots) and attends; then the layer hook runs."""
+    the backend writes k/v into the layer's slice of the pool (unless `kv`, kv_target's answer: a kernel before it
+    wrote them there; its pool view is reused) and attends; then the layer hook runs."""
     ctx = get_forward_context()
-    extra = {"kv_written": True} if kv_written else {}
-    o = ctx.backend.forward(q, k, v, layer_view(ctx.kv_cache, layer.layer_idx), ctx.meta, layer.scale, layer.sliding_window,
-                            layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale, **extra)
+    extra = {"kv_written": True} if kv is not None else {}
+    kv_layer = kv.kv_layer if kv is not None else layer_view(ctx.kv_cache, layer.layer_idx)
+    o = ctx.backend.forward(q, k, v, kv_layer, ctx.meta, layer.scale, layer.sliding_window, layer.softcap,
+                            k_scale=layer.k_scale, v_scale=layer.v_scale, **extra)
     if ctx.after_layer is not None:
         ctx.after_layer(layer.layer_idx)
     return o

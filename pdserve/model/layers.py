@@ -193,5 +193,5 @@ class PagedAttention(MergedLinearOwner):
                                 self.k_norm.weight, self.q_norm.eps, self.q_norm.offset, v=v, kv=kv)
         else:
             q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, v=v, kv=kv)
-        o = attend(self, q, k, v, kv_written=kv is not None).reshape(t, self.q_size)
+        o = attend(self, q, k, v, kv=kv).reshape(t, self.q_size)
         return self.o_proj.forward_parts(o) if parts else self.o_proj(o)
