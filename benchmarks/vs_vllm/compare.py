@@ -3,6 +3,11 @@
 
     python benchmarks/vs_vllm/compare.py --dir $OUT --out $OUT/comparison.json   # the comparison, as a table too
     python benchmarks/vs_vllm/compare.py --line $OUT/vllm_single_1024x1024_c256.json   # one summary line
+
+Where a result file keeps its per-request lists (`ttfts`, `itls`, `output_lens`), each engine's entry also gets
+"stream": metrics of how the tokens arrived (see stream()). vLLM's server sends several tokens in its first chunk,
+which makes its TTFT later and its TPOT = (e2e - TTFT) / (out - 1) smaller than its real gap between tokens; the
+steady gap and the steady TPOT count only the real gaps between chunks.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import datetime as dt
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +30,8 @@ ROUND = re.compile(r"^((?:vllm|pdserve)_\w+?_\d+x\d+_c\d+(?:_rate[\d.]+)?)(?:_r(
 CLIENT_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
                   "request_throughput")
 METRICS = ("output_throughput", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p90_tpot_ms", "mean_itl_ms",
-           "request_throughput")
+           "mean_e2el_ms", "request_throughput")
+BURST_S = 0.5e-3  # gaps between chunks this short (s) are tokens of one burst split into several SSE events
 
 
 def line(path: Path) -> str:
@@ -56,6 +63,58 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
 
+def stream(d: dict) -> dict | None:
+    """Stream metrics from a result file's per-request lists (`ttfts` s, `itls` list of lists of s, `output_lens`);
+    None when any list is missing or no request has output. Requests with no output or no TTFT (failed) are left out.
+
+    - mean_e2el_ms: mean of TTFT + sum(itls), per request.
+    - chunks_per_request: mean of len(itls) + 1 (the chunks a request's tokens arrived in).
+    - first_chunk_tokens: mean of max(1, output_len - len(itls)), the tokens that came with the first chunk if only
+      the first chunk bunched: an upper bound on the first chunk's tokens, exact when every later chunk carries one
+      token each.
+    - steady_gap_ms: median over requests of the median of the request's gaps between chunks longer than BURST_S
+      (shorter gaps, a few microseconds, are one burst split into several SSE events); a request with no such gap
+      has none and is left out; None when no request has one.
+    - tpot_steady_ms: mean over requests of (e2e - TTFT) / (the request's gaps longer than BURST_S): time per token
+      after the first chunk, counting as tokens only the real gaps (a burst counts as one); requests with no such gap
+      are left out; None when no request has one.
+    """
+    ttfts, itls, outs = d.get("ttfts"), d.get("itls"), d.get("output_lens")
+    if not isinstance(ttfts, list) or not isinstance(itls, list) or not isinstance(outs, list):
+        return None
+    e2e, chunks, first, gaps, steady = [], [], [], [], []
+    for t, i, o in zip(ttfts, itls, outs):
+        if not o or t is None or i is None:
+            continue
+        e = t + sum(i)
+        e2e.append(e)
+        chunks.append(len(i) + 1)
+        first.append(max(1, o - len(i)))
+        real = [g for g in i if g > BURST_S]
+        if real:
+            gaps.append(statistics.median(real))
+            steady.append((e - t) / len(real))
+    if not e2e:
+        return None
+    return {"requests": len(e2e), "mean_e2el_ms": 1e3 * statistics.fmean(e2e),
+            "chunks_per_request": statistics.fmean(chunks), "first_chunk_tokens": statistics.fmean(first),
+            "steady_gap_ms": 1e3 * statistics.median(gaps) if gaps else None,
+            "tpot_steady_ms": 1e3 * statistics.fmean(steady) if steady else None}
+
+
+def _stream_value(x: dict | None, k: str) -> float | None:
+    return ((x or {}).get("stream") or {}).get(k)
+
+
+def e2el_pair(v: dict | None, p: dict | None) -> tuple[float | None, float | None]:
+    """Mean E2E latency (ms) of vLLM and pdserve from one source for both: the files' own mean_e2el_ms where both
+    have it, else the per-request lists' (stream's)."""
+    a, b = (v or {}).get("mean_e2el_ms"), (p or {}).get("mean_e2el_ms")
+    if a is not None and b is not None:
+        return a, b
+    return _stream_value(v, "mean_e2el_ms"), _stream_value(p, "mean_e2el_ms")
+
+
 def compare(folder: Path) -> dict:
     runs: dict[tuple[str, str], dict] = {}
     for f in sorted(folder.iterdir()):
@@ -66,7 +125,7 @@ def compare(folder: Path) -> dict:
         d = json.loads(f.read_text())
         key = (mode, f"{i}x{o}_c{c}{rate}")
         runs.setdefault(key, {})[engine] = {k: d.get(k) for k in METRICS} | {
-            "completed": d.get("completed"), "failed": d.get("failed"), "file": f.name}
+            "completed": d.get("completed"), "failed": d.get("failed"), "file": f.name, "stream": stream(d)}
     servers: dict[str, dict] = {}
     for f in sorted(folder.iterdir()):
         m = SERVER.match(f.name)
@@ -78,10 +137,13 @@ def compare(folder: Path) -> dict:
         v, p = got.get("vllm"), got.get("pdserve")
         row = {"mode": mode, "workload": workload, "vllm": v, "pdserve": p}
         if v and p:
+            ve, pe = e2el_pair(v, p)
             row["ratio"] = {
                 "output_throughput": _ratio(p["output_throughput"], v["output_throughput"]),
                 "mean_ttft": _ratio(p["mean_ttft_ms"], v["mean_ttft_ms"]),
                 "mean_tpot": _ratio(p["mean_tpot_ms"], v["mean_tpot_ms"]),
+                "mean_e2el": _ratio(pe, ve),
+                "steady_gap": _ratio(_stream_value(p, "steady_gap_ms"), _stream_value(v, "steady_gap_ms")),
             }
         rows.append(row)
     server_rows = []
@@ -137,21 +199,25 @@ def client_rounds(folder: Path) -> list[dict]:
 
 def table(c: dict) -> str:
     out = ["| mode | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
-           "mean TPOT vLLM / pdserve ms |", "|---|---|---|---|---|---|---|"]
+           "mean TPOT vLLM / pdserve ms | mean E2E vLLM / pdserve ms | steady gap vLLM / pdserve ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in c["workloads"]:
         v, p, q = r.get("vllm") or {}, r.get("pdserve") or {}, r.get("ratio") or {}
 
         def f(x, fmt="{:.1f}"):
             return fmt.format(x) if isinstance(x, (int, float)) else "-"
 
+        ve, pe = e2el_pair(v, p)
+        vg, pg = _stream_value(v, "steady_gap_ms"), _stream_value(p, "steady_gap_ms")
         out.append(f"| {r['mode']} | {r['workload']} | {f(v.get('output_throughput'))} | "
                    f"{f(p.get('output_throughput'))} | {f(q.get('output_throughput'), '{:.2f}')} | "
                    f"{f(v.get('mean_ttft_ms'))} / {f(p.get('mean_ttft_ms'))} | "
-                   f"{f(v.get('mean_tpot_ms'), '{:.2f}')} / {f(p.get('mean_tpot_ms'), '{:.2f}')} |")
+                   f"{f(v.get('mean_tpot_ms'), '{:.2f}')} / {f(p.get('mean_tpot_ms'), '{:.2f}')} | "
+                   f"{f(ve)} / {f(pe)} | {f(vg, '{:.2f}')} / {f(pg, '{:.2f}')} |")
     for s in c["servers"]:
         v, p = s.get("vllm") or {}, s.get("pdserve") or {}
         out.append(f"| {s['mode']} | start-up s / KV tokens | {v.get('startup_s', '-')} / {v.get('kv_tokens', '-')} | "
-                   f"{p.get('startup_s', '-')} / {p.get('kv_tokens', '-')} | | | |")
+                   f"{p.get('startup_s', '-')} / {p.get('kv_tokens', '-')} | | | | | |")
     if c.get("clients"):
         out += ["", "| server and workload | metric | vLLM's client | pdserve's client | pdserve / vLLM |",
                 "|---|---|---|---|---|"]

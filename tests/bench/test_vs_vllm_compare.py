@@ -52,3 +52,69 @@ def test_servers_clients_and_rounds(tmp_path, compare):
     assert m["drift_vllm_client"] == pytest.approx(900 / 800 - 1)
     text = compare.table(c)
     assert "ratio of means" in text and "800.00, 900.00" in text
+
+
+def _streamed(tok_s: float, ttfts: list, itls: list, outs: list, **extra) -> dict:
+    d = _result(tok_s) | {"ttfts": ttfts, "itls": itls, "output_lens": outs, "input_lens": [64] * len(outs)}
+    d.pop("mean_e2el_ms")
+    return d | extra
+
+
+def test_stream_metrics(tmp_path, compare):
+    # vLLM: two requests bunched at the start (3 and 2 tokens in the first chunk), one split into two SSE events 10 us
+    # apart, and a failed request (no output) that is left out; the file has its own mean_e2el_ms.
+    v = _streamed(1000, [0.100, 0.200, 0.0], [[0.002, 0.004, 0.006], [0.00001, 0.006, 0.008], []], [6, 5, 0],
+                  mean_e2el_ms=999.0)
+    # pdserve: one token a chunk (a last empty event 10 us after the last token), one request of a single token (no
+    # gap); no mean_e2el_ms of its own, so the E2E ratio takes both engines' from the per-request lists.
+    p = _streamed(800, [0.05, 0.05, 0.05], [[0.005, 0.005, 0.005, 0.00001], [0.005, 0.005], []], [4, 3, 1])
+    (tmp_path / "vllm_single_64x6_c1.json").write_text(json.dumps(v))
+    (tmp_path / "pdserve_single_64x6_c1.json").write_text(json.dumps(p))
+    c = compare.compare(tmp_path)
+    (row,) = c["workloads"]
+    vs, ps = row["vllm"]["stream"], row["pdserve"]["stream"]
+    assert vs["requests"] == 2 and ps["requests"] == 3
+    assert vs["mean_e2el_ms"] == pytest.approx((112 + 214.01) / 2)
+    assert vs["chunks_per_request"] == pytest.approx(4)
+    assert vs["first_chunk_tokens"] == pytest.approx((3 + 2) / 2)
+    assert vs["steady_gap_ms"] == pytest.approx((4 + 7) / 2)  # medians 4 and 7 ms (the 10 us gap left out)
+    assert vs["tpot_steady_ms"] == pytest.approx((12 / 3 + 14.01 / 2) / 2)
+    assert ps["mean_e2el_ms"] == pytest.approx((65.01 + 60 + 50) / 3)
+    assert ps["chunks_per_request"] == pytest.approx((5 + 3 + 1) / 3)
+    assert ps["first_chunk_tokens"] == pytest.approx(1)  # max(1, 4 - 4): the empty last event is no token
+    assert ps["steady_gap_ms"] == pytest.approx(5)  # the single-token request has no gap
+    assert ps["tpot_steady_ms"] == pytest.approx((15.01 / 3 + 10 / 2) / 2)
+    assert row["vllm"]["mean_e2el_ms"] == 999.0 and row["pdserve"]["mean_e2el_ms"] is None
+    q = row["ratio"]
+    assert q["mean_e2el"] == pytest.approx(ps["mean_e2el_ms"] / vs["mean_e2el_ms"])
+    assert q["steady_gap"] == pytest.approx(5 / 5.5)
+    # the keys that were there before, unchanged
+    assert set(q) >= {"output_throughput", "mean_ttft", "mean_tpot"}
+    assert q["output_throughput"] == pytest.approx(0.8) and q["mean_tpot"] == pytest.approx(1.0)
+    for k in compare.METRICS + ("completed", "failed", "file"):
+        assert k in row["vllm"] and k in row["pdserve"]
+    assert row["vllm"]["file"] == "vllm_single_64x6_c1.json" and row["vllm"]["mean_tpot_ms"] == 10.0
+    text = compare.table(c)
+    assert "| mean E2E vLLM / pdserve ms | steady gap vLLM / pdserve ms |" in text
+    assert f"| 163.0 / {ps['mean_e2el_ms']:.1f} | 5.50 / 5.00 |" in text
+    assert "| 1000.0 | 800.0 | 0.80 | 100.0 / 100.0 | 10.00 / 10.00 |" in text
+
+
+def test_stream_metrics_missing(tmp_path, compare):
+    # no per-request lists in either file (vLLM's --save-detailed off), or one of the lists missing: no stream, and
+    # the E2E ratio from the files' own mean_e2el_ms
+    (tmp_path / "vllm_single_64x6_c1.json").write_text(json.dumps(_result(1000)))
+    partial = _streamed(800, [0.05], [[0.005]], [2]) | {"mean_e2el_ms": 1100.0}
+    del partial["output_lens"]
+    (tmp_path / "pdserve_single_64x6_c1.json").write_text(json.dumps(partial))
+    c = compare.compare(tmp_path)
+    (row,) = c["workloads"]
+    assert row["vllm"]["stream"] is None and row["pdserve"]["stream"] is None
+    assert row["ratio"]["mean_e2el"] == pytest.approx(1.1) and row["ratio"]["steady_gap"] is None
+    assert row["ratio"]["output_throughput"] == pytest.approx(0.8)
+    assert "| 1000.0 / 1100.0 | - / - |" in compare.table(c)
+    # only failed requests, or none with a real gap
+    assert compare.stream({"ttfts": [0.0], "itls": [[]], "output_lens": [0]}) is None
+    s = compare.stream({"ttfts": [0.1], "itls": [[0.0001]], "output_lens": [2]})
+    assert s["steady_gap_ms"] is None and s["tpot_steady_ms"] is None and s["first_chunk_tokens"] == 1
+    assert s["chunks_per_request"] == 2 and s["mean_e2el_ms"] == pytest.approx(100.1)
