@@ -113,6 +113,9 @@
 #   s23g       the decode kernel with its registers capped (maxnreg), with and without the block table read ahead
 #   s23h       decode read-ahead + KV write in the rotary kernel: GPU tests; loops with both and with neither
 #   s23i       the batch-256 loop's kernels under the profiler with the session's code
+#   s24a       the add+RMSNorm folded into the one-row products around it: GPU tests (the kernels, the engine
+#              against transformers, the warm-up burst), then the batch-1 step and loops (8k, 1k) folded and not, on,
+#              off, on, off
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -912,6 +915,14 @@ PY
     grep -v " INFO " "$W/profile.txt" | grep -E "^loop[^ ]*:|^  idle|^\||^profile|GPU busy" | grep -v "async off" \
       | cut -c1-200 | head -40
     save ;;
+  s24a)  # the add+RMSNorm folded into the one-row products around it (pdserve.ops.norm_fold)
+    save() { tar czf "$OUT/s24a.tgz" -C "$OUT" s24a; }
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_norm_fold.py \
+      tests/ops/test_linear.py tests/engine/test_warmup.py \
+      tests/engine/test_vs_transformers.py::test_one_row_norm_fold_on_cuda_is_as_close_to_transformers_as_the_norm_kernels 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
+    save
+    ab_loops loop "off*" "--no-fold-norm" "--decode 1x8192 --loop 1x8192,1x1024" on1 off1 on2 off2 ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

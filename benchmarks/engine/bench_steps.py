@@ -422,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--many-programs-tile", default=None,
                     help="the decode kernel's tile once rows x KV heads fill decode.MANY_PROGRAM_WAVES waves: "
                          "'keys,warps,stages', or 'none' (the table alone): an A/B in one lease")
+    ap.add_argument("--fold-norm", action=argparse.BooleanOptionalAction, default=True,
+                    help="the add+RMSNorm folded into the one-row products around it (pdserve.ops.norm_fold); "
+                         "--no-fold-norm: the norm's own kernel (an A/B)")
     ap.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
                     help="the activation folded into one-row down projections (pdserve.ops.linear.set_fold); "
                          "--no-fold: its own kernel (an A/B)")
@@ -473,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.fold:
         from pdserve.ops.linear import set_fold
         set_fold(False)
+    if not args.fold_norm:
+        from pdserve.ops.norm_fold import set_norm_fold
+        set_norm_fold(False)
     if not args.split_k:
         from pdserve.ops.split_k import set_split_k
         set_split_k(False)

@@ -21,6 +21,7 @@ from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
 from pdserve.ops.linear import linear
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
+from pdserve.ops.norm_fold import NormedRow
 from pdserve.ops.rotary import qk_norm_rope
 from pdserve.ops.split_k import PartialSums
 from pdserve.parallel.group import current_tp
@@ -108,10 +109,24 @@ class GatedMLP(MergedLinearOwner):
     def _merged(self):
         return [("gate_up", [self.gate_proj, self.up_proj])]
 
-    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor | PartialSums:
+    def forward(self, x: torch.Tensor | NormedRow, parts: bool = False,
+                norm_after: tuple[torch.Tensor, RMSNorm] | None = None) -> torch.Tensor | PartialSums | NormedRow:
         """down(act(gate(x)) * up(x)); with `parts`, the down projection may come back as float32 partial sums over
-        K (pdserve.ops.split_k) for the caller's add+RMSNorm to sum."""
+        K (pdserve.ops.split_k) for the caller's add+RMSNorm to sum. `x` may be a norm left to this product
+        (pdserve.ops.norm_fold); with `norm_after` (residual, the next norm), one row may come back as that norm
+        of (output + residual), left to the next product."""
+        if isinstance(x, NormedRow):
+            gate_up = x.linear(self.gate_up_weight)
+            if norm_after is not None:
+                folded = self.down_proj.forward_norm(gate_up, norm_after[0], norm_after[1], self.act)
+                if folded is not None:
+                    return folded
+            return self.down_proj.act_forward(gate_up, self.act)
         n = x.shape[0]
+        if norm_after is not None and n == 1:
+            gate_up = linear(x, self.gate_up_weight)
+            folded = self.down_proj.forward_norm(gate_up, norm_after[0], norm_after[1], self.act)
+            return folded if folded is not None else self.down_proj.act_forward(gate_up, self.act)
         if parts and 1 < n <= MLP_CHUNK_TOKENS:
             return self.down_proj.forward_parts(self._act(x))
         if n <= MLP_CHUNK_TOKENS:  # for one row on CUDA the activation runs inside the down projection's kernel
@@ -178,11 +193,15 @@ class PagedAttention(MergedLinearOwner):
     def _merged(self):
         return [("qkv", [self.q_proj, self.k_proj, self.v_proj])]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, parts: bool = False) -> torch.Tensor | PartialSums:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | NormedRow, parts: bool = False,
+                norm_after: tuple[torch.Tensor, RMSNorm] | None = None) -> torch.Tensor | PartialSums | NormedRow:
         """The layer's attention output after o_proj; with `parts`, possibly as float32 partial sums over K
-        (pdserve.ops.split_k) for the caller's add+RMSNorm to sum."""
+        (pdserve.ops.split_k) for the caller's add+RMSNorm to sum. `x` may be a norm left to the q/k/v product
+        (pdserve.ops.norm_fold); with `norm_after` (residual, the next norm), one row may come back as that norm of
+        (output + residual), left to the next product."""
         t = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = x.linear(self.qkv_weight, self.qkv_bias) if isinstance(x, NormedRow) else linear(
+            x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -194,4 +213,8 @@ class PagedAttention(MergedLinearOwner):
         else:
             q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, v=v, kv=kv)
         o = attend(self, q, k, v, kv=kv).reshape(t, self.q_size)
+        if norm_after is not None:
+            folded = self.o_proj.forward_norm(o, norm_after[0], norm_after[1])
+            if folded is not None:
+                return folded
         return self.o_proj.forward_parts(o) if parts else self.o_proj(o)

@@ -16,6 +16,7 @@ from pdserve.model import shapes
 from pdserve.model.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
 from pdserve.model.parallel import ParallelLMHead, VocabParallelEmbedding
 from pdserve.model.rope_config import rope_params
+from pdserve.ops.norm_fold import NormedRow
 from pdserve.ops.split_k import PartialSums
 
 
@@ -43,18 +44,31 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor | PartialSums, torch.Tensor]:
-        """(this layer's output, the residual stream before it): the next norm adds them."""
-        if residual is None:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | NormedRow, residual: torch.Tensor | None = None,
+                next_norm: RMSNorm | None = None) -> tuple[torch.Tensor | PartialSums | NormedRow, torch.Tensor]:
+        """(this layer's output, the residual stream before it): the next norm adds them. For one row on CUDA the
+        norms may be folded into the products around them (pdserve.ops.norm_fold): `hidden` may come in as this
+        layer's input norm already left to q/k/v, and with `next_norm` (the next layer's input norm) the output may
+        go out as that norm (a NormedRow, with the residual stream it holds)."""
+        if isinstance(hidden, NormedRow):
+            residual = hidden.h
+        elif residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, parts=True)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        # MoE models put their sparse block in place of the dense MLP (qwen3_moe.py): it returns a tensor
-        return (self.mlp(hidden, parts=True) if isinstance(self.mlp, GatedMLP) else self.mlp(hidden)), residual
+        # MoE models put their sparse block in place of the dense MLP (qwen3_moe.py): it takes and returns tensors
+        dense = isinstance(self.mlp, GatedMLP)
+        hidden = self.self_attn(positions, hidden, parts=True,
+                                norm_after=(residual, self.post_attention_layernorm) if dense else None)
+        if isinstance(hidden, NormedRow):
+            residual = hidden.h
+        else:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if not dense:
+            return self.mlp(hidden), residual
+        out = self.mlp(hidden, parts=True, norm_after=(residual, next_norm) if next_norm is not None else None)
+        return out, (out.h if isinstance(out, NormedRow) else residual)
 
 
 class LlamaModel(nn.Module):
@@ -75,8 +89,10 @@ class LlamaModel(nn.Module):
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of the tokens at `rows` (all tokens when None)."""
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual,
+                                     self.layers[i + 1].input_layernorm if i < last else None)
         return self.norm.final(hidden, residual, rows)
 
 

@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.ops.linear import act_linear, linear
+from pdserve.ops.activation import act_and_mul
+from pdserve.ops.linear import act_folds, act_linear, linear
+from pdserve.ops.norm_fold import can_produce, produce
 from pdserve.ops.split_k import PartialSums, linear_parts
 from pdserve.parallel.group import TPGroup, current_tp
 
@@ -106,6 +108,19 @@ class RowParallelLinear(nn.Linear):
             return act_linear(gate_up, act, self.weight, self.bias)
         y = self.tp.all_reduce(act_linear(gate_up, act, self.weight))
         return y + self.bias if self.bias is not None else y
+
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor, norm, act: str | None = None):
+        """norm(forward(x) + residual) left for the next one-row product (pdserve.ops.norm_fold.NormedRow), or
+        None where the fold does not serve (more rows, CPU, several ranks, a bias, a shape the sum kernel does not
+        run): the caller then runs the product and the norm as before. With `act`, x is a merged gate_up row and
+        the input is act(gate) * up."""
+        if self.tp.size != 1 or self.bias is not None or x.dim() != 2 or x.shape[0] != 1:
+            return None
+        if act is not None and not act_folds():
+            x, act = act_and_mul(x, act), None
+        if not can_produce(x, self.weight, gated=act is not None):
+            return None
+        return produce(x, self.weight, residual, norm.weight, norm.eps, norm.offset, act)
 
     def partial_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's x @ W^T written into `out` (rows of a larger output); `finish` then sums the ranks once."""

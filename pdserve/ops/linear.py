@@ -19,8 +19,9 @@ The activation folded in (one row): `act_linear` runs act(gate) * up of the merg
 projection's sum kernel, rounded as the activation's kernel stores it: one kernel fewer per layer in a batch-1
 decode step (benchmarks/lease_s19/s19d: the batch-1 loops 0.16-0.17 ms faster a step on an H200). The RMS norm folded
 the same way into the q/k/v and gate_up products was slower (every program re-reads the row, its residual and the
-norm's weight from L2: 6,144 programs of gate_up's one-row tile), so the norms keep their kernel. More rows, CPU
-tensors or `set_fold(False)`: the activation's kernel, then `linear`.
+norm's weight from L2: 6,144 programs of gate_up's one-row tile). pdserve.ops.norm_fold folds it another way: the
+product before the norm adds the residual and sums the squares of its own columns, and the product after it scales
+its sums by 1 / rms at the end. More rows, CPU tensors or `set_fold(False)`: the activation's kernel, then `linear`.
 """
 
 from __future__ import annotations
@@ -118,8 +119,15 @@ if HAS_TRITON:
     @triton.jit
     def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
                            EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                           GATED: tl.constexpr = False, ACT: tl.constexpr = "silu"):
-        """One row: X [K], or (GATED) a merged gate_up row [2K] whose act(gate) * up is the input."""
+                           GATED: tl.constexpr = False, ACT: tl.constexpr = "silu",
+                           PartIn=None, n_part_in=0, eps=0.0, BLOCK_P: tl.constexpr = 0,
+                           Res=None, NormW=None, offset=0.0, HGOut=None, PartOut=None, NORM_OUT: tl.constexpr = False):
+        """One row: X [K], or (GATED) a merged gate_up row [2K] whose act(gate) * up is the input.
+
+        BLOCK_P > 0 (the RMS norm folded in, input side, pdserve.ops.norm_fold): X is h * w of the norm's input h,
+        PartIn the n_part_in partial sums of h's squares; the product is scaled by rsqrt(mean(h^2) + eps) at the
+        end. NORM_OUT (output side): Out gets h = Res + the product (the residual stream, rounded as the add+RMSNorm
+        kernel rounds), HGOut h * (NormW + offset), PartOut[program] the program's sum of h^2."""
         pdl_launch_early(PDL)
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -147,9 +155,22 @@ if HAS_TRITON:
             acc += w.to(tl.float32) * _x_chunk(X, k, rk, kmask, K, GATED, ACT, not EVEN_K)[None, :]
             w_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
+        if BLOCK_P > 0:  # the norm's 1 / rms, from the previous product's partial sums of squares
+            rp = tl.arange(0, BLOCK_P)
+            ssq = tl.sum(tl.load(PartIn + rp, mask=rp < n_part_in, other=0.0), 0)
+            y = y * tl.rsqrt(ssq / K + eps)
         if HAS_BIAS:
             y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(Out + rn, y.to(Out.dtype.element_ty), mask=nmask)
+        if NORM_OUT:
+            r = tl.load(Res + rn, mask=nmask, other=0.0).to(tl.float32)
+            h = (y.to(Out.dtype.element_ty).to(tl.float32) + r).to(Out.dtype.element_ty)
+            tl.store(Out + rn, h, mask=nmask)
+            hf = tl.where(nmask, h.to(tl.float32), 0.0)
+            nw = tl.load(NormW + rn, mask=nmask, other=0.0).to(tl.float32) + offset
+            tl.store(HGOut + rn, (hf * nw).to(Out.dtype.element_ty), mask=nmask)
+            tl.store(PartOut + pid, tl.sum(hf * hf, 0))
+        else:
+            tl.store(Out + rn, y.to(Out.dtype.element_ty), mask=nmask)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -285,6 +306,11 @@ def set_fold(enabled: bool) -> bool:
     global _fold
     prev, _fold = _fold, enabled
     return prev
+
+
+def act_folds() -> bool:
+    """Whether one-row down projections take the activation into their kernel (set_fold)."""
+    return _fold
 
 
 def act_linear(gate_up: torch.Tensor, act: str, weight: torch.Tensor, bias: torch.Tensor | None = None

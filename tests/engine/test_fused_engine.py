@@ -76,10 +76,12 @@ def test_activation_folded_into_one_row_down_projection_matches_the_reference_pa
     projection's kernel (pdserve.ops.linear.skinny_act_linear); tokens as the reference path's, logits within
     float16's rounding."""
     from pdserve.ops import linear as lin
+    from pdserve.ops import norm_fold
 
     calls = []
     real = lin.skinny_act_linear
     monkeypatch.setattr(lin, "skinny_act_linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(norm_fold, "_enabled", False)  # the norms' kernels (their fold: the next test)
     one = {"a": PROMPTS["c"]}
     ref_out, ref_logits = _run(_core(tiny_model_dirs[arch], dtype="float16"), max_tokens=3, prompts=one)
     with force_fused():
@@ -89,6 +91,41 @@ def test_activation_folded_into_one_row_down_projection_matches_the_reference_pa
     assert len(calls) == 2 * layers and all(c[0] == 1 for c in calls), calls  # two one-row decode steps
     assert out == ref_out
     _assert_same_logits(logits, ref_logits, atol=2e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_norms_folded_into_one_row_products_match_the_reference_path(arch, tiny_model_dirs, monkeypatch):
+    """One request decoding (one row a step) in float16: the add+RMSNorm after o_proj and after each down_proj but
+    the last is folded into the products around it (pdserve.ops.norm_fold); tokens as the reference path's and as
+    the norms' own kernels give, logits within float16's rounding."""
+    from pdserve.ops import norm_fold
+
+    made, taken = [], []
+    real_produce, real_linear = norm_fold.produce, norm_fold.NormedRow.linear
+    monkeypatch.setattr(norm_fold, "produce", lambda *a, **kw: made.append(kw.get("act", a[6] if len(a) > 6
+                                                                                else None)) or real_produce(*a, **kw))
+    monkeypatch.setattr(norm_fold.NormedRow, "linear", lambda self, *a: taken.append(1) or real_linear(self, *a))
+    import pdserve.model.parallel as par
+    monkeypatch.setattr(par, "produce", norm_fold.produce)
+    one = {"a": PROMPTS["c"]}
+    ref_out, ref_logits = _run(_core(tiny_model_dirs[arch], dtype="float16"), max_tokens=3, prompts=one)
+    with force_fused():
+        core = _core(tiny_model_dirs[arch], dtype="float16")
+        out, logits = _run(core, max_tokens=3, prompts=one)
+        monkeypatch.setattr(norm_fold, "_enabled", False)
+        import pdserve.model.layers as layers_mod
+        products = []
+        real_lin = layers_mod.linear
+        monkeypatch.setattr(layers_mod, "linear", lambda x, *a: products.append(x.shape[0]) or real_lin(x, *a))
+        apart_out, apart_logits = _run(_core(tiny_model_dirs[arch], dtype="float16"), max_tokens=3, prompts=one)
+    layers = core.runner.model.config.num_hidden_layers
+    assert products.count(1) == 2 * 2 * layers  # without the fold each one-row product still runs once (q/k/v, gate_up)
+    # two one-row decode steps: each layer's o_proj and every down_proj but the last leave their norm to the next
+    assert made == 2 * ([None, "silu"] * (layers - 1) + [None]), made
+    assert len(taken) == len(made)
+    assert out == ref_out == apart_out
+    _assert_same_logits(logits, ref_logits, atol=2e-2)
+    _assert_same_logits(logits, apart_logits, atol=2e-2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

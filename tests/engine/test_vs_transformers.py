@@ -138,3 +138,37 @@ def test_dummy_qwen3_06b_on_cuda_matches_transformers(backend):
             row = ref_logits[len(p) - 1 + i]
             assert float(row[tok]) >= float(row.max()) - 2e-3
     core.check_whole()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_row_norm_fold_on_cuda_is_as_close_to_transformers_as_the_norm_kernels():
+    """Dummy Qwen3-0.6B in bfloat16, one request at a time (one-row decode steps, eager so the switch applies): the
+    norms folded into the products around them (pdserve.ops.norm_fold) and the norms' own kernels, each against
+    transformers in float32 on the same weights over its own tokens; the fold no further from it than the kernels."""
+    import transformers
+
+    from pdserve.ops import norm_fold
+
+    core = EngineCore(EngineConfig(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
+                                   num_gpu_blocks=256, max_num_batched_tokens=512, enforce_eager=True))
+    ref = transformers.Qwen3ForCausalLM(core.hf_config).cuda().eval()
+    ref.load_state_dict(core.model.state_dict(), strict=False)
+    ref = ref.float()
+    captured = capture_logits(core)
+    prompt = torch.randint(0, 151000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    errors = {}
+    for fold in (True, False):
+        prev = norm_fold.set_norm_fold(fold)
+        try:
+            rid = f"fold={fold}"
+            core.add_request(rid, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            out = run_to_end(core)[rid]
+        finally:
+            norm_fold.set_norm_fold(prev)
+        with torch.no_grad():
+            ref_logits = ref(torch.tensor([prompt + out], device="cuda")).logits[0].float()
+        decode = [(n, row) for n, row in captured[rid] if n > len(prompt)]
+        assert len(decode) >= 7  # (async scheduling may run one step past the last token)
+        errors[fold] = max(float((row - ref_logits[n - 1]).abs().max()) for n, row in decode)
+    assert errors[True] <= 1.25 * errors[False] + 2e-2, errors
