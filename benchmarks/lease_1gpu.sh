@@ -116,6 +116,7 @@
 #   s24a       the add+RMSNorm folded into the one-row products around it: GPU tests (the kernels, the engine
 #              against transformers, the warm-up burst), then the batch-1 step and loops (8k, 1k) folded and not, on,
 #              off, on, off
+#   s24b       the batch-1 8k loop's kernels under the profiler with the norm fold (kernels a step, GPU idle)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -923,6 +924,12 @@ PY
       | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
     save
     ab_loops loop "off*" "--no-fold-norm" "--decode 1x8192 --loop 1x8192,1x1024" on1 off1 on2 off2 ;;
+  s24b)  # the batch-1 8k loop at temperature 1 under the profiler with the norm fold
+    timeout 250 $STEPS_8B --max-model-len 16384 --iters 20 --top 30 --decode= --loop 1x8192 \
+      --profile-loop 1x8192 --loop-steps 60 --loop-temperature 1.0 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -E "^loop[^ ]*:|^  idle|^\||^profile|GPU busy" | grep -v "async off" \
+      | cut -c1-200 | head -40
+    tar czf "$OUT/s24b.tgz" -C "$OUT" s24b ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -570,6 +570,60 @@ def _misses(d: dict) -> tuple[float, float]:
     return 1e3 * sum(t) / len(t), 1e3 * sum(e) / len(e)
 
 
+def session24() -> None:
+    """Session 24 (one H200 at a time): the add+RMSNorm folded into the one-row products around it, the batch-1
+    loop's kernels, the side by side with stream metrics, and prefill alone (one output token) against vLLM."""
+    base = "lease_s24"
+    print(f"The add+RMSNorm folded into the one-row products around it (pdserve.ops.norm_fold; s24a, machine 1; GPU "
+          f"tests of the kernels, the engine against transformers and the warm-up burst: "
+          f"{_pytest_verdict(f'{base}/s24a/gpu_tests.txt')}); the batch-1 loops at temperature 1, fold on and off "
+          "(`--no-fold-norm`), order on, off, on, off:\n")
+    _ab_steps([(v, load(f"{base}/s24a/loop_{v}.json")) for v in ("on1", "off1", "on2", "off2")])
+    lp = next(x for x in load(f"{base}/s24b/profile.json")["loops"] if x.get("profile"))
+    pr, gpu = lp["profile"], lp.get("gpu", {})
+    print(f"\nThe batch-1 8k loop at temperature 1 under the profiler with the fold (s24b, machine 2; {lp['step_ms']:.2f} "
+          f"ms a step, {pr['kernels_per_step']:.0f} kernels a step, GPU busy {gpu.get('busy_us_per_step', 0) / 1e3:.2f} "
+          f"ms and idle {gpu.get('idle_us_per_step', 0) / 1e3:.2f} ms a step; under programmatic dependent launch a "
+          "kernel's time includes its wait for the one before, so the times overlap and their sum is not the step):\n")
+    print("| kernel | per step | us a step |\n|---|---|---|")
+    for k in pr["top"][:8]:
+        print(f"| {k['name'][:60]} | {k['count_per_step']:.0f} | {k['us_per_step']:.0f} |")
+    print("\nSide by side with vLLM 0.22 (sbs/, machine 2, `lease_1gpu.sh sbs` at 30b56bd: vLLM, then pdserve, on the "
+          "one H200; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both, no temperature "
+          f"sent: both sample at 1.0; kernels pdserve compiled while serving: {_compiles(f'{base}/sbs/pdserve.log.gz')}):\n")
+    _sbs_table(f"{base}/sbs")
+    print("\nThe one-at-a-time streams (compare.py's stream metrics from the per-request lists: first-chunk tokens is "
+          "output tokens less the gaps between chunks; the steady gap is the median of each request's gaps longer "
+          "than 0.5 ms):\n")
+    print("| workload | server | mean TTFT ms | mean TPOT ms | mean E2E ms | chunks a request | first-chunk tokens | "
+          "steady gap ms |\n|---|---|---|---|---|---|---|---|")
+    for w in sorted(load(f"{base}/sbs/comparison.json")["workloads"], key=lambda w: w["workload"]):
+        for n in ("vllm", "pdserve"):
+            st = (w[n] or {}).get("stream")
+            if not st:
+                continue
+            gap = f"{st['steady_gap_ms']:.2f}" if st.get("steady_gap_ms") is not None else "-"
+            print(f"| {w['workload']} | {n} | {w[n]['mean_ttft_ms']:.1f} | {w[n]['mean_tpot_ms']:.2f} | "
+                  f"{st['mean_e2el_ms']:.1f} | {st['chunks_per_request']:.1f} | {st['first_chunk_tokens']:.1f} | {gap} |")
+    print("\nPrefill alone: one output token, so TTFT is the whole request and no stream can bunch (sbs_prefill/, the "
+          "same machine right after, fresh servers, `SBS_WORKLOADS=\"8192:1:16:1 32768:1:4:1\"`); each run's first "
+          "request re-sends a warm-up prompt (a prefix-cache hit on both servers), so the misses are the requests "
+          "after it:\n")
+    print("| workload | vLLM mean TTFT ms | pdserve mean TTFT ms | ratio | vLLM misses ms | pdserve misses ms | ratio |\n"
+          "|---|---|---|---|---|---|---|")
+    for w in ("8192x1_c1", "32768x1_c1"):
+        v, p = (load(f"{base}/sbs_prefill/{n}_single_{w}.json") for n in ("vllm", "pdserve"))
+        mv, mp = _misses(v)[0], _misses(p)[0]
+        print(f"| {w} | {v['mean_ttft_ms']:.1f} | {p['mean_ttft_ms']:.1f} | {p['mean_ttft_ms'] / v['mean_ttft_ms']:.3f} | "
+              f"{mv:.1f} | {mp:.1f} | {mp / mv:.3f} |")
+    for w in ("8192x16_c1", "32768x16_c1"):
+        v, p = (load(f"{base}/sbs/{n}_single_{w}.json") for n in ("vllm", "pdserve"))
+        (tv, ev), (tp, ep) = _misses(v), _misses(p)
+        print(f"\n- {w}, the misses: vLLM TTFT {tv:.1f} ms and E2E {ev:.1f} ms; pdserve TTFT {tp:.1f} ms and E2E "
+              f"{ep:.1f} ms (E2E ratio {ep / ev:.3f})", end="")
+    print()
+
+
 def session23() -> None:
     """Session 23 (H200s, one H100): the decode kernel's block table read a tile ahead, the KV write in the rotary
     kernel, the inverse-CDF sampling kernel, the side by side."""
@@ -1745,6 +1799,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session24()
+    print()
     session23()
     print()
     session22()
