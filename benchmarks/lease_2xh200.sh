@@ -26,6 +26,9 @@
 #              client (SBS_CLIENTS="vllm pdserve": then also by pdserve's)
 #   pd_ahead   1P1D handover and TTFT at 8k and 32k with --kv-push-ahead on and off
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, tuned on both GPUs at once and merged
+#   unpack     the staging tar (.stage/c0..c9, one part carried per call) joined into .vllm-stage; vLLM installed
+#   pd_one     PD_MODE=pd-pdserve or pd-vllm: one 1P1D deployment, 1024/1024 c256 and 8192/16, vLLM's client
+#   pd_policy  1P1D with the router's local-prefill fallback as shipped and off (always remote), pdserve's client
 #   attn_sweep the decode attention tile sweep (bf16 and fp8 pools, 64- to 256-key tiles)
 #   moeclients dummy Qwen3-30B-A3B with --kv-cache-dtype fp8 side by side (vLLM with FLASH_ATTN), each server measured
 #              by vLLM's client and then by pdserve's (`pdserve bench serve`), back to back
@@ -201,6 +204,54 @@ PY
     # the split-K decode kernel's tiles (now with 256-key tiles) for bf16 and fp8 pools, GPU 0
     timeout 500 python3 benchmarks/attention/sweep_decode.py --out "$W/decode_sweep.json" 2>&1 | tail -12
     tar czf "$OUT/attn_sweep.tgz" -C "$OUT" attn_sweep ;;
+  unpack)
+    # the staging tar, carried in parts one per call (.stage/c0..c9 with part0..part9; session 25: the tree left
+    # ~40 MB a call), joined and unpacked into .vllm-stage; vLLM installed into /tmp/site (kept while warm)
+    cat .stage/c*/part* | tar x && rm -rf .stage && du -sh .vllm-stage/*
+    OUT=/tmp/sbs_install STAGE=.vllm-stage bash $SBS 2>&1 | tail -3
+    PYTHONPATH=/tmp/site python3 -c "import vllm, nixl; print('vllm', vllm.__version__)" 2>&1 | tail -1 ;;
+  pd_one)
+    # one 1P1D deployment (PD_MODE: pd-pdserve or pd-vllm) a call, vLLM's client, 1024/1024 c256 and 8192/16 one
+    # at a time; the folder comes back as $OUT/<mode>.tgz (more than 8 files), its summary lines on stdout
+    R=/tmp/res/${PD_MODE:?PD_MODE}; mkdir -p $R
+    WORKLOADS=${PD_WORKLOADS:-"1024:1024:512:256 8192:16:16:1"} OUT=$R STAGE=.vllm-stage \
+      timeout ${PD_LIMIT:-540} bash $SBS $PD_MODE 2>&1 | tail -12
+    for f in $R/*.log $R/pdlogs/*.log; do [ -f "$f" ] && gzip -f "$f"; done
+    cp "$W"/gpus.txt $R/ 2>/dev/null; tar czf "$OUT/$PD_MODE.tgz" -C /tmp/res $PD_MODE ;;
+  pd_policy)
+    # `pdserve serve --prefill 1 --decode 1` with the router's local-prefill fallback as shipped (a prefill instance
+    # with more than --prefill-max-waiting-tokens queued takes no new prompt: the decode instance prefills it) and
+    # with it off (every prompt prefilled remotely, as vLLM's proxy does); pdserve's client (no vLLM staged:
+    # carry .vllm-stage/model alone), 1024/1024 c256; the router's counters of local prefills after each arm
+    M=.vllm-stage/model; R=/tmp/res/pd_policy; mkdir -p $R
+    for arm in ${PD_ARMS:-shipped always}; do
+      extra=""; [ $arm = always ] && extra="--prefill-max-waiting-tokens 1000000000"
+      T0=$(date +%s)
+      pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+        --served-model-name qwen3-dummy --prefill 1 --decode 1 --port 8000 --log-dir $R/logs_$arm $extra \
+        > $R/serve_$arm.log 2>&1 & pid=$!
+      ok=0
+      for i in $(seq 300); do
+        curl -sf -m 10 localhost:8000/v1/completions -H 'Content-Type: application/json' \
+          -d '{"model": "qwen3-dummy", "prompt": "t1 t2 t3", "max_tokens": 2}' > /dev/null && { ok=1; break; }
+        kill -0 $pid 2>/dev/null || break; sleep 1
+      done
+      echo "== $arm: answering after $(( $(date +%s) - T0 )) s (ok=$ok)"
+      [ $ok = 1 ] && timeout 200 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8000 --model qwen3-dummy \
+        --tokenizer $M --dataset-name random --random-input-len 1024 --random-output-len 1024 --num-prompts 512 \
+        --max-concurrency 256 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+        --num-warmups 2 --seed 0 --disable-tqdm --no-plots --save-result --result-dir $R \
+        --result-filename $arm.json > $R/bench_$arm.txt 2>&1
+      rm -f $R/$arm.pdserve.json
+      python3 benchmarks/vs_vllm/compare.py --line $R/$arm.json
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: round(d[k], 1) for k in ('duration', 'mean_itl_ms', 'median_itl_ms', 'p99_itl_ms', 'median_ttft_ms')})" $R/$arm.json
+      curl -s -m 10 localhost:8000/metrics | grep -E "^pdserve:router_(local_prefill|requests|kv_transfers)" \
+        | tee $R/router_metrics_$arm.txt
+      kill $pid; for i in $(seq 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+      pkill -9 -f "pdserve.server" 2>/dev/null; kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null; sleep 2
+    done
+    rm -f $R/logs_*/deployment-secret; for f in $R/*.log $R/logs_*/*.log; do [ -f "$f" ] && gzip -f "$f"; done
+    tar czf "$OUT/pd_policy.tgz" -C /tmp/res pd_policy ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 echo "stage $STAGE took $(( $(date +%s) - t0 )) s"

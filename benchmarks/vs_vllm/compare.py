@@ -51,7 +51,11 @@ def _commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def _gpus() -> list[str]:
+def _gpus(folder: Path | None = None) -> list[str]:
+    """The GPUs of the run: the folder's gpus.txt (`nvidia-smi -L` written by the lease script on the machine that
+    ran it) where there is one, so a comparison made afterwards on another machine names the right GPUs."""
+    if folder is not None and (folder / "gpus.txt").is_file():
+        return (folder / "gpus.txt").read_text().strip().splitlines()
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
         return out.stdout.strip().splitlines()
@@ -163,7 +167,7 @@ def compare(folder: Path) -> dict:
                         "pdserve_client": {k: p.get(k) for k in CLIENT_METRICS},
                         "ratio": {k: _ratio(p.get(k), v.get(k)) for k in CLIENT_METRICS}})
     return {"benchmark": "vs_vllm", "date": dt.datetime.now(dt.timezone.utc).isoformat(), "commit": _commit(),
-            "gpus": _gpus(), "command": sys.argv, "workloads": rows, "servers": server_rows, "clients": clients,
+            "gpus": _gpus(folder), "command": sys.argv, "workloads": rows, "servers": server_rows, "clients": clients,
             "client_rounds": client_rounds(folder)}
 
 
