@@ -25,7 +25,8 @@ HELP = {
     "kv_alpha": "KV-aware score weight of a cached prompt token",
     "kv_beta": "KV-aware score weight of a queued or running token",
     "local_prefill_max_tokens": "prefill on the decode instance when the uncached prompt is at most this many tokens",
-    "prefill_max_waiting_tokens": "a prefill instance with more queued tokens than this takes no new prefill",
+    "prefill_max_waiting_tokens": "a prefill instance with more queued tokens than this takes no new prefill: "
+                                  "the decode instance prefills the prompt (0: never; the default)",
     "max_prefill_candidates": "prefill URLs handed to the decode instance (best first, the rest fallbacks)",
     "max_inflight_per_instance": "requests the router keeps outstanding at one decode instance",
     "max_waiting_per_instance": "a decode instance reporting more waiting requests than this is full",

@@ -253,7 +253,8 @@ class Router:
         uncached = req.est_tokens - req.overlap_tokens(target)
         if uncached <= cfg.local_prefill_max_tokens:
             return Plan(target, "local", [], "short")
-        open_prefill = [p for p in prefill if p.waiting_tokens <= cfg.prefill_max_waiting_tokens]
+        limit = cfg.prefill_max_waiting_tokens
+        open_prefill = [p for p in prefill if not limit or p.waiting_tokens <= limit]
         if not open_prefill:
             return Plan(target, "local", [], "prefill_busy")
         ranked_prefill = self.prefill_policy.rank(open_prefill, req)[: cfg.max_prefill_candidates]

@@ -98,6 +98,20 @@ def test_busy_or_missing_prefill_pool_means_local_prefill():
     run(main())
 
 
+def test_deep_prefill_queue_still_disaggregates_by_default():
+    """The shipped default has no waiting-token limit: a prefill instance with a deep queue still takes long
+    prompts (prefilling them on the decode instance would stall the streams it is decoding)."""
+    async def main():
+        async with Deployment(prefill=1, decode=1, local_prefill_max_tokens=0) as d:
+            d.prefill[0].behavior.load = {"waiting_tokens": 10**9}
+            await asyncio.sleep(0.2)  # a few polls
+            await d.post("/v1/completions", {"prompt": LONG, "max_tokens": 1})
+            assert d.decode[0].requests[-1]["pd"]["prefill_urls"] == [d.prefill[0].url]
+            assert metric_value(await d.metrics(), "pdserve:router_local_prefill_total", 'reason="prefill_busy"') == 0
+
+    run(main())
+
+
 def test_both_pool_is_colocated_round_robin():
     async def main():
         async with Deployment(decode=0, both=2, both_policy="round_robin") as d:
