@@ -570,6 +570,53 @@ def _misses(d: dict) -> tuple[float, float]:
     return 1e3 * sum(t) / len(t), 1e3 * sum(e) / len(e)
 
 
+def session25() -> None:
+    """Session 25 (two 2xH200 machines): 1P1D against vLLM's 1P1D with NIXL, both measured by vLLM's client, then
+    the router's local-prefill fallback as shipped and off, measured by pdserve's client."""
+    base = "lease_s25"
+    print("1P1D, one prefill and one decode instance on 2xH200 (pd/, machine 1, `lease_2xh200.sh pd_one`, "
+          "PD_MODE=pd-pdserve then pd-vllm, at bf230a5): `pdserve serve --prefill 1 --decode 1` (cuda_ipc between "
+          "the instances) against vLLM 0.22 with NixlConnector behind the anchors' proxy; dummy Qwen3-8B bf16, "
+          "--gpu-memory-utilization 0.9; vLLM's `bench serve` on both:\n")
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
+          "vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
+    for w in ("1024x1024_c256", "8192x16_c1"):
+        v, p = (load(f"{base}/pd/{n}_pd_{w}.json") for n in ("vllm", "pdserve"))
+        print(f"| {w} | {_sbs_cells(v, p)}")
+    for w in ("1024x1024_c256",):
+        v, p = (load(f"{base}/pd/{n}_pd_{w}.json") for n in ("vllm", "pdserve"))
+        print(f"\n- {w}, inter-token latency median / p99: vLLM {v['median_itl_ms']:.1f} / {v['p99_itl_ms']:.1f} ms, "
+              f"pdserve {p['median_itl_ms']:.1f} / {p['p99_itl_ms']:.1f} ms")
+    v, p = (load(f"{base}/pd/{n}_pd_server.json") for n in ("vllm", "pdserve"))
+    print(f"- start-up (launch to first completion through the proxy or router): vLLM {v['startup_s']:.1f} s, "
+          f"pdserve {p['startup_s']:.1f} s")
+    print("\nWhy pdserve's decode instance stalled (a p99 inter-token latency of a prefill chunk's step): the router "
+          "counted a prefill instance with more than --prefill-max-waiting-tokens (then 32768) queued as full and "
+          "prefilled the prompt on the decode instance. The same deployment with that fallback as shipped and off "
+          "(`--prefill-max-waiting-tokens 1000000000`: every prompt prefilled remotely, as vLLM's proxy does), one "
+          "after the other on machine 2 (pd_policy/, `lease_2xh200.sh pd_policy`, at bf230a5; pdserve's client, "
+          "1024/1024 c256; the router's counters read after each run):\n")
+    print("| arm | out tok/s | mean / median / p90 TTFT ms | mean TPOT ms | median / p99 ITL ms | requests "
+          "prefilled remotely / on the decode instance (busy, short) |\n|---|---|---|---|---|---|")
+    for arm in ("shipped", "always"):
+        d = load(f"{base}/pd_policy/{arm}.json")
+        counts = {}
+        for line in (B / base / "pd_policy" / f"router_metrics_{arm}.txt").read_text().splitlines():
+            m = re.match(r'pdserve:router_(requests|local_prefill)_total\{(?:mode="(\w+)",outcome="ok"|reason="(\w+)")\} '
+                         r'([\d.]+)', line)
+            if m:
+                counts[m.group(2) or m.group(3)] = int(float(m.group(4)))
+        print(f"| {arm} | {d['output_throughput']:,.1f} | {d['mean_ttft_ms']:.0f} / {d['median_ttft_ms']:.0f} / "
+              f"{d['p90_ttft_ms']:.0f} | {d['mean_tpot_ms']:.2f} | {d['median_itl_ms']:.1f} / {d['p99_itl_ms']:.1f} | "
+              f"{counts.get('pd', 0)} / {counts.get('local', 0)} ({counts.get('prefill_busy', 0)}, "
+              f"{counts.get('short', 0)}) |")
+    a, b = (load(f"{base}/pd_policy/{arm}.json") for arm in ("shipped", "always"))
+    print(f"\nOff against shipped: {b['output_throughput'] / a['output_throughput']:.3f}x the output tok/s, mean TPOT "
+          f"{b['mean_tpot_ms'] / a['mean_tpot_ms']:.3f}x, mean TTFT {b['mean_ttft_ms'] / a['mean_ttft_ms']:.3f}x. The "
+          "router's default is now off (RouterConfig.prefill_max_waiting_tokens = 0). The device time ran out before the "
+          "new default could be measured beside vLLM's 1P1D: the comparison above is the shipped arm's.")
+
+
 def session24() -> None:
     """Session 24 (one H200 at a time): the add+RMSNorm folded into the one-row products around it, the batch-1
     loop's kernels, the side by side with stream metrics, and prefill alone (one output token) against vLLM."""
@@ -1799,6 +1846,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session25()
+    print()
     session24()
     print()
     session23()
