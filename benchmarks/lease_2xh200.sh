@@ -216,6 +216,7 @@ PY
     R=/tmp/res/${PD_MODE:?PD_MODE}; mkdir -p $R
     WORKLOADS=${PD_WORKLOADS:-"1024:1024:512:256 8192:16:16:1"} OUT=$R STAGE=.vllm-stage \
       timeout ${PD_LIMIT:-540} bash $SBS $PD_MODE 2>&1 | tail -12
+    rm -f $R/pdlogs/deployment-secret  # the launcher's secret for this deployment: not a result
     for f in $R/*.log $R/pdlogs/*.log; do [ -f "$f" ] && gzip -f "$f"; done
     cp "$W"/gpus.txt $R/ 2>/dev/null; tar czf "$OUT/$PD_MODE.tgz" -C /tmp/res $PD_MODE ;;
   pd_policy)

@@ -49,7 +49,7 @@ PCOMMON="--model $M --load-format dummy --max-model-len $MAXLEN --gpu-memory-uti
 ready() {
   local name=$1 port=$2 log=$3 t0=$4 pid=${5:-0}
   python3 - "$name" "$port" "$log" "$t0" "$OUT" "$pid" <<'PY'
-import json, os, re, sys, time, urllib.request
+import glob, json, os, re, sys, time, urllib.request
 name, port, log, t0, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5]
 pid = int(sys.argv[6])
 url = f"http://127.0.0.1:{port}"
@@ -84,6 +84,9 @@ m = re.findall(r"GPU KV cache size: ([\d,]+) tokens", text)  # vLLM
 if m:
     kv = int(m[-1].replace(",", ""))
 m = re.findall(r"(\d+) KV blocks of (\d+) tokens", text)  # pdserve
+if not m and kv is None:  # `pdserve serve --prefill/--decode`: the engines log to the launcher's --log-dir
+    for f in sorted(glob.glob(os.path.join(os.path.dirname(log), "pdlogs", "decode*.log"))):
+        m += re.findall(r"(\d+) KV blocks of (\d+) tokens", open(f, errors="replace").read())[-1:]
 if m and kv is None:
     kv = sum(int(a) * int(b) for a, b in m[-1:])
 json.dump({"name": name, "startup_s": startup, "kv_tokens": kv}, open(f"{out}/{name}_server.json", "w"))
