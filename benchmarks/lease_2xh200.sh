@@ -28,7 +28,8 @@
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, tuned on both GPUs at once and merged
 #   unpack     the staging tar (.stage/c0..c9, one part carried per call) joined into .vllm-stage; vLLM installed
 #   pd_one     PD_MODE=pd-pdserve or pd-vllm: one 1P1D deployment, 1024/1024 c256 and 8192/16, vLLM's client
-#   pd_policy  1P1D with the router's local-prefill fallback as shipped and off (always remote), pdserve's client
+#   pd_policy  1P1D with the router's local-prefill fallback as shipped and off (always remote), pdserve's client;
+#              GC_PROBE=1: every process logs its garbage-collection pauses
 #   attn_sweep the decode attention tile sweep (bf16 and fp8 pools, 64- to 256-key tiles)
 #   moeclients dummy Qwen3-30B-A3B with --kv-cache-dtype fp8 side by side (vLLM with FLASH_ATTN), each server measured
 #              by vLLM's client and then by pdserve's (`pdserve bench serve`), back to back
@@ -225,10 +226,15 @@ PY
     # with it off (every prompt prefilled remotely, as vLLM's proxy does); pdserve's client (no vLLM staged:
     # carry .vllm-stage/model alone), 1024/1024 c256; the router's counters of local prefills after each arm
     M=.vllm-stage/model; R=/tmp/res/pd_policy; mkdir -p $R
+    # PD_ARMS: "shipped" runs the default of the tree (since session 25: no limit), "limit" the old 32768, "always"
+    # an explicit no-limit
     for arm in ${PD_ARMS:-shipped always}; do
       extra=""; [ $arm = always ] && extra="--prefill-max-waiting-tokens 1000000000"
+      [ $arm = limit ] && extra="--prefill-max-waiting-tokens 32768"
+      # GC_PROBE=1: every process of the deployment logs its garbage collector's pauses (benchmarks/debug/gc_probe)
+      probe=""; [ "${GC_PROBE:-0}" = 1 ] && probe="env PYTHONPATH=$PWD/benchmarks/debug/gc_probe GC_PROBE_DIR=$R/gc_$arm"
       T0=$(date +%s)
-      pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      $probe pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
         --served-model-name qwen3-dummy --prefill 1 --decode 1 --port 8000 --log-dir $R/logs_$arm $extra \
         > $R/serve_$arm.log 2>&1 & pid=$!
       ok=0

@@ -1,0 +1,49 @@
+"""Python's garbage collector pauses in every process of a run, for a lent machine where one call must show them.
+
+    PYTHONPATH=benchmarks/debug/gc_probe GC_PROBE_DIR=$OUT/gc pdserve serve ...
+
+Each Python process started with this folder on PYTHONPATH (the server, its engine and worker processes, the
+router, the clients) times every collection by generation and appends a summary line to $GC_PROBE_DIR/<pid>.log
+at most every 5 s and at exit: how many collections of each generation, their total and longest pause, and whether
+the heap was frozen (gc.freeze). A full collection scans every tracked object; a process that holds torch, the
+model's modules and compiled kernels' caches has hundreds of thousands (a CPU engine process here: 180k, 80 ms a
+full collection), and a pause in the engine or the server's process delays every stream it serves. vLLM freezes
+its start-up heap (gc.freeze) in its engine core, its API server and its bench client; pdserve does not yet.
+"""
+
+import atexit
+import gc
+import os
+import sys
+import time
+
+_DIR = os.environ.get("GC_PROBE_DIR", "/tmp/gc_probe")
+_pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+_state = {"start": 0.0, "last": time.monotonic()}
+
+
+def _dump() -> None:
+    try:
+        os.makedirs(_DIR, exist_ok=True)
+        parts = [f"gen{g}: n={len(v)} total={sum(v) * 1e3:.1f}ms max={max(v) * 1e3:.1f}ms"
+                 for g, v in _pauses.items() if v]
+        with open(os.path.join(_DIR, f"{os.getpid()}.log"), "a") as f:
+            f.write(f"{time.time():.1f} {' '.join(sys.argv[:3])[:100]} frozen={gc.get_freeze_count()} | "
+                    f"{' | '.join(parts)}\n")
+    except Exception:  # a probe must never break the process it watches
+        pass
+
+
+def _callback(phase: str, info: dict) -> None:
+    if phase == "start":
+        _state["start"] = time.perf_counter()
+        return
+    _pauses[info["generation"]].append(time.perf_counter() - _state["start"])
+    now = time.monotonic()
+    if now - _state["last"] > 5:
+        _state["last"] = now
+        _dump()
+
+
+gc.callbacks.append(_callback)
+atexit.register(_dump)
