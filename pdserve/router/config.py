@@ -69,9 +69,8 @@ class RouterConfig:
     local_prefill_max_tokens: int = 64  # uncached prompt (estimated tokens) at or below this: prefill on decode
     # a prefill instance with more queued tokens than this is "full", and a prompt no prefill instance takes is
     # prefilled on its decode instance; 0: never full. Off by default: in a burst the decode instance then runs the
-    # prompts' prefill chunks between its decode steps, which stalls every stream it serves. 1P1D at 1024/1024
-    # c256 on 2xH200 (benchmarks/lease_s25/pd_policy): 32768 prefilled 342 of 516 requests on the decode instance,
-    # 10,096 output tok/s, mean TPOT 23.0 ms, p99 ITL 165 ms; 0: 11,088 tok/s, 19.5 ms, 38 ms, mean TTFT lower too
+    # prompts' prefill chunks between its decode steps, which stalls every stream it serves (docs/design.md,
+    # "Where the prompt is prefilled"; measured in benchmarks/lease_s25/pd_policy)
     prefill_max_waiting_tokens: int = 0
     max_prefill_candidates: int = 3  # ordered prefill URLs handed to the decode instance (best + fallbacks)
 
