@@ -59,7 +59,8 @@ case $STAGE in
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_async_scheduling.py \
       tests/ops/test_attention_decode.py tests/ops/test_fp8_kv.py 2>&1 | tee "$W/gpu_tests.txt" | tail -4 ;;
   sbs)
-    WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="vllm pdserve" CLIENT_ROUNDS=2 OUT=$W STAGE=.vllm-stage \
+    WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="${SBS_CLIENTS:-vllm pdserve}" CLIENT_ROUNDS=${SBS_ROUNDS:-2} \
+      OUT=$W STAGE=.vllm-stage \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 bash $SBS single 2>&1 | tail -40
     for f in "$W"/*.log; do gzip -f "$f"; done
     tar czf "$OUT/sbs.tgz" -C "$OUT" sbs ;;
@@ -227,14 +228,16 @@ PY
     # carry .vllm-stage/model alone), 1024/1024 c256; the router's counters of local prefills after each arm
     M=.vllm-stage/model; R=/tmp/res/pd_policy; mkdir -p $R
     # PD_ARMS: "shipped" runs the default of the tree (since session 25: no limit), "limit" the old 32768, "always"
-    # an explicit no-limit
+    # an explicit no-limit, "nofreeze" the shipped one with PDSERVE_GC_FREEZE=0
     for arm in ${PD_ARMS:-shipped always}; do
       extra=""; [ $arm = always ] && extra="--prefill-max-waiting-tokens 1000000000"
       [ $arm = limit ] && extra="--prefill-max-waiting-tokens 32768"
+      # "nofreeze": the shipped deployment with its processes' start-up heaps left to the collector (pdserve.gc_heap)
+      nofreeze=""; [ $arm = nofreeze ] && nofreeze="env PDSERVE_GC_FREEZE=0"
       # GC_PROBE=1: every process of the deployment logs its garbage collector's pauses (benchmarks/debug/gc_probe)
       probe=""; [ "${GC_PROBE:-0}" = 1 ] && probe="env PYTHONPATH=$PWD/benchmarks/debug/gc_probe GC_PROBE_DIR=$R/gc_$arm"
       T0=$(date +%s)
-      $probe pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      $probe $nofreeze pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
         --served-model-name qwen3-dummy --prefill 1 --decode 1 --port 8000 --log-dir $R/logs_$arm $extra \
         > $R/serve_$arm.log 2>&1 & pid=$!
       ok=0

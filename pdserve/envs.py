@@ -23,6 +23,12 @@ def kv_cuda_streams(default: int = 4) -> int:
     return int(os.environ.get("PDSERVE_KV_CUDA_STREAMS", str(default)))
 
 
+def gc_freeze() -> bool:
+    """`PDSERVE_GC_FREEZE`: 0 keeps Python's collector scanning a serving process's start-up heap (default 1: the
+    engine, its workers, the server and the router freeze it once ready; pdserve.gc_heap)."""
+    return os.environ.get("PDSERVE_GC_FREEZE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def git_commit_override() -> str | None:
     """`PDSERVE_GIT_COMMIT`: the commit benchmark records name when the tree was copied without `.git`."""
     return os.environ.get("PDSERVE_GIT_COMMIT") or None

@@ -173,6 +173,8 @@ def run_engine_process(config: EngineConfig, eos_ids: set[int] | None, conn: Con
         core = EngineCore(config, eos_token_ids=eos_ids, wake=lambda: os.write(wake_w, b"x"))
         if eos_ids is None:
             core.set_tokenizer_eos(_await_tokenizer_ids(conn))
+        # this process and its workers are the engine's own: their start-up heaps leave the collector's scans
+        frozen = core.executor.collective_rpc("freeze_heap")
         conn.send(EngineReady({
             "max_model_len": core.max_model_len,
             "num_blocks": core.kv.pool.num_blocks,
@@ -181,6 +183,7 @@ def run_engine_process(config: EngineConfig, eos_ids: set[int] | None, conn: Con
             "dtype": str(core.dtype).replace("torch.", ""),
             "vocab_size": core.hf_config.vocab_size,
             "kv": core.connector.describe() if core.connector is not None else None,
+            "gc_frozen": frozen,
         }))
     except BaseException as e:  # report start-up failures to the parent instead of dying silently
         conn.send(EngineFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))

@@ -37,6 +37,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.parent_watch import exit_with_parent
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_inputs import StepPlan
+from pdserve.gc_heap import freeze_startup_heap
 from pdserve.model.loader import ModelSource, build_model
 from pdserve.ops.jit_watch import WATCH
 from pdserve.parallel.group import TPGroup, init_group, tp_context
@@ -172,6 +173,11 @@ class Worker:
         """Count and log the kernels Triton compiles from now on in this rank's process (pdserve.ops.jit_watch)."""
         if self.device.type == "cuda" and WATCH.install():
             WATCH.arm()  # installed at __init__: the warm-up's compiles are the comparison's base
+
+    def freeze_heap(self) -> int:
+        """This rank's process's start-up heap frozen out of the collector's scans (pdserve.gc_heap): only in a
+        process the engine owns (the engine process calls it once ready); the objects frozen."""
+        return freeze_startup_heap(f"tp-rank{self.rank}")
 
     def memory_in_use(self) -> tuple[int, int, int, int]:
         """(bytes PyTorch's tensors hold, bytes in use on this rank's GPU in all, bytes that were in use when the

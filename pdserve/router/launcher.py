@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.envs import cuda_visible_devices
+from pdserve.gc_heap import freeze_startup_heap
 from pdserve.router.config import RouterConfig
 from pdserve.router.main import add_tunable_arguments, build_config
 
@@ -363,6 +364,7 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"pdserve serve: ready: send OpenAI requests to http://{config.host}:{port}/v1 "
               f"({args.prefill} prefill, {args.decode} decode, {args.both} colocated); Ctrl-C stops everything",
               flush=True)
+        freeze_startup_heap("router")  # this process proxies every request of the deployment
         await _watch(children, stop, not args.no_restart)
         return 0
     except RuntimeError as e:

@@ -14,6 +14,7 @@ import signal
 import sys
 from typing import Any
 
+from pdserve.gc_heap import freeze_startup_heap
 from pdserve.router.config import ROLES, RouterConfig
 
 log = logging.getLogger("pdserve.router")
@@ -150,6 +151,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
         return 1
     pools = ", ".join(f"{role}: {len(getattr(config, role))}" for role in ROLES if getattr(config, role))
     print(f"pdserve router: serving on http://{config.host}:{bound_port(runner)} ({pools})", flush=True)
+    freeze_startup_heap("router")
     try:
         await stop.wait()
     finally:

@@ -36,6 +36,7 @@ from pdserve.config import (
     KVTransferConfig,
     ServerConfig,
 )
+from pdserve.gc_heap import freeze_startup_heap
 from pdserve.secret import HELP as SECRET_HELP
 from pdserve.secret import load_secret
 from pdserve.server.body import RUNNER_OPTIONS
@@ -292,6 +293,7 @@ async def serve(config: ServerConfig, extra_routes: ExtraRoutes | None = None, a
     port = runner.addresses[0][1] if runner.addresses else config.port
     name = getattr(llm, "model_name", None) or config.engine.name
     print(f"pdserve: serving {name} on http://{config.host}:{port} (role {config.role})", flush=True)
+    freeze_startup_heap("server")  # serve() runs in a process of its own (`pdserve instance`, the launcher's child)
     try:
         await stop.wait()
     finally:
