@@ -570,6 +570,97 @@ def _misses(d: dict) -> tuple[float, float]:
     return 1e3 * sum(t) / len(t), 1e3 * sum(e) / len(e)
 
 
+def session26() -> None:
+    """Session 26 (one 2xH200 machine): 1P1D against vLLM's 1P1D with the router's new default, two rounds, vLLM's
+    client; the single-GPU side by side; the processes' start-up heaps frozen and not, with their collectors' pauses."""
+    base = "lease_s26"
+    print("1P1D on 2xH200 (`lease_2xh200.sh pd_one`, PD_MODE=pd-pdserve then pd-vllm, twice: pd/ is round 1, pd_r2/ "
+          "round 2; code f6d7c7c: the router's local-prefill fallback off, the start-up heaps frozen): `pdserve serve "
+          "--prefill 1 --decode 1` (cuda_ipc) against vLLM 0.22 with NixlConnector behind the anchors' proxy; dummy "
+          "Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both:\n")
+    print("| round | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean "
+          "TPOT vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|---|")
+    pairs = {}
+    for r, folder in (("1", "pd"), ("2", "pd_r2")):
+        for w in ("1024x1024_c256", "8192x16_c1"):
+            v, p = (load(f"{base}/{folder}/{n}_pd_{w}.json") for n in ("vllm", "pdserve"))
+            pairs[(r, w)] = (v, p)
+            print(f"| {r} | {w} | {_sbs_cells(v, p)}")
+    big = [pairs[(r, "1024x1024_c256")] for r in ("1", "2")]
+    mean = [sum(x[i]["output_throughput"] for x in big) / 2 for i in (0, 1)]
+    print(f"\n- 1024x1024_c256 over both rounds: vLLM {mean[0]:,.1f}, pdserve {mean[1]:,.1f} out tok/s "
+          f"({mean[1] / mean[0]:.3f}x)")
+    for r in ("1", "2"):
+        v, p = pairs[(r, "1024x1024_c256")]
+        print(f"- round {r}, 1024x1024_c256 inter-token latency median / p99: vLLM {v['median_itl_ms']:.1f} / "
+              f"{v['p99_itl_ms']:.1f} ms, pdserve {p['median_itl_ms']:.1f} / {p['p99_itl_ms']:.1f} ms")
+    for r, folder in (("1", "pd"), ("2", "pd_r2")):
+        v, p = (load(f"{base}/{folder}/{n}_pd_server.json") for n in ("vllm", "pdserve"))
+        print(f"- round {r}, start-up (launch to first completion through the proxy or router): vLLM "
+              f"{v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s; KV tokens (from the logs): vLLM "
+              f"{v['kv_tokens']:,}, pdserve {p['kv_tokens']:,}")
+    print(f"\nOne GPU each at once (sbs/, the same machine, `lease_2xh200.sh sbs`, code f6d7c7c; kernels pdserve compiled "
+          f"while serving: {_compiles(f'{base}/sbs/pdserve.log.gz')}), vLLM's client, round 1:\n")
+    _sbs_table(f"{base}/sbs")
+    v2, p2 = (load(f"{base}/sbs/{n}_single_1024x1024_c256_r2.json") for n in ("vllm", "pdserve"))
+    print(f"\nRound 2 of 1024x1024_c256 by vLLM's client: vLLM {v2['output_throughput']:,.1f}, pdserve "
+          f"{p2['output_throughput']:,.1f} out tok/s ({p2['output_throughput'] / v2['output_throughput']:.3f}x); mean TPOT "
+          f"{v2['mean_tpot_ms']:.2f} / {p2['mean_tpot_ms']:.2f} ms; mean TTFT {v2['mean_ttft_ms']:.0f} / "
+          f"{p2['mean_ttft_ms']:.0f} ms.")
+    print("\nThe start-up heaps frozen (pdserve.gc_heap, as shipped) and not (`PDSERVE_GC_FREEZE=0`), the 1P1D deployment "
+          "one after the other (pd_gc/, `PD_ARMS=\"shipped nofreeze\" GC_PROBE=1 lease_2xh200.sh pd_policy`; pdserve's "
+          "client, 1024/1024 c256; every process logged its collector's pauses, benchmarks/debug/gc_probe):\n")
+    print("| arm | out tok/s | mean / median / p90 TTFT ms | mean TPOT ms | median / p99 ITL ms |\n|---|---|---|---|---|")
+    for arm in ("shipped", "nofreeze"):
+        d = load(f"{base}/pd_gc/{arm}.json")
+        print(f"| {arm} | {d['output_throughput']:,.1f} | {d['mean_ttft_ms']:.0f} / {d['median_ttft_ms']:.0f} / "
+              f"{d['p90_ttft_ms']:.0f} | {d['mean_tpot_ms']:.2f} | {d['median_itl_ms']:.1f} / {d['p99_itl_ms']:.1f} |")
+    print("\nFull (generation 2) collections in each process between the probe's summary lines that bracket the run "
+          "(the lines are written at most every 5 s, at a collection, so a bracket starts up to ~17 s before the run's "
+          "first request and ends up to ~2 s after its last; * : the freeze's own collection falls in it):\n")
+    print("| process | frozen: collections / ms in all | not frozen: collections / ms in all |\n|---|---|---|")
+    rows = {arm: _gc_bracket(f"{base}/pd_gc", arm) for arm in ("shipped", "nofreeze")}
+    for name in rows["shipped"]:
+        cells = []
+        for arm in ("shipped", "nofreeze"):
+            n, ms, froze = rows[arm].get(name, (0, 0.0, False))
+            cells.append(f"{n} / {ms:.1f}{' *' if froze else ''}")
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
+def _gc_bracket(folder: str, arm: str) -> dict[str, tuple[int, float, bool]]:
+    """Per process of a pd_policy arm run under benchmarks/debug/gc_probe: (full collections, their ms in all, whether
+    the freeze's collection is among them) between the summary lines that bracket the run (its window from the
+    result's end time and duration); processes named by role (the lower pid of a role is its server, the higher its
+    engine process; `pdserve serve` is the launcher, which runs the router)."""
+    import datetime
+    d = load(f"{folder}/{arm}.json")
+    end = datetime.datetime.strptime(d["date"], "%Y%m%d-%H%M%S").replace(tzinfo=datetime.timezone.utc).timestamp()
+    start = end - d["duration"]
+    seen: dict[str, int] = {}
+    out: dict[str, tuple[int, float, bool]] = {}
+    for p in sorted((B / folder / f"gc_{arm}").glob("*.log"), key=lambda p: int(p.stem)):
+        rows = []
+        for line in p.read_text().splitlines():
+            m = re.match(r"([\d.]+) (.*?) frozen=(\d+) \| (.*)", line)
+            if m:
+                g2 = re.search(r"gen2: n=(\d+) total=([\d.]+)ms", m.group(4))
+                rows.append((float(m.group(1)), m.group(2), int(m.group(3)),
+                             (int(g2.group(1)), float(g2.group(2))) if g2 else (0, 0.0)))
+        role = re.search(r"--role (\w+)", rows[0][1]) if rows else None
+        if not rows or not (role or "pdserve serve" in rows[0][1]):
+            continue  # a helper process (multiprocessing's resource tracker)
+        kind = role.group(1) if role else "launcher + router"
+        if role:
+            seen[kind] = seen.get(kind, 0) + 1
+            kind = f"{kind} {'server' if seen[kind] == 1 else 'engine'}"
+        before = [r for r in rows if r[0] <= start]
+        last = [r for r in rows if r[0] <= end + 6][-1]
+        first = before[-1] if before else (0.0, "", last[2], (0, 0.0))
+        out[kind] = (last[3][0] - first[3][0], last[3][1] - first[3][1], first[2] != last[2])
+    return out
+
+
 def session25() -> None:
     """Session 25 (two 2xH200 machines): 1P1D against vLLM's 1P1D with NIXL, both measured by vLLM's client, then
     the router's local-prefill fallback as shipped and off, measured by pdserve's client."""
@@ -1845,6 +1936,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session26()
+    print()
     session25()
     print()
     session24()
