@@ -118,6 +118,8 @@ def test_the_engine_process_fails_every_request_and_exits(tiny_model_dirs, tmp_p
         await llm.start()
         try:
             assert llm.is_alive
+            frozen = llm.info["gc_frozen"]  # each rank's process froze its start-up heap (pdserve.gc_heap)
+            assert len(frozen) == 2 and min(frozen) > 10_000, frozen
 
             async def generate(rid: str):
                 outs = []
