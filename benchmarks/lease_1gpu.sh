@@ -117,6 +117,8 @@
 #              against transformers, the warm-up burst), then the batch-1 step and loops (8k, 1k) folded and not, on,
 #              off, on, off
 #   s24b       the batch-1 8k loop's kernels under the profiler with the norm fold (kernels a step, GPU idle)
+#   s27a       cuBLASLt's candidate algorithms for the decode products (probe_lt_algos.py) against torch's pick; the
+#              steady loops as shipped
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -930,6 +932,14 @@ PY
     grep -v " INFO " "$W/profile.txt" | grep -E "^loop[^ ]*:|^  idle|^\||^profile|GPU busy" | grep -v "async off" \
       | cut -c1-200 | head -40
     tar czf "$OUT/s24b.tgz" -C "$OUT" s24b ;;
+  s27a)  # cuBLASLt's candidate algorithms for Qwen3-8B's products at 128..512 rows, each timed against torch's pick
+    # (probe_lt_algos.py); then the steady loops at temperature 1 as shipped (this machine's baseline)
+    save() { tar czf "$OUT/s27a.tgz" -C "$OUT" s27a; }
+    timeout 330 python3 benchmarks/engine/probe_lt_algos.py --rows ${LT_ROWS:-128,192,256,320,384,512} \
+      --algos ${LT_ALGOS:-32} --out "$W/lt_algos.json" > "$W/lt_algos.txt" 2>&1
+    grep -v "^$" "$W/lt_algos.txt" | cut -c1-250 | tail -40
+    save
+    ab_loops loop "none" "" "--decode= --loop 256x1024,1x8192" base1 ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

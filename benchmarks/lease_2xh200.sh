@@ -26,6 +26,7 @@
 #              client (SBS_CLIENTS="vllm pdserve": then also by pdserve's)
 #   pd_ahead   1P1D handover and TTFT at 8k and 32k with --kv-push-ahead on and off
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, tuned on both GPUs at once and merged
+#   interfere  decoders' TPOT alone and under a stream of 32k prompts, vLLM and pdserve arms of --max-long-prefill-tokens
 #   unpack     the staging tar (.stage/c0..c9, one part carried per call) joined into .vllm-stage; vLLM installed
 #   pd_one     PD_MODE=pd-pdserve or pd-vllm: one 1P1D deployment, 1024/1024 c256 and 8192/16, vLLM's client
 #   pd_policy  1P1D with the router's local-prefill fallback as shipped and off (always remote), pdserve's client;
@@ -59,7 +60,7 @@ case $STAGE in
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_async_scheduling.py \
       tests/ops/test_attention_decode.py tests/ops/test_fp8_kv.py 2>&1 | tee "$W/gpu_tests.txt" | tail -4 ;;
   sbs)
-    WORKLOADS="1024:1024:512:256 8192:16:16:1" CLIENTS="${SBS_CLIENTS:-vllm pdserve}" CLIENT_ROUNDS=${SBS_ROUNDS:-2} \
+    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1"} CLIENTS="${SBS_CLIENTS:-vllm pdserve}" CLIENT_ROUNDS=${SBS_ROUNDS:-2} \
       OUT=$W STAGE=.vllm-stage \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 bash $SBS single 2>&1 | tail -40
     for f in "$W"/*.log; do gzip -f "$f"; done
@@ -206,6 +207,12 @@ PY
     # the split-K decode kernel's tiles (now with 256-key tiles) for bf16 and fp8 pools, GPU 0
     timeout 500 python3 benchmarks/attention/sweep_decode.py --out "$W/decode_sweep.json" 2>&1 | tail -12
     tar czf "$OUT/attn_sweep.tgz" -C "$OUT" attn_sweep ;;
+  interfere)
+    # decoding requests' TPOT under a stream of long prompts (benchmarks/vs_vllm/interference.sh): vLLM on GPU 0, the
+    # pdserve arms (--max-long-prefill-tokens) one after the other on GPU 1; vLLM installed by unpack
+    OUT=$W STAGE=.vllm-stage ARMS="${INTERF_ARMS:-vllm pdserve:0 pdserve:2048 pdserve:1024}" \
+      timeout ${INTERF_LIMIT:-560} bash benchmarks/vs_vllm/interference.sh 2>&1 | tail -20
+    tar czf "$OUT/interfere.tgz" -C "$OUT" interfere ;;
   unpack)
     # the staging tar, carried in parts one per call (.stage/c0..c9 with part0..part9; session 25: the tree left
     # ~40 MB a call), joined and unpacked into .vllm-stage; vLLM installed into /tmp/site (kept while warm)

@@ -113,6 +113,12 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 1.0  # the KV pool's budget on CPU
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # While requests decode, a step takes at most this many tokens of prompts with more than this many left (their
+    # chunks); short prompts and the decode rows are not limited. A long prompt arriving beside decoding requests
+    # then costs each of their steps the time of a chunk this size, not of a whole budget of prompt tokens (decode
+    # TPOT stays flat under a stream of long prompts); a prompt alone still prefills in chunks of the whole budget.
+    # 0: no limit but max_num_batched_tokens (as vLLM's default).
+    max_long_prefill_tokens: int = 0
     max_waiting: int = 4096  # requests queued beyond this are refused (HTTP 503)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # disable CUDA graphs for decode
@@ -139,6 +145,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens must be at least block_size ({self.block_size})")
+        if self.max_long_prefill_tokens < 0:
+            raise ValueError(f"max_long_prefill_tokens must be 0 (no limit) or positive, got "
+                             f"{self.max_long_prefill_tokens}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         _check("load_format", self.load_format, LOAD_FORMATS)

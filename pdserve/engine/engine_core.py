@@ -131,7 +131,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kvt = config.kv_transfer
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   kvt.lease_s)
+                                   kvt.lease_s, config.max_long_prefill_tokens)
         self.num_steps = 0
         self._events: list[PDEvent] = []
         self.handover = HandoverStats()

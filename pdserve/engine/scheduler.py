@@ -64,10 +64,13 @@ def failed_outputs(batch: ScheduledBatch) -> list[CoreOutput]:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 lease_s: float = 30.0):
+                 lease_s: float = 30.0, max_long_prefill_tokens: int = 0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # while requests decode, a step takes at most this many tokens of prompts with more than this many left
+        # (0: no limit but the step's budget); EngineConfig.max_long_prefill_tokens says why
+        self.max_long_prefill_tokens = max_long_prefill_tokens
         self.max_model_len = max_model_len
         self.lease_s = lease_s  # how long blocks may stay reserved for, or held by, a remote peer
         self.requests: dict[str, Request] = {}  # every unfinished request, whatever its state
@@ -111,11 +114,13 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
         budget = self.max_num_batched_tokens
+        long_left = self._long_prefill_allowance()
         preempted_any = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n, long_left = self._cap_long(req.num_tokens - req.num_computed_tokens, n, long_left)
             if n <= 0:
                 i += 1
                 continue
@@ -154,7 +159,11 @@ class Scheduler:
                 num_cached = 0
                 if fresh:
                     prefix_blocks, num_cached = self.kv.find_cached_prefix(req)
-                n = min(req.num_tokens - num_cached, budget)
+                n, long_left = self._cap_long(req.num_tokens - num_cached, min(req.num_tokens - num_cached, budget),
+                                              long_left)
+                if n <= 0:  # a long prompt while the step's share of long prompts is taken: it starts next step
+                    self.waiting.appendleft(req)
+                    break
                 if not self.kv.allocate(req, n, prefix_blocks):
                     if not batch.requests and not self._blocks_will_free():
                         # nothing will ever free a block: the prompt cannot fit the pool
@@ -177,6 +186,25 @@ class Scheduler:
                 budget -= n
             self.waiting.extendleft(reversed(followers))
         return batch
+
+    def _long_prefill_allowance(self) -> int | None:
+        """Tokens of long prompts this step may take: max_long_prefill_tokens while some running request decodes,
+        else None (no limit but the budget)."""
+        cap = self.max_long_prefill_tokens
+        if cap <= 0:
+            return None
+        for r in self.running:
+            if r.num_computed_tokens >= r.num_prompt_tokens:  # its prompt is in: it decodes (or ends) this step
+                return cap
+        return None
+
+    def _cap_long(self, left: int, n: int, long_left: int | None) -> tuple[int, int | None]:
+        """A request's tokens this step (`n`, within the budget) given `left` tokens still to compute: a prompt with
+        more than max_long_prefill_tokens left takes at most what remains of the step's share of long prompts."""
+        if long_left is None or left <= self.max_long_prefill_tokens:
+            return n, long_left
+        n = min(n, long_left)
+        return n, long_left - n
 
     def _shareable(self, req: Request) -> int:
         """Prompt tokens a sibling can take from the prefix cache once computed: the full blocks, less the last

@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
     e.add_argument("--max-num-seqs", type=int, default=_default(E, "max_num_seqs"), help="most requests in one batch")
     e.add_argument("--max-num-batched-tokens", type=int, default=_default(E, "max_num_batched_tokens"),
                    help="most tokens in one engine step")
+    e.add_argument("--max-long-prefill-tokens", type=int, default=_default(E, "max_long_prefill_tokens"),
+                   help="while requests decode, a step takes at most this many tokens of prompts with more than this "
+                        "many left, so a stream of long prompts keeps decode steps short (0: no limit)")
     e.add_argument("--max-waiting", type=int, default=_default(E, "max_waiting"),
                    help="queued requests beyond this get HTTP 503")
     e.add_argument("--gpu-memory-utilization", type=float, default=_default(E, "gpu_memory_utilization"),

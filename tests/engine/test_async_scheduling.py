@@ -276,3 +276,16 @@ def test_async_default_is_off_on_cpu_and_flag_wins(tiny_model_dirs):
     assert core.config.async_scheduling is None and not core.async_scheduling
     core.set_async_scheduling(True)
     assert core.async_scheduling
+
+
+def test_long_prompts_capped_beside_decodes_give_the_same_tokens(tiny_model_dirs):
+    """EngineConfig.max_long_prefill_tokens changes only how prompts are chunked: greedy outputs are those of the
+    uncapped synchronous engine, with and without async scheduling."""
+    path = tiny_model_dirs["llama"]
+    arrivals, aborts = workload(random.Random(3), False)
+    ref = drive(core_for(path, False), arrivals, aborts)
+    for async_on in (False, True):
+        core = core_for(path, async_on, max_long_prefill_tokens=4)
+        got = drive(core, arrivals, aborts)
+        assert {r: got[r]["tokens"] for r in got} == {r: ref[r]["tokens"] for r in ref}, async_on
+        assert core.scheduler.max_long_prefill_tokens == 4

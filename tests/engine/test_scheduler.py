@@ -269,3 +269,63 @@ def test_an_export_with_blocks_pushed_ahead_is_abandoned_not_preempted_or_freed(
     while s.requests:
         run_step(s)
     whole(s)
+
+
+def steps_of(s: Scheduler, k: int) -> list[dict[str, int]]:
+    """k steps with the fake model: each step's new tokens by request id."""
+    out = []
+    for _ in range(k):
+        batch = s.schedule()
+        out.append({r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)})
+        sampled = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        s.update(batch, sampled, [7] * len(sampled), [None] * len(sampled), time.time())
+    return out
+
+
+def capped(cap: int) -> Scheduler:
+    return Scheduler(KVCacheManager(64, BS), 8, 64, 256, 30.0, max_long_prefill_tokens=cap)
+
+
+def test_a_long_prompt_beside_decoding_requests_comes_in_chunks_of_the_cap():
+    s = capped(8)
+    s.add(req("dec", n=4, max_tokens=50))
+    assert steps_of(s, 1) == [{"dec": 4}]  # its prompt, then it decodes
+    s.add(req("long", n=40, max_tokens=2, first=300))
+    steps = steps_of(s, 6)
+    assert steps[:5] == [{"dec": 1, "long": 8}] * 5  # 40 prompt tokens, 8 a step: the decode steps stay short
+    assert steps[5] == {"dec": 1, "long": 1}  # then it decodes too
+
+
+def test_a_long_prompt_alone_takes_the_whole_budget_and_no_cap_is_the_old_rule():
+    s = capped(8)
+    s.add(req("long", n=100, max_tokens=2))
+    assert [st["long"] for st in steps_of(s, 2)] == [64, 36]  # nothing decodes: chunks of the budget
+    s = capped(0)
+    s.add(req("dec", n=4, max_tokens=50))
+    steps_of(s, 1)
+    s.add(req("long", n=100, max_tokens=2, first=300))
+    assert steps_of(s, 2) == [{"dec": 1, "long": 63}, {"dec": 1, "long": 37}]
+
+
+def test_short_prompts_are_not_held_back_and_long_ones_share_the_cap():
+    s = capped(8)
+    s.add(req("dec", n=4, max_tokens=50))
+    steps_of(s, 1)
+    for rid, n, first in (("short1", 8, 300), ("long1", 20, 400), ("long2", 20, 500), ("short2", 6, 600)):
+        s.add(req(rid, n=n, max_tokens=2, first=first))
+    first, second = steps_of(s, 2)
+    # short1 (8 left: not long) whole; long1 takes the step's 8 tokens of long prompts; long2 waits at the head of
+    # the queue (FCFS), so short2 behind it waits too
+    assert first == {"dec": 1, "short1": 8, "long1": 8}
+    assert second == {"dec": 1, "short1": 1, "long1": 8}
+    assert s.waiting and s.waiting[0].request_id == "long2"
+    (third,) = steps_of(s, 1)
+    # short1 ended (2 tokens); long1's last 4 are not long, so long2 starts with the share and short2 behind it
+    assert third == {"dec": 1, "long1": 4, "long2": 8, "short2": 6}
+
+
+def test_the_cap_must_not_be_negative():
+    from pdserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_long_prefill_tokens"):
+        EngineConfig(max_long_prefill_tokens=-1)

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Decoding requests' TPOT under a stream of long prompts (issue 10: "chunked prefill that keeps decode TPOT flat"),
+# vLLM 0.22 and pdserve measured by vLLM's own client. Each server runs the decoders alone (DEC, default 1024 in /
+# 1024 out, 64 prompts at concurrency 32), then the same decoders again with a stream of long prompts started DELAY
+# seconds after them (LONG, default 32768 in / 1 out, 8 prompts one at a time): the decoders' TPOT and inter-token
+# latencies in both runs, and the long prompts' TTFT. Every run its own --seed, so no run hits another's prefix cache.
+#
+#   OUT=$OUT STAGE=.vllm-stage bash benchmarks/vs_vllm/interference.sh
+# ARMS (default "vllm pdserve:0 pdserve:2048 pdserve:1024"): vllm, or pdserve:N with --max-long-prefill-tokens N.
+# With two GPUs the vllm arm runs on GPU 0 while the pdserve arms run one after the other on GPU 1 (GPUS=1: every
+# arm on GPU 0, in order). vLLM from /tmp/site (side_by_side.sh or lease_2xh200.sh unpack installed it).
+set -u
+S=${STAGE:-.vllm-stage}; OUT=${OUT:-/tmp/interference}; mkdir -p "$OUT"
+M=${MODEL:-$S/model}; NAME=qwen3-dummy
+export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
+V="env PYTHONPATH=/tmp/site python3 -m vllm.entrypoints.cli.main"
+DEC=${DEC:-1024:1024:64:32}; LONG=${LONG:-32768:1:8:1}; DELAY=${DELAY:-4}
+ARMS=${ARMS:-"vllm pdserve:0 pdserve:2048 pdserve:1024"}
+GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
+command -v pdserve >/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+
+client() {  # PORT SPEC(in:out:n:c) FILE SEED: vLLM's bench serve, one result JSON
+  local i o n c; IFS=: read i o n c <<< "$2"
+  timeout 400 $V bench serve --backend vllm --base-url http://127.0.0.1:$1 --model $NAME --tokenizer $M \
+    --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
+    --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 1 --seed $4 \
+    --save-result --result-dir "$OUT" --result-filename $3.json > "$OUT/$3.txt" 2>&1 || echo "$3: client failed"
+}
+ready() {  # PORT PID LOG: wait (at most 420 s) until a completion is answered
+  local t
+  for t in $(seq 840); do
+    curl -sf localhost:$1/v1/completions -H 'Content-Type: application/json' \
+      -d "{\"model\":\"$NAME\",\"prompt\":\"t1 t2 t3\",\"max_tokens\":2}" > /dev/null && return 0
+    kill -0 $2 2>/dev/null || { echo "server exited:"; tail -5 "$3"; return 1; }
+    sleep 0.5
+  done
+  echo "not answering after 420 s"; return 1
+}
+arm() {  # ARM GPU PORT
+  local a=$1 gpu=$2 port=$3 tag pid log
+  tag=${a/:/_}; log="$OUT/$tag.log"
+  if [ "$a" = vllm ]; then
+    CUDA_VISIBLE_DEVICES=$gpu $V serve $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name $NAME --port $port > "$log" 2>&1 & pid=$!
+  else
+    CUDA_VISIBLE_DEVICES=$gpu env -u PYTHONPATH pdserve serve --model $M --load-format dummy --max-model-len 40960 \
+      --gpu-memory-utilization 0.9 --served-model-name $NAME --port $port --max-long-prefill-tokens ${a#pdserve:} \
+      > "$log" 2>&1 & pid=$!
+  fi
+  if ready $port $pid "$log"; then
+    client $port $DEC ${tag}_dec_alone 11
+    client $port $DEC ${tag}_dec_with_long 12 & local c=$!
+    sleep $DELAY
+    client $port $LONG ${tag}_long 13
+    wait $c
+  fi
+  kill $pid 2>/dev/null; sleep 3; kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
+  for _ in $(seq 60); do  # the GPU's memory back before the next server sizes its KV pool
+    [ "$(nvidia-smi -i $gpu --query-gpu=memory.used --format=csv,noheader,nounits)" -lt 2048 ] && break; sleep 1
+  done
+  gzip -f "$log"
+}
+others=""
+for a in $ARMS; do [ "$a" != vllm ] && others="$others $a"; done
+if [ "$GPUS" -ge 2 ] && [[ " $ARMS " == *" vllm "* ]]; then
+  arm vllm 0 8100 & v=$!
+  for a in $others; do arm $a 1 8200; done
+  wait $v
+else
+  for a in $ARMS; do arm $a 0 8200; done
+fi
+python3 - "$OUT" $ARMS <<'PY'
+import json, os, sys
+out, arms = sys.argv[1], sys.argv[2:]
+rows = []
+print("| server | decoders | out tok/s | mean TPOT ms | median / p90 / p99 ITL ms | long prompts' mean / median TTFT ms |")
+print("|---|---|---|---|---|---|")
+for a in arms:
+    tag = a.replace(":", "_")
+    def load(name):
+        p = os.path.join(out, f"{tag}_{name}.json")
+        return json.load(open(p)) if os.path.exists(p) else None
+    long = load("long")
+    for phase in ("dec_alone", "dec_with_long"):
+        r = load(phase)
+        if r is None:
+            print(f"| {a} | {phase} | missing | | | |")
+            continue
+        lt = f"{long['mean_ttft_ms']:.0f} / {long['median_ttft_ms']:.0f}" if long and phase == "dec_with_long" else ""
+        print(f"| {a} | {phase.replace('dec_', '')} | {r['output_throughput']:,.1f} | {r['mean_tpot_ms']:.2f} | "
+              f"{r['median_itl_ms']:.1f} / {r['p90_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {lt} |")
+PY
