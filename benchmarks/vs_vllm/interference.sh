@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Decoding requests' TPOT under a stream of long prompts (issue 10: "chunked prefill that keeps decode TPOT flat"),
 # vLLM 0.22 and pdserve measured by vLLM's own client. Each server runs the decoders alone (DEC, default 1024 in /
-# 1024 out, 64 prompts at concurrency 32), then the same decoders again with a stream of long prompts started DELAY
-# seconds after them (LONG, default 32768 in / 1 out, 8 prompts one at a time): the decoders' TPOT and inter-token
-# latencies in both runs, and the long prompts' TTFT. Every run its own --seed, so no run hits another's prefix cache.
+# 1024 out, 128 prompts at concurrency 32, ~32 s), then the same decoders again with a stream of long prompts started
+# DELAY seconds after them (LONG, default 32768 in / 1 out, 8 prompts one at a time, ~10 s): the decoders' TPOT and
+# inter-token latencies in both runs, and the long prompts' TTFT. No warm-up requests (a warm-up request of the
+# decoders' client decodes its 1024 tokens before the run starts: in session 27's first run it outlasted the long
+# stream); every run its own --seed, so no run hits another's prefix cache. The summary gives each run's start and end
+# (from its result: saved at the end, after `duration` s), so a long stream that missed the decoders shows.
 #
 #   OUT=$OUT STAGE=.vllm-stage bash benchmarks/vs_vllm/interference.sh
 # ARMS (default "vllm pdserve:0 pdserve:2048 pdserve:1024"): vllm, or pdserve:N with --max-long-prefill-tokens N.
@@ -14,8 +17,8 @@ S=${STAGE:-.vllm-stage}; OUT=${OUT:-/tmp/interference}; mkdir -p "$OUT"
 M=${MODEL:-$S/model}; NAME=qwen3-dummy
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 V="env PYTHONPATH=/tmp/site python3 -m vllm.entrypoints.cli.main"
-DEC=${DEC:-1024:1024:64:32}; LONG=${LONG:-32768:1:8:1}; DELAY=${DELAY:-4}
-ARMS=${ARMS:-"vllm pdserve:0 pdserve:2048 pdserve:1024"}
+DEC=${DEC:-1024:1024:128:32}; LONG=${LONG:-32768:1:8:1}; DELAY=${DELAY:-8}
+ARMS=${ARMS:-"vllm pdserve:0 pdserve:2048"}
 GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
 command -v pdserve >/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 
@@ -23,7 +26,7 @@ client() {  # PORT SPEC(in:out:n:c) FILE SEED: vLLM's bench serve, one result JS
   local i o n c; IFS=: read i o n c <<< "$2"
   timeout 400 $V bench serve --backend vllm --base-url http://127.0.0.1:$1 --model $NAME --tokenizer $M \
     --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
-    --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 1 --seed $4 \
+    --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 0 --seed $4 \
     --save-result --result-dir "$OUT" --result-filename $3.json > "$OUT/$3.txt" 2>&1 || echo "$3: client failed"
 }
 ready() {  # PORT PID LOG: wait (at most 420 s) until a completion is answered
@@ -73,8 +76,16 @@ python3 - "$OUT" $ARMS <<'PY'
 import json, os, sys
 out, arms = sys.argv[1], sys.argv[2:]
 rows = []
-print("| server | decoders | out tok/s | mean TPOT ms | median / p90 / p99 ITL ms | long prompts' mean / median TTFT ms |")
-print("|---|---|---|---|---|---|")
+import datetime
+print("| server | decoders | out tok/s | mean TPOT ms | median / p90 / p99 ITL ms | long prompts' mean / median TTFT ms | "
+      "overlap s |")
+print("|---|---|---|---|---|---|---|")
+
+
+def span(r):
+    end = datetime.datetime.strptime(r["date"], "%Y%m%d-%H%M%S").timestamp()
+    return end - r["duration"], end
+
 for a in arms:
     tag = a.replace(":", "_")
     def load(name):
@@ -86,7 +97,11 @@ for a in arms:
         if r is None:
             print(f"| {a} | {phase} | missing | | | |")
             continue
-        lt = f"{long['mean_ttft_ms']:.0f} / {long['median_ttft_ms']:.0f}" if long and phase == "dec_with_long" else ""
+        lt = ov = ""
+        if long and phase == "dec_with_long":
+            lt = f"{long['mean_ttft_ms']:.0f} / {long['median_ttft_ms']:.0f}"
+            (a0, a1), (b0, b1) = span(r), span(long)
+            ov = f"{max(0.0, min(a1, b1) - max(a0, b0)):.0f} of {b1 - b0:.0f}"  # to a second: the dates' resolution
         print(f"| {a} | {phase.replace('dec_', '')} | {r['output_throughput']:,.1f} | {r['mean_tpot_ms']:.2f} | "
-              f"{r['median_itl_ms']:.1f} / {r['p90_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {lt} |")
+              f"{r['median_itl_ms']:.1f} / {r['p90_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {lt} | {ov} |")
 PY
