@@ -570,6 +570,87 @@ def _misses(d: dict) -> tuple[float, float]:
     return 1e3 * sum(t) / len(t), 1e3 * sum(e) / len(e)
 
 
+def session27() -> None:
+    """Session 27 (one H200, then two 2xH200 machines): cuBLASLt's candidate algorithms for the decode products;
+    the single-GPU side by side with 32k and 256-token outputs; decoders under a stream of long prompts."""
+    base = "lease_s27"
+    lt = load(f"{base}/s27a/lt_algos.json")
+    c = lt["ceilings"]
+    print(f"cuBLASLt's candidate algorithms for Qwen3-8B's products (s27a, an H200, `probe_lt_algos.py`: up to 32 asked, "
+          f"8 returned a shape; each timed in a CUDA graph over weight copies larger than L2 and checked against "
+          f"torch.mm; same run: HBM copy {c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} "
+          f"TFLOP/s), the best candidate against torch's own pick (the first answer), us:\n")
+    rows = sorted({r["rows"] for r in lt["results"]})
+    print("| projection | " + " | ".join(f"{m} rows: torch / best" for m in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for shape in dict.fromkeys(r["shape"] for r in lt["results"]):
+        cells = []
+        for m in rows:
+            r = next(r for r in lt["results"] if r["shape"] == shape and r["rows"] == m)
+            b = r["best"]["us"] if r["best"] else float("nan")
+            cells.append(f"{r['torch_us']:.1f} / {b:.1f}")
+        print(f"| {shape} | " + " | ".join(cells) + " |")
+    print()
+    for m in rows:
+        rs = [r for r in lt["results"] if r["rows"] == m and r["best"]]
+        t = sum(r["torch_us"] * (1 if r["shape"] == "lm_head" else 36) for r in rs)
+        b = sum(min(r["best"]["us"], r["torch_us"]) * (1 if r["shape"] == "lm_head" else 36) for r in rs)
+        print(f"- {m} rows: a step's products {t / 1e3:.2f} ms with torch's pick, {b / 1e3:.2f} ms with the best "
+              f"candidate of each ({(t - b) / 1e3:.2f} ms less)")
+    loop = load(f"{base}/s27a/loop_base1.json")
+    for r in loop["loops"]:
+        if r["async"]:
+            print(f"- the same call, {r['case']} steady at temperature 1 as shipped: {r['step_ms']:.2f} ms a step, "
+                  f"floor {r['floor_ms']:.2f} ms ({r['fraction_of_floor']:.0%})")
+    sbs = f"{base}/sbs"
+    print(f"\nOne GPU each at once (sbs/, a 2xH200 machine, `SBS_WORKLOADS=... SBS_ROUNDS=1 SBS_CLIENTS=vllm "
+          f"lease_2xh200.sh sbs`, code {load(f'{sbs}/comparison.json')['commit'][:7]}; kernels pdserve compiled while "
+          f"serving: {_compiles(f'{sbs}/pdserve.log.gz')}), vLLM's client. The 256-token runs follow the 16-token "
+          f"runs of the same length and seed, so their prompts are prefix-cache hits on both servers: their TTFT is "
+          f"not a prefill, their TPOT is the steady pace of one request at that context:\n")
+    _sbs_table(sbs)
+    print()
+    for w in ("8192x16_c1", "32768x16_c1", "8192x256_c1", "32768x256_c1"):
+        _sbs_chunks(sbs, w)
+    for folder, note in (("interfere_r1", "round 1: 64 decoders, a warm-up request each client, the long stream 4 s "
+                          "after the decoders; in vLLM's arm the decoders' warm-up request outlasted the long stream, "
+                          "so its run did not overlap it (overlap 0) and says nothing"),
+                         ("interfere", "round 2, another machine: 128 decoders, no warm-up requests, the long stream 8 "
+                          "s after the decoders")):
+        print(f"\nDecoders under a stream of long prompts ({folder}/, `lease_2xh200.sh interfere`, "
+              f"benchmarks/vs_vllm/interference.sh; {note}). Decoders: 1024 in / 1024 out at concurrency 32, alone, "
+              f"then again with 8 prompts of 32768 tokens (1 out) sent one at a time; vLLM on GPU 0, the pdserve arms "
+              f"(--max-long-prefill-tokens N) one after the other on GPU 1; vLLM's client:\n")
+        _interference(f"{base}/{folder}")
+
+
+def _interference(folder: str) -> None:
+    """interference.sh's table: each arm's decoders alone and with the long stream, the long prompts' TTFT, and how
+    many seconds of the long stream's run fell inside the decoders' (the results' end times, to a second)."""
+    import datetime
+
+    def span(r):
+        end = datetime.datetime.strptime(r["date"], "%Y%m%d-%H%M%S").timestamp()
+        return end - r["duration"], end
+
+    print("| server | decoders | out tok/s | mean TPOT ms | median / p90 / p99 ITL ms | long prompts' mean / median "
+          "TTFT ms | overlap s |\n|---|---|---|---|---|---|---|")
+    tags = sorted({p.name.rsplit("_dec_alone", 1)[0] for p in (B / folder).glob("*_dec_alone.json")},
+                  key=lambda t: (t != "vllm", int(t.split("_")[1]) if "_" in t else 0))
+    for tag in tags:
+        name = tag if tag == "vllm" else f"pdserve --max-long-prefill-tokens {tag.split('_')[1]}"
+        long = load(f"{folder}/{tag}_long.json")
+        for phase in ("alone", "with_long"):
+            r = load(f"{folder}/{tag}_dec_{phase}.json")
+            lt = ov = ""
+            if phase == "with_long":
+                lt = f"{long['mean_ttft_ms']:.0f} / {long['median_ttft_ms']:.0f}"
+                (a0, a1), (b0, b1) = span(r), span(long)
+                ov = f"{max(0.0, min(a1, b1) - max(a0, b0)):.0f} of {b1 - b0:.0f}"
+            print(f"| {name} | {phase.replace('_', ' ')} | {r['output_throughput']:,.1f} | {r['mean_tpot_ms']:.2f} | "
+                  f"{r['median_itl_ms']:.1f} / {r['p90_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {lt} | {ov} |")
+
+
 def session26() -> None:
     """Session 26 (one 2xH200 machine): 1P1D against vLLM's 1P1D with the router's new default, two rounds, vLLM's
     client; the single-GPU side by side; the processes' start-up heaps frozen and not, with their collectors' pauses."""
@@ -1936,6 +2017,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session27()
+    print()
     session26()
     print()
     session25()
