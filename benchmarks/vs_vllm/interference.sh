@@ -9,7 +9,7 @@
 # (from its result: saved at the end, after `duration` s), so a long stream that missed the decoders shows.
 #
 #   OUT=$OUT STAGE=.vllm-stage bash benchmarks/vs_vllm/interference.sh
-# ARMS (default "vllm pdserve:0 pdserve:2048 pdserve:1024"): vllm, or pdserve:N with --max-long-prefill-tokens N.
+# ARMS (default "vllm pdserve:0 pdserve:2048 pdserve:1024", as lease_2xh200.sh interfere runs them): vllm, or pdserve:N with --max-long-prefill-tokens N.
 # With two GPUs the vllm arm runs on GPU 0 while the pdserve arms run one after the other on GPU 1 (GPUS=1: every
 # arm on GPU 0, in order). vLLM from /tmp/site (side_by_side.sh or lease_2xh200.sh unpack installed it).
 set -u
@@ -18,7 +18,7 @@ M=${MODEL:-$S/model}; NAME=qwen3-dummy
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 V="env PYTHONPATH=/tmp/site python3 -m vllm.entrypoints.cli.main"
 DEC=${DEC:-1024:1024:128:32}; LONG=${LONG:-32768:1:8:1}; DELAY=${DELAY:-8}
-ARMS=${ARMS:-"vllm pdserve:0 pdserve:2048"}
+ARMS=${ARMS:-"vllm pdserve:0 pdserve:2048 pdserve:1024"}
 GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
 command -v pdserve >/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 
