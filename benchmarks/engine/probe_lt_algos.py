@@ -18,16 +18,15 @@ import argparse
 import ctypes
 import functools
 import sys
+from pathlib import Path
 
 import torch
 
 from pdserve.bench.ceilings import graph_us, hbm_copy_gbps, matmul_tflops
 from pdserve.bench.record import new_record, save_json
 
-PRESETS = {
-    "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
-                 ("lm_head", 151936, 4096)],
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm_rows import PRESETS  # noqa: E402  (the projections' shapes, one table for both scripts)
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F = 68
