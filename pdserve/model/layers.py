@@ -19,7 +19,7 @@ from pdserve.model.forward_context import attend, kv_target
 from pdserve.model.merged import MergedLinearOwner, merge_linears, merged_parts
 from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
-from pdserve.ops.linear import linear
+from pdserve.ops.linear import SKINNY_MAX_ROWS, linear
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.norm_fold import NormedRow
 from pdserve.ops.rotary import qk_norm_rope
@@ -31,6 +31,18 @@ from pdserve.parallel.ranges import even_range, kv_head_range
 # intermediate / tp] temporaries (a prefill step's largest: 576 MiB at 8192 tokens of Qwen3-8B, which the KV pool
 # must leave free) stay this size. Steps of up to 4096 tokens (every CUDA-graph step among them) are one pass.
 MLP_CHUNK_TOKENS = 4096
+
+
+def mlp_parts(n: int) -> list[tuple[int, int]]:
+    """[start, end) of each MLP pass over a step of n tokens: MLP_CHUNK_TOKENS each, a last part of at most
+    SKINNY_MAX_ROWS rows joining the one before it. A part of a few rows would take the few-row product kernels,
+    and a part of one row the one-row gate_up kernel that no other step runs (one-row decode steps fold the norm
+    into it) and the warm-up never compiles: one server of four in benchmarks/lease_s27/interfere compiled that
+    kernel while serving, and a step of 4096 + 1 tokens is the one path found that runs it."""
+    starts = list(range(0, n, MLP_CHUNK_TOKENS))
+    if len(starts) > 1 and n - starts[-1] <= SKINNY_MAX_ROWS:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [n]))
 
 
 class RMSNorm(nn.Module):
@@ -132,8 +144,8 @@ class GatedMLP(MergedLinearOwner):
         if n <= MLP_CHUNK_TOKENS:  # for one row on CUDA the activation runs inside the down projection's kernel
             return self.down_proj.act_forward(linear(x, self.gate_up_weight), self.act)
         out = x.new_empty((n, self.down_proj.out_features))  # each part's down projection lands in place (no cat)
-        for s in range(0, n, MLP_CHUNK_TOKENS):
-            self.down_proj.partial_into(self._act(x[s : s + MLP_CHUNK_TOKENS]), out[s : s + MLP_CHUNK_TOKENS])
+        for s, e in mlp_parts(n):
+            self.down_proj.partial_into(self._act(x[s:e]), out[s:e])
         return self.down_proj.finish(out)
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
