@@ -154,3 +154,32 @@ def test_a_burst_after_the_warm_up_compiles_nothing():
         assert WATCH.compiled_after_arm == before, f"{WATCH.compiled_after_arm - before} kernels compiled in the burst"
     finally:
         core.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_step_one_token_past_an_mlp_part_compiles_nothing():
+    """On CUDA: a step of MLP_CHUNK_TOKENS + 1 tokens (a prompt of that many beside one decoding request) runs its
+    MLP without a one-row part (layers.mlp_parts), so after the warm-up it compiles no kernel. Qwen3-8B: on an H200
+    its one-row gate_up product has a tile of its own (the shipped skinny table), which a one-row part compiled."""
+    import torch
+
+    from pdserve.model.layers import MLP_CHUNK_TOKENS
+    from pdserve.ops.jit_watch import WATCH
+
+    core = EngineCore(EngineConfig(model="qwen3-8b", load_format="dummy", device="cuda", dtype="bfloat16",
+                                   gpu_memory_utilization=0.5, max_num_batched_tokens=2 * MLP_CHUNK_TOKENS,
+                                   max_num_seqs=8, max_model_len=2 * MLP_CHUNK_TOKENS + 64))
+    try:
+        before = WATCH.compiled_after_arm
+        core.add_request("decoding", [3] * 20, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        core.step()
+        g = torch.Generator().manual_seed(1)
+        core.add_request("long", torch.randint(0, 151000, (MLP_CHUNK_TOKENS,), generator=g).tolist(),
+                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while core.has_work():  # the next step takes the decoding row and the whole prompt: 4096 + 1 tokens
+            core.step()
+        core.check_whole()
+        assert WATCH.compiled_after_arm == before, f"{WATCH.compiled_after_arm - before} kernels compiled"
+    finally:
+        core.close()
