@@ -114,10 +114,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     # While requests decode, a step takes at most this many tokens of prompts with more than this many left (their
-    # chunks); short prompts and the decode rows are not limited. A long prompt arriving beside decoding requests
-    # then costs each of their steps the time of a chunk this size, not of a whole budget of prompt tokens (decode
-    # TPOT stays flat under a stream of long prompts); a prompt alone still prefills in chunks of the whole budget.
-    # 0: no limit but max_num_batched_tokens (as vLLM's default).
+    # chunks); short prompts, the decode rows and a prompt with nothing decoding are not limited. A long prompt
+    # beside decoding requests then arrives in chunks of this size: their longest steps get shorter, but the prompt
+    # prefills slower in small chunks, so their mean TPOT and its TTFT grow (measured: docs/design.md, Decisions).
+    # 0: no limit but max_num_batched_tokens (the default, as vLLM's).
     max_long_prefill_tokens: int = 0
     max_waiting: int = 4096  # requests queued beyond this are refused (HTTP 503)
     enable_prefix_caching: bool = True
