@@ -119,6 +119,8 @@
 #   s24b       the batch-1 8k loop's kernels under the profiler with the norm fold (kernels a step, GPU idle)
 #   s27a       cuBLASLt's candidate algorithms for the decode products (probe_lt_algos.py) against torch's pick; the
 #              steady loops as shipped
+#   s28a       (not yet run) the warm-up's GPU tests (a step of 4096 + 1 tokens compiles nothing); a 32k prompt's
+#              2048-token chunks with cuDNN from 2048 tokens and as shipped
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -940,6 +942,22 @@ PY
     grep -v "^$" "$W/lt_algos.txt" | cut -c1-250 | tail -40
     save
     ab_loops loop "none" "" "--decode= --loop 256x1024,1x8192" base1 ;;
+  s28a)  # (written in session 27, not yet run) the GPU tests of the warm-up, among them that a step of 4096 + 1
+    # tokens compiles nothing after it (layers.mlp_parts); then a 32k prompt's 2048-token chunks as engine steps with
+    # cuDNN's prefill from 2048 tokens (PDSERVE_PREFILL_LIBRARY_MIN_CHUNK=2048) and as shipped (the Triton kernel below
+    # 4096), an 8192-token chunk beside them: is --max-long-prefill-tokens' slower prefill the kernel choice?
+    save() { tar czf "$OUT/s28a.tgz" -C "$OUT" s28a; }
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -6
+    save
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --loop= --decode= --max-model-len 40960"
+    for arm in lib2048 shipped; do
+      e=""; [ $arm = lib2048 ] && e="PDSERVE_PREFILL_LIBRARY_MIN_CHUNK=2048"
+      env $e timeout 150 $B --prefill 2048+2048,8192+2048,16384+2048,24576+2048,30720+2048,24576+8192 \
+        --out "$W/chunks_$arm.json" > "$W/chunks_$arm.txt" 2>&1
+      echo "== $arm"; grep -E "^prefill[^ ]*:|Error" "$W/chunks_$arm.txt" | cut -c1-200
+      save
+    done ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

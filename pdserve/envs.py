@@ -86,6 +86,15 @@ def prefill_library() -> str:
     return v
 
 
+def prefill_library_min_chunk(default: int) -> int:
+    """`PDSERVE_PREFILL_LIBRARY_MIN_CHUNK`: the fewest new tokens of a chunk on a prefix that cuDNN's prefill takes
+    (default: library_prefill.MIN_CHUNK; an A/B knob for benchmarks, read once at import)."""
+    v = int(os.environ.get("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", str(default)))
+    if v < 1:
+        raise ValueError(f"PDSERVE_PREFILL_LIBRARY_MIN_CHUNK must be positive, got {v}")
+    return v
+
+
 def prefill_config_file() -> str | None:
     """`PDSERVE_PREFILL_CONFIG`: a JSON file ({block_m, block_n, num_warps, num_stages[, g_pack]}) whose tiles replace
     the prefill attention kernel's default choice for bf16/fp16 models with head dim <= 128 on CUDA: what

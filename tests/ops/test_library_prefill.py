@@ -88,6 +88,16 @@ def test_off_on_cpu_and_by_environment(monkeypatch):
     assert lib.library_rows(p.meta, p.q, p.kv_layer, p.k, None, None) is None  # CPU: the Triton path
 
 
+def test_min_chunk_from_the_environment(monkeypatch):
+    monkeypatch.delenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", raising=False)
+    assert envs.prefill_library_min_chunk(4096) == 4096 == lib.MIN_CHUNK  # the default, as imported here
+    monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", "2048")
+    assert envs.prefill_library_min_chunk(4096) == 2048
+    monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", "0")
+    with pytest.raises(ValueError, match="PDSERVE_PREFILL_LIBRARY_MIN_CHUNK"):
+        envs.prefill_library_min_chunk(4096)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("hk", [2, 3])
 def test_gather_prefix_reads_the_real_pool_layout(fused, hk):

@@ -71,7 +71,10 @@ log = logging.getLogger(__name__)
 
 MIN_FRESH = 2048  # a whole prompt: cuDNN 87 vs Triton 116 us at 2048 tokens, 14.7 vs 19.5 ms at 32768 (H200)
 MIN_CHUNK = 4096  # a chunk on a prefix: 1.08-1.28x faster at 4096 on 4k-8k prefixes, 1.32-1.44x at 8192 on
-# 8k-24k, 1.5x slower at 2048 on 2048 (H200)
+# 8k-24k, 1.5x slower at 2048 on 2048 (H200); 2048-token chunks on longer prefixes are not measured yet (session 27:
+# a 32k prompt in 2048-token chunks prefilled 20 % slower than in 8192-token ones); PDSERVE_PREFILL_LIBRARY_MIN_CHUNK
+# changes it for an A/B
+MIN_CHUNK = envs.prefill_library_min_chunk(MIN_CHUNK)
 MAX_HEAD_DIM = 128  # measured at 128
 QUERY_BUCKET = 256  # calls' query (and causal key) counts are rounded up to this: a bounded set of shapes
 PREFIX_BUCKET = 1024  # the unmasked call's prefix length is rounded down to this; the rest joins the causal call
