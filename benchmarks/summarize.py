@@ -621,11 +621,11 @@ def session27() -> None:
               f"benchmarks/vs_vllm/interference.sh; {note}). Decoders: 1024 in / 1024 out at concurrency 32, alone, "
               f"then again with 8 prompts of 32768 tokens (1 out) sent one at a time; vLLM on GPU 0, the pdserve arms "
               f"(--max-long-prefill-tokens N) one after the other on GPU 1; vLLM's client:\n")
-        _interference(f"{base}/{folder}")
+        interference_table(f"{base}/{folder}")
 
 
-def _interference(folder: str) -> None:
-    """interference.sh's table: each arm's decoders alone and with the long stream, the long prompts' TTFT, and how
+def interference_table(folder: str) -> None:
+    """interference.sh's table (it prints it too, for its folder: an absolute path goes as it is): each arm's decoders alone and with the long stream, the long prompts' TTFT, and how
     many seconds of the long stream's run fell inside the decoders' (the results' end times, to a second)."""
     import datetime
 
@@ -639,11 +639,14 @@ def _interference(folder: str) -> None:
                   key=lambda t: (t != "vllm", int(t.split("_")[1]) if "_" in t else 0))
     for tag in tags:
         name = tag if tag == "vllm" else f"pdserve --max-long-prefill-tokens {tag.split('_')[1]}"
-        long = load(f"{folder}/{tag}_long.json")
+        long = load(f"{folder}/{tag}_long.json") if (B / folder / f"{tag}_long.json").exists() else None
         for phase in ("alone", "with_long"):
+            if not (B / folder / f"{tag}_dec_{phase}.json").exists():  # that run failed (its .txt says why)
+                print(f"| {name} | {phase.replace('_', ' ')} | missing | | | | |")
+                continue
             r = load(f"{folder}/{tag}_dec_{phase}.json")
             lt = ov = ""
-            if phase == "with_long":
+            if phase == "with_long" and long:
                 lt = f"{long['mean_ttft_ms']:.0f} / {long['median_ttft_ms']:.0f}"
                 (a0, a1), (b0, b1) = span(r), span(long)
                 ov = f"{max(0.0, min(a1, b1) - max(a0, b0)):.0f} of {b1 - b0:.0f}"

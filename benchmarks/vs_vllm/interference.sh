@@ -72,36 +72,6 @@ if [ "$GPUS" -ge 2 ] && [[ " $ARMS " == *" vllm "* ]]; then
 else
   for a in $ARMS; do arm $a 0 8200; done
 fi
-python3 - "$OUT" $ARMS <<'PY'
-import json, os, sys
-out, arms = sys.argv[1], sys.argv[2:]
-rows = []
-import datetime
-print("| server | decoders | out tok/s | mean TPOT ms | median / p90 / p99 ITL ms | long prompts' mean / median TTFT ms | "
-      "overlap s |")
-print("|---|---|---|---|---|---|---|")
-
-
-def span(r):
-    end = datetime.datetime.strptime(r["date"], "%Y%m%d-%H%M%S").timestamp()
-    return end - r["duration"], end
-
-for a in arms:
-    tag = a.replace(":", "_")
-    def load(name):
-        p = os.path.join(out, f"{tag}_{name}.json")
-        return json.load(open(p)) if os.path.exists(p) else None
-    long = load("long")
-    for phase in ("dec_alone", "dec_with_long"):
-        r = load(phase)
-        if r is None:
-            print(f"| {a} | {phase} | missing | | | |")
-            continue
-        lt = ov = ""
-        if long and phase == "dec_with_long":
-            lt = f"{long['mean_ttft_ms']:.0f} / {long['median_ttft_ms']:.0f}"
-            (a0, a1), (b0, b1) = span(r), span(long)
-            ov = f"{max(0.0, min(a1, b1) - max(a0, b0)):.0f} of {b1 - b0:.0f}"  # to a second: the dates' resolution
-        print(f"| {a} | {phase.replace('dec_', '')} | {r['output_throughput']:,.1f} | {r['mean_tpot_ms']:.2f} | "
-              f"{r['median_itl_ms']:.1f} / {r['p90_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {lt} | {ov} |")
-PY
+# the table (benchmarks/summarize.py prints the same one into docs/benchmarks.md)
+python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import summarize; summarize.interference_table(sys.argv[1])' \
+  "$OUT"
