@@ -286,6 +286,18 @@ def test_long_prompts_capped_beside_decodes_give_the_same_tokens(tiny_model_dirs
     ref = drive(core_for(path, False), arrivals, aborts)
     for async_on in (False, True):
         core = core_for(path, async_on, max_long_prefill_tokens=4)
+        capped = []  # (prompt tokens of long prompts beside decode rows) of each step that had both
+        schedule = core.scheduler.schedule
+
+        def watched(schedule=schedule, capped=capped):
+            batch = schedule()
+            rows = list(zip(batch.requests, batch.num_new_tokens))
+            if any(r.num_computed_tokens >= r.num_prompt_tokens for r, _ in rows):  # some row decodes
+                capped.append(sum(n for r, n in rows if r.num_prompt_tokens - r.num_computed_tokens > 4))
+            return batch
+
+        core.scheduler.schedule = watched
         got = drive(core, arrivals, aborts)
         assert {r: got[r]["tokens"] for r in got} == {r: ref[r]["tokens"] for r in ref}, async_on
-        assert core.scheduler.max_long_prefill_tokens == 4
+        # the 41-token prompt arrives with a 2-token one: beside its decoding, it came in chunks of the cap
+        assert 4 in capped and max(capped) <= 4, (async_on, capped)
