@@ -119,8 +119,9 @@
 #   s24b       the batch-1 8k loop's kernels under the profiler with the norm fold (kernels a step, GPU idle)
 #   s27a       cuBLASLt's candidate algorithms for the decode products (probe_lt_algos.py) against torch's pick; the
 #              steady loops as shipped
-#   s28a       (not yet run) the warm-up's GPU tests (a step of 4096 + 1 tokens compiles nothing); a 32k prompt's
-#              2048-token chunks with cuDNN from 2048 tokens and as shipped
+#   s28a       the warm-up's GPU tests (a step of 4096 + 1 tokens compiles nothing); a 32k prompt's 2048-token chunks
+#              with cuDNN from 2048 tokens and as shipped
+#   s28b       chunks of 256-2048 tokens on aligned and unaligned prefixes, cuDNN (MIN_CHUNK 256) against Triton
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -942,7 +943,7 @@ PY
     grep -v "^$" "$W/lt_algos.txt" | cut -c1-250 | tail -40
     save
     ab_loops loop "none" "" "--decode= --loop 256x1024,1x8192" base1 ;;
-  s28a)  # (written in session 27, not yet run) the GPU tests of the warm-up, among them that a step of 4096 + 1
+  s28a)  # the GPU tests of the warm-up, among them that a step of 4096 + 1
     # tokens compiles nothing after it (layers.mlp_parts); then a 32k prompt's 2048-token chunks as engine steps with
     # cuDNN's prefill from 2048 tokens (PDSERVE_PREFILL_LIBRARY_MIN_CHUNK=2048) and as shipped (the Triton kernel below
     # 4096), an 8192-token chunk beside them: is --max-long-prefill-tokens' slower prefill the kernel choice?
@@ -955,6 +956,19 @@ PY
       e=""; [ $arm = lib2048 ] && e="PDSERVE_PREFILL_LIBRARY_MIN_CHUNK=2048"
       env $e timeout 150 $B --prefill 2048+2048,8192+2048,16384+2048,24576+2048,30720+2048,24576+8192 \
         --out "$W/chunks_$arm.json" > "$W/chunks_$arm.txt" 2>&1
+      echo "== $arm"; grep -E "^prefill[^ ]*:|Error" "$W/chunks_$arm.txt" | cut -c1-200
+      save
+    done ;;
+  s28b)  # a chunk on a prefix below 2048 tokens: cuDNN (PDSERVE_PREFILL_LIBRARY_MIN_CHUNK=256) against the Triton
+    # kernel (as shipped: MIN_CHUNK 4096), chunks of 256-2048 tokens on prefixes aligned to PREFIX_BUCKET (1024) and
+    # not (16900, 17000, 30000: the causal call carries the prefix's tokens past the bucket as dummy query rows);
+    # 16384+4096 takes cuDNN in both arms (the control)
+    save() { tar czf "$OUT/s28b.tgz" -C "$OUT" s28b; }
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --mixed= --loop= --decode= --max-model-len 40960"
+    P=1024+1024,8192+1024,16384+1024,30720+1024,16900+1024,8192+512,30720+512,16900+512,8192+256,30720+256,17000+2048,30000+2048,16384+4096
+    for arm in lib256 shipped; do
+      e=""; [ $arm = lib256 ] && e="PDSERVE_PREFILL_LIBRARY_MIN_CHUNK=256"
+      env $e timeout 200 $B --prefill $P --out "$W/chunks_$arm.json" > "$W/chunks_$arm.txt" 2>&1
       echo "== $arm"; grep -E "^prefill[^ ]*:|Error" "$W/chunks_$arm.txt" | cut -c1-200
       save
     done ;;
