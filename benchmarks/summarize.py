@@ -633,7 +633,9 @@ def interference_table(folder: str) -> None:
         end = datetime.datetime.strptime(r["date"], "%Y%m%d-%H%M%S").timestamp()
         return end - r["duration"], end
 
-    print("| server | decoders | out tok/s | mean TPOT ms | median / p90 / p99 ITL ms | long prompts' mean / median "
+    deep = any("p99.9_itl_ms" in load(str(p)) for p in (B / folder).glob("*_dec_*.json"))
+    itl = "median / p90 / p99 / p99.9" if deep else "median / p90 / p99"  # p99.9 from session 28
+    print(f"| server | decoders | out tok/s | mean TPOT ms | {itl} ITL ms | long prompts' mean / median "
           "TTFT ms | overlap s |\n|---|---|---|---|---|---|---|")
     tags = sorted({p.name.rsplit("_dec_alone", 1)[0] for p in (B / folder).glob("*_dec_alone.json")},
                   key=lambda t: (t != "vllm", int(t.split("_")[1]) if "_" in t else 0))
@@ -650,8 +652,10 @@ def interference_table(folder: str) -> None:
                 lt = f"{long['mean_ttft_ms']:.0f} / {long['median_ttft_ms']:.0f}"
                 (a0, a1), (b0, b1) = span(r), span(long)
                 ov = f"{max(0.0, min(a1, b1) - max(a0, b0)):.0f} of {b1 - b0:.0f}"
+            ps = ("median", "p90", "p99", "p99.9") if deep else ("median", "p90", "p99")
+            itls = " / ".join(f"{r[p + '_itl_ms']:.1f}" for p in ps)
             print(f"| {name} | {phase.replace('_', ' ')} | {r['output_throughput']:,.1f} | {r['mean_tpot_ms']:.2f} | "
-                  f"{r['median_itl_ms']:.1f} / {r['p90_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {lt} | {ov} |")
+                  f"{itls} | {lt} | {ov} |")
 
 
 def session26() -> None:

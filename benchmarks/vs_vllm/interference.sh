@@ -26,7 +26,7 @@ client() {  # PORT SPEC(in:out:n:c) FILE SEED: vLLM's bench serve, one result JS
   local i o n c; IFS=: read i o n c <<< "$2"
   timeout 400 $V bench serve --backend vllm --base-url http://127.0.0.1:$1 --model $NAME --tokenizer $M \
     --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency $c \
-    --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 0 --seed $4 \
+    --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99,99.9 --num-warmups 0 --seed $4 \
     --save-result --result-dir "$OUT" --result-filename $3.json > "$OUT/$3.txt" 2>&1 || echo "$3: client failed"
 }
 ready() {  # PORT PID LOG: wait (at most 420 s) until a completion is answered

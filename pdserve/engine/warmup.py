@@ -150,7 +150,8 @@ def warm_up(core: EngineCore) -> dict:
                 raise RuntimeError(f"the start-up warm-up did not end after {MAX_STEPS} steps")
     core.check_whole()
     if cfg.attention_backend in ("auto", "triton"):
-        count_lib = max(core.executor.collective_rpc(warm_library, cfg.max_num_batched_tokens, core.max_model_len))
+        count_lib = max(core.executor.collective_rpc(warm_library, cfg.max_num_batched_tokens, core.max_model_len,
+                                                         cfg.max_long_prefill_tokens))
     else:
         count_lib = 0
     core.kv.pool.reset_prefix_cache()
@@ -182,10 +183,11 @@ def many_program_steps(core: EngineCore) -> tuple[int, int]:
             decode.many_program_split_rows(hk, long_len, core.device))
 
 
-def warm_library(worker, max_tokens: int, max_model_len: int) -> int:
-    """On a rank (Worker): build the library prefill's call shapes for this rank's heads
-    (pdserve.ops.attention.library_prefill.warm_up); cuDNN builds a plan the first time it meets a shape, 50-180 ms
-    each on an H200, which the first long prompts would otherwise pay in their TTFT."""
+def warm_library(worker, max_tokens: int, max_model_len: int, chunk: int = 0) -> int:
+    """On a rank (Worker): build the library prefill's call shapes for this rank's heads, for full chunks and for
+    chunks of `chunk` tokens (max_long_prefill_tokens) (pdserve.ops.attention.library_prefill.warm_up); cuDNN builds
+    a plan the first time it meets a shape, 50-180 ms each on an H200, which the first long prompts would otherwise
+    pay in their TTFT."""
     from pdserve.model.shapes import head_dim
     from pdserve.ops.attention import library_prefill
     from pdserve.parallel.ranges import local_kv_heads
@@ -196,4 +198,4 @@ def warm_library(worker, max_tokens: int, max_model_len: int) -> int:
     cfg, tp = worker.hf_config, worker.tp.size
     return library_prefill.warm_up(worker.device, worker.dtype, max(1, cfg.num_attention_heads // tp),
                                    local_kv_heads(cfg.num_key_value_heads, tp), head_dim(cfg), max_tokens,
-                                   max_model_len)
+                                   max_model_len, chunk)

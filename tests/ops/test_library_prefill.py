@@ -90,7 +90,7 @@ def test_off_on_cpu_and_by_environment(monkeypatch):
 
 def test_min_chunk_from_the_environment(monkeypatch):
     monkeypatch.delenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", raising=False)
-    assert envs.prefill_library_min_chunk(4096) == 4096 == lib.MIN_CHUNK  # the default, as imported here
+    assert envs.prefill_library_min_chunk(1024) == 1024 == lib.MIN_CHUNK  # the default, as imported here
     monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", "2048")
     assert envs.prefill_library_min_chunk(4096) == 2048
     monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", "0")
@@ -198,8 +198,18 @@ def test_warm_shapes_cover_fresh_buckets_and_full_chunks():
     assert [c for n, c in shapes if c] == list(range(1024, 32769, 1024))
     assert all(n == 8192 for n, c in shapes if c)
     assert lib.warm_shapes(1000, 4096) == []  # no row of such an engine takes the library
-    assert lib.warm_shapes(3000, 4096) == [(n, 0) for n in (2048, 2304, 2560, 2816)] + [(3000, 0)]
+    assert lib.warm_shapes(3000, 4096) == [(n, 0) for n in (2048, 2304, 2560, 2816)] + [(3000, 0), (3000, 1024)]
     assert len(lib.warm_shapes(8192, 10 ** 6)) == 25 + lib.WARM_MAX_PREFIXES
+
+
+def test_warm_shapes_add_the_long_prefill_cap_chunks():
+    base = lib.warm_shapes(8192, 40960)
+    capped = lib.warm_shapes(8192, 40960, chunk=2048)
+    assert capped[:len(base)] == base  # full chunks first, as without a cap
+    assert capped[len(base):] == [(2048, c) for c in range(1024, 38913, 1024)][:lib.WARM_MAX_PREFIXES]
+    # a cap the Triton kernel takes (below MIN_CHUNK), or one no smaller than the step, adds nothing
+    assert lib.warm_shapes(8192, 40960, chunk=lib.MIN_CHUNK - 1) == base
+    assert lib.warm_shapes(8192, 40960, chunk=8192) == base == lib.warm_shapes(8192, 40960, chunk=9000)
 
 
 def test_warm_up_is_a_no_op_without_the_library():

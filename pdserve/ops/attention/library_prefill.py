@@ -70,10 +70,10 @@ if HAS_TRITON:
 log = logging.getLogger(__name__)
 
 MIN_FRESH = 2048  # a whole prompt: cuDNN 87 vs Triton 116 us at 2048 tokens, 14.7 vs 19.5 ms at 32768 (H200)
-MIN_CHUNK = 4096  # a chunk on a prefix: 1.08-1.28x faster at 4096 on 4k-8k prefixes, 1.32-1.44x at 8192 on
-# 8k-24k, 1.5x slower at 2048 on 2048 (H200); 2048-token chunks on longer prefixes are not measured yet (session 27:
-# a 32k prompt in 2048-token chunks prefilled 20 % slower than in 8192-token ones); PDSERVE_PREFILL_LIBRARY_MIN_CHUNK
-# changes it for an A/B
+MIN_CHUNK = 1024  # a chunk on a prefix (H200, dummy Qwen3-8B steps, benchmarks/lease_s28): cuDNN against the Triton
+# kernel was 1.12-1.25x faster at 1024 tokens on 8k-31k prefixes and even at 1024 on 1024, 1.18-1.27x at 2048 on
+# 8k-31k, 1.01-1.37x at 256-512 on 8k-31k (equal at 512 on 8192); the shapes below 1024 are left to Triton because
+# each new shape costs a plan build (below) for little gain; PDSERVE_PREFILL_LIBRARY_MIN_CHUNK changes it for an A/B
 MIN_CHUNK = envs.prefill_library_min_chunk(MIN_CHUNK)
 MAX_HEAD_DIM = 128  # measured at 128
 QUERY_BUCKET = 256  # calls' query (and causal key) counts are rounded up to this: a bounded set of shapes
@@ -268,28 +268,30 @@ def attend_row(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, kp: torch.T
               lb.reshape(hq, sb)[:, r: r + q_len], out)
 
 
-def warm_shapes(max_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
+def warm_shapes(max_tokens: int, max_model_len: int, chunk: int = 0) -> list[tuple[int, int]]:
     """(new tokens, prefix) of the rows whose call shapes start-up builds, ahead of the first requests: a fresh
-    prompt in each query bucket from MIN_FRESH to max_tokens, and a full chunk of max_tokens on each multiple of
-    PREFIX_BUCKET a prompt of max_model_len reaches (at most WARM_MAX_PREFIXES of them). The rest (chunks shifted by
-    decode rows, longer prefixes) build on first use."""
+    prompt in each query bucket from MIN_FRESH to max_tokens, and a chunk of max_tokens, and of `chunk` tokens (the
+    engine's max_long_prefill_tokens, when set), on each multiple of PREFIX_BUCKET a prompt of max_model_len reaches
+    (at most WARM_MAX_PREFIXES of them). The rest (chunks shifted by decode rows, longer prefixes) build on first
+    use."""
     fresh = [(n, 0) for n in range(_round_up(MIN_FRESH, QUERY_BUCKET), max_tokens + 1, QUERY_BUCKET)]
     if max_tokens >= MIN_FRESH and (not fresh or fresh[-1][0] != max_tokens):
         fresh.append((max_tokens, 0))
     chunks = []
-    if max_tokens >= MIN_CHUNK:
-        top = min(max_model_len - max_tokens, WARM_MAX_PREFIXES * PREFIX_BUCKET)
-        chunks = [(max_tokens, c) for c in range(PREFIX_BUCKET, top + 1, PREFIX_BUCKET)]
+    for n in sorted({max_tokens} | ({chunk} if 0 < chunk < max_tokens else set()), reverse=True):
+        if n >= MIN_CHUNK:
+            top = min(max_model_len - n, WARM_MAX_PREFIXES * PREFIX_BUCKET)
+            chunks += [(n, c) for c in range(PREFIX_BUCKET, top + 1, PREFIX_BUCKET)]
     return fresh + chunks
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
-            max_tokens: int, max_model_len: int) -> int:
+            max_tokens: int, max_model_len: int, chunk: int = 0) -> int:
     """Build cuDNN's plans for `warm_shapes` (and compile the merge kernel) on zero inputs; returns how many rows
     ran (0 where the library is off or these shapes do not take it)."""
     if not (enabled(device) and dtype in DTYPES and head_dim <= MAX_HEAD_DIM):
         return 0
-    shapes = warm_shapes(max_tokens, max_model_len)
+    shapes = warm_shapes(max_tokens, max_model_len, chunk)
     if not shapes:
         return 0
     longest_new = max(n for n, _ in shapes)
