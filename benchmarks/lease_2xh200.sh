@@ -28,6 +28,7 @@
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, tuned on both GPUs at once and merged
 #   interfere  decoders' TPOT alone and under a stream of 32k prompts, vLLM and pdserve arms of --max-long-prefill-tokens
 #   unpack     the staging tar (.stage/c0..c9, one part carried per call) joined into .vllm-stage; vLLM installed
+#   lib_tests  the GPU tests of the library prefill and of the start-up warm-up, on GPU 0
 #   pd_one     PD_MODE=pd-pdserve or pd-vllm: one 1P1D deployment, 1024/1024 c256 and 8192/16, vLLM's client
 #   pd_policy  1P1D with the router's local-prefill fallback as shipped and off (always remote), pdserve's client;
 #              GC_PROBE=1: every process logs its garbage-collection pauses
@@ -213,6 +214,12 @@ PY
     OUT=$W STAGE=.vllm-stage ARMS="${INTERF_ARMS:-vllm pdserve:0 pdserve:2048 pdserve:1024}" \
       timeout ${INTERF_LIMIT:-560} bash benchmarks/vs_vllm/interference.sh 2>&1 | tail -20
     tar czf "$OUT/interfere.tgz" -C "$OUT" interfere ;;
+  lib_tests)
+    # the GPU tests of the library prefill (cuDNN against the torch reference, from MIN_CHUNK tokens on a prefix) and of
+    # the start-up warm-up (nothing compiled after it), on GPU 0
+    CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+      tests/ops/test_library_prefill.py tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" \
+      | cut -c1-900 | tail -8 ;;
   unpack)
     # the staging tar, carried in parts one per call (.stage/c0..c9 with part0..part9; session 25: the tree left
     # ~40 MB a call), joined and unpacked into .vllm-stage; vLLM installed into /tmp/site (kept while warm)
