@@ -122,6 +122,7 @@
 #   s28a       the warm-up's GPU tests (a step of 4096 + 1 tokens compiles nothing); a 32k prompt's 2048-token chunks
 #              with cuDNN from 2048 tokens and as shipped
 #   s28b       chunks of 256-2048 tokens on aligned and unaligned prefixes, cuDNN (MIN_CHUNK 256) against Triton
+#   s28c       the merge kernel's one-binary GPU test, with the fix and with it reverted (should fail)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -972,6 +973,13 @@ PY
       echo "== $arm"; grep -E "^prefill[^ ]*:|Error" "$W/chunks_$arm.txt" | cut -c1-200
       save
     done ;;
+  s28c)  # the merge kernel as one binary for any chunk length and offset: its GPU test, then the same test with the
+    # kernel's decorator reverted to a plain @triton.jit in this (device) copy, where it should fail
+    T="tests/ops/test_library_prefill.py::test_merge_two_is_one_binary_for_any_length_and_offset"
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=line $T 2>&1 | tee "$W/fixed.txt" | tail -3
+    sed -i 's/^@triton.jit(do_not_specialize=\["L"\].*$/@triton.jit/' pdserve/ops/attention/merge.py
+    grep -n "^@triton.jit" pdserve/ops/attention/merge.py
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=line $T 2>&1 | tee "$W/reverted.txt" | tail -3 ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -59,6 +59,41 @@ def test_merge_two_side_without_keys_weighs_nothing(fused):
     assert (out[:, 1] == 0).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_merge_two_is_one_binary_for_any_length_and_offset():
+    """A chunk's length (a multiple of 16 or not) and its rows' offset in the causal call's log-sum-exps (4-byte
+    floats: 16-byte aligned or not) differ from step to step: none of them may compile the kernel again."""
+    from triton import knobs
+
+    dev = torch.device("cuda")
+    h, d, total = 4, 128, 1024
+    o = torch.randn((h, total, d), device=dev, dtype=torch.bfloat16)
+    lse = torch.randn((h, total), device=dev)
+
+    def run(n, r):
+        out = torch.empty((n, h, d), device=dev, dtype=torch.bfloat16)
+        merge_two(o[:, :n], lse[:, :n], o[:, r: r + n], lse[:, r: r + n], out)
+        torch.testing.assert_close(out, merge_two_reference(o[:, :n], lse[:, :n], o[:, r: r + n], lse[:, r: r + n]),
+                                   atol=2e-2, rtol=2e-2)
+
+    run(512, 0)  # compiles (or loads) the one binary
+    rt = knobs.runtime
+    saved, misses = rt.jit_cache_hook, []
+
+    def count(**kw):
+        misses.append(kw.get("repr"))
+        return saved(**kw) if saved is not None else None
+
+    rt.jit_cache_hook = count
+    try:
+        for n, r in ((500, 0), (512, 2), (500, 3), (1, 1), (496, 496)):
+            run(n, r)
+    finally:
+        rt.jit_cache_hook = saved
+    assert misses == [], f"merge_two compiled again for {misses}"
+
+
 def test_merge_two_refuses_mismatched_shapes():
     o = torch.zeros((2, 4, 8))
     with pytest.raises(ValueError, match="merge_two"):

@@ -16,7 +16,10 @@ import triton.language as tl
 from pdserve.ops.dispatch import use_fused
 
 
-@triton.jit
+# one binary whatever a chunk's length and where its rows start in the causal call's output (L's divisibility and the
+# log-sum-exp slice's alignment vary with the step's decode rows): session 28's server compiled a second one while
+# serving, for a chunk whose length was a multiple of 16 after the warm-up had met one that was not
+@triton.jit(do_not_specialize=["L"], do_not_specialize_on_alignment=["O1", "L1", "O2", "L2", "Out"])
 def _merge_two_kernel(O1, L1, O2, L2, Out, L,
                       s_o1h, s_o1t, s_o2h, s_o2t, s_l1h, s_l1t, s_l2h, s_l2t, s_ot, s_oh,
                       D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
