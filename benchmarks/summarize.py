@@ -624,6 +624,39 @@ def session27() -> None:
         interference_table(f"{base}/{folder}")
 
 
+def session28() -> None:
+    """Session 28 (one H200, two 2xH200 machines, one H200): the library (cuDNN) prefill against the Triton kernel on
+    chunks of 256-2048 tokens on prefixes; decoders under a stream of long prompts with cuDNN from 1024 tokens."""
+    base = "lease_s28"
+    print("A chunk of a long prompt as one engine step (`bench_steps.py --prefill C+N`: N new tokens on C cached, "
+          "dummy Qwen3-8B, one H200; s28a and s28b are separate calls, each arm a fresh process): cuDNN's prefill "
+          "(PDSERVE_PREFILL_LIBRARY_MIN_CHUNK set low enough) against the Triton kernel (as shipped then, MIN_CHUNK "
+          "4096), median step ms and the matmul floor's share:\n")
+    print("| call | step | path | cuDNN ms | Triton ms | Triton / cuDNN | cuDNN of floor | Triton of floor |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for call, lib in (("s28a", "lib2048"), ("s28b", "lib256")):
+        a = {r["case"]: r for r in load(f"{base}/{call}/chunks_{lib}.json")["results"]}
+        b = {r["case"]: r for r in load(f"{base}/{call}/chunks_shipped.json")["results"]}
+        for case, r in a.items():
+            t = b[case]
+            print(f"| {call} | {case.split(':', 1)[1]} | {r['path']} | {r['step_ms_median']:.2f} | "
+                  f"{t['step_ms_median']:.2f} | {t['step_ms_median'] / r['step_ms_median']:.2f} | "
+                  f"{r['fraction_of_floor']:.0%} | {t['fraction_of_floor']:.0%} |")
+    print("\n(24576+8192 and 16384+4096 take cuDNN in both arms: the controls.)")
+    for folder, note in (("interfere", "round 1, code 83bfe4e: cuDNN from 1024 tokens on a prefix, start-up building "
+                          "the cap's chunk shapes"),
+                         ("interfere_r2", "round 2, another machine, code 332e43e (round 1's engine and a test stage): "
+                          "the cap 1024 arm left out")):
+        print(f"\nDecoders under a stream of long prompts ({folder}/, `lease_2xh200.sh interfere`; {note}). "
+              f"Decoders: 1024 in / 1024 out, 128 prompts at concurrency 32, alone, then again with 8 prompts of 32768 "
+              f"tokens (1 out) sent one at a time from 8 s after them; vLLM on GPU 0, the pdserve arms "
+              f"(--max-long-prefill-tokens N) one after the other on GPU 1; vLLM's client; kernels pdserve compiled "
+              f"while serving, by arm: "
+              + ", ".join(f"{p.name.split('.')[0].split('_')[1]}: {_compiles(str(p.relative_to(B)))}"
+                          for p in sorted((B / base / folder).glob("pdserve_*.log.gz"))) + "\n")
+        interference_table(f"{base}/{folder}")
+
+
 def interference_table(folder: str) -> None:
     """interference.sh's table (it prints it too, for its folder: an absolute path goes as it is): each arm's decoders alone and with the long stream, the long prompts' TTFT, and how
     many seconds of the long stream's run fell inside the decoders' (the results' end times, to a second)."""
@@ -2024,6 +2057,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session28()
+    print()
     session27()
     print()
     session26()

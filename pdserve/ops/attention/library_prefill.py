@@ -70,10 +70,10 @@ if HAS_TRITON:
 log = logging.getLogger(__name__)
 
 MIN_FRESH = 2048  # a whole prompt: cuDNN 87 vs Triton 116 us at 2048 tokens, 14.7 vs 19.5 ms at 32768 (H200)
-MIN_CHUNK = 1024  # a chunk on a prefix (H200, dummy Qwen3-8B steps, benchmarks/lease_s28): cuDNN against the Triton
-# kernel was 1.12-1.25x faster at 1024 tokens on 8k-31k prefixes and even at 1024 on 1024, 1.18-1.27x at 2048 on
-# 8k-31k, 1.01-1.37x at 256-512 on 8k-31k (equal at 512 on 8192); the shapes below 1024 are left to Triton because
-# each new shape costs a plan build (below) for little gain; PDSERVE_PREFILL_LIBRARY_MIN_CHUNK changes it for an A/B
+MIN_CHUNK = 1024  # a chunk on a prefix (H200, dummy Qwen3-8B steps, benchmarks/lease_s28): a step with cuDNN
+# against one with the Triton kernel was 1.12-1.25x faster at 1024 tokens on 8k-31k prefixes (1.01x on 1024), 1.14-1.27x
+# at 2048 on 8k-31k (1.03x on 2048), 1.00-1.37x at 256-512 on 8k-31k; the chunks below 1024 are left to Triton, since
+# each new shape costs a plan build (below); PDSERVE_PREFILL_LIBRARY_MIN_CHUNK changes it for an A/B
 MIN_CHUNK = envs.prefill_library_min_chunk(MIN_CHUNK)
 MAX_HEAD_DIM = 128  # measured at 128
 QUERY_BUCKET = 256  # calls' query (and causal key) counts are rounded up to this: a bounded set of shapes
