@@ -123,6 +123,7 @@
 #              with cuDNN from 2048 tokens and as shipped
 #   s28b       chunks of 256-2048 tokens on aligned and unaligned prefixes, cuDNN (MIN_CHUNK 256) against Triton
 #   s28c       the merge kernel's one-binary GPU test, with the fix and with it reverted (should fail)
+#   s28d       the library prefill's GPU tests; long prompts after the warm-up build no cuDNN plan (plan_watch)
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -980,6 +981,12 @@ PY
     sed -i 's/^@triton.jit(do_not_specialize=\["L"\].*$/@triton.jit/' pdserve/ops/attention/merge.py
     grep -n "^@triton.jit" pdserve/ops/attention/merge.py
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=line $T 2>&1 | tee "$W/reverted.txt" | tail -3 ;;
+  s28d)  # cuDNN's prefill on planned shapes only below MIN_CHUNK, and the plan watcher: the library prefill's GPU tests,
+    # and that long prompts after the warm-up (capped chunks beside a decoding request, full chunks alone) build no
+    # cuDNN plan while a prefix-cache hit of a new long chunk length builds one
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
+      tests/engine/test_warmup.py::test_long_prompts_after_the_warm_up_build_no_cudnn_plan 2>&1 | tee "$W/gpu_tests.txt" \
+      | grep -v "^\.*$" | cut -c1-1500 | tail -12 ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -41,6 +41,7 @@ from pdserve.engine.scheduler import Scheduler, failed_outputs
 from pdserve.engine.warmup import warm_up
 from pdserve.kv.nvtx import mark, nvtx_range
 from pdserve.model.loader import choose_dtype, load_config, resolve_model
+from pdserve.ops.attention.plan_watch import WATCH as PLANS
 from pdserve.ops.jit_watch import WATCH
 from pdserve.parallel.ranges import kv_head_range
 from pdserve.sampling_params import SamplingParams
@@ -150,7 +151,7 @@ class EngineCore:
         if (self.device.type == "cuda") if config.warmup is None else config.warmup:
             with self.executor.closing_on_error():
                 self.warmup = warm_up(self)
-        self.executor.collective_rpc("arm_jit_watch")  # kernels compiled from here on are logged and counted
+        self.executor.collective_rpc("arm_jit_watch")  # kernels compiled, cuDNN plans built from here on: logged, counted
         log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each), role %s",
                  time.time() - t0, config.model, self.device, self.dtype, num_blocks, config.block_size, bb / 2**20,
                  kvt.role)
@@ -410,6 +411,8 @@ class EngineCore:
         }
         if WATCH.armed:
             out.update(WATCH.stats())
+        if PLANS.armed:
+            out.update(PLANS.stats())
         if self.connector is not None:
             out["pd"] = {**self.handover.as_dict(), **self.connector.stats(),
                          "quarantine_blocks": self.kv.num_quarantined_blocks}

@@ -39,6 +39,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_inputs import StepPlan
 from pdserve.gc_heap import freeze_startup_heap
 from pdserve.model.loader import ModelSource, build_model
+from pdserve.ops.attention.plan_watch import WATCH as PLANS
 from pdserve.ops.jit_watch import WATCH
 from pdserve.parallel.group import TPGroup, init_group, tp_context
 from pdserve.parallel.ranges import kv_head_range
@@ -170,9 +171,13 @@ class Worker:
         return torch.cuda.mem_get_info(self.device)
 
     def arm_jit_watch(self) -> None:
-        """Count and log the kernels Triton compiles from now on in this rank's process (pdserve.ops.jit_watch)."""
-        if self.device.type == "cuda" and WATCH.install():
+        """Count and log the kernels Triton compiles (pdserve.ops.jit_watch) and the cuDNN attention plans torch builds
+        (pdserve.ops.attention.plan_watch) from now on in this rank's process."""
+        if self.device.type != "cuda":
+            return
+        if WATCH.install():
             WATCH.arm()  # installed at __init__: the warm-up's compiles are the comparison's base
+        PLANS.arm()
 
     def freeze_heap(self) -> int:
         """This rank's process's start-up heap frozen out of the collector's scans (pdserve.gc_heap): only in a

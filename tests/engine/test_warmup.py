@@ -183,3 +183,48 @@ def test_a_step_one_token_past_an_mlp_part_compiles_nothing():
         assert WATCH.compiled_after_arm == before, f"{WATCH.compiled_after_arm - before} kernels compiled"
     finally:
         core.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_long_prompts_after_the_warm_up_build_no_cudnn_plan():
+    """On CUDA (cuDNN's prefill: sm_90+): after the warm-up, a long prompt in --max-long-prefill-tokens' chunks beside
+    a decoding request, then one alone in full chunks, run on cuDNN plans the warm-up built (plan_watch counts any
+    other; their short last chunks go to the Triton kernel); a prefix-cache hit whose new tokens are a long chunk of a
+    length no warm-up shape has then builds one, and the watcher counts it."""
+    import torch
+
+    from pdserve.ops.attention import library_prefill as lib
+    from pdserve.ops.attention.plan_watch import WATCH as PLANS
+    from pdserve.ops.jit_watch import WATCH
+
+    if not lib.enabled(torch.device("cuda")):
+        pytest.skip("cuDNN's prefill needs compute capability 9.0+")
+    core = EngineCore(EngineConfig(model="qwen3-8b", load_format="dummy", device="cuda", dtype="bfloat16",
+                                   gpu_memory_utilization=0.5, max_num_batched_tokens=8192, max_num_seqs=8,
+                                   max_model_len=24576, max_long_prefill_tokens=2048))
+    try:
+        assert PLANS.armed and core.warmup is not None
+        compiled = WATCH.compiled_after_arm
+        g = torch.Generator().manual_seed(2)
+        long_ids = torch.randint(0, 151000, (20000,), generator=g).tolist()
+        core.add_request("decoding", [3] * 20, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        core.step()
+        core.add_request("capped", long_ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while core.has_work():  # 2048-token chunks on prefixes of 2048, 4096, ... beside the decoding row
+            core.step()
+        core.add_request("alone", torch.randint(0, 151000, (20000,), generator=g).tolist(),
+                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while core.has_work():  # 8192-token chunks on prefixes of 8192 and 16384
+            core.step()
+        assert PLANS.built_after_arm == 0, f"{PLANS.built_after_arm} cuDNN plans built ({PLANS.stats()})"
+        # the first 8192 tokens from the prefix cache, 5000 new ones: past MIN_CHUNK, of a length no warm-up shape has
+        core.add_request("hit", long_ids[:8192] + list(range(1, 5001)), SamplingParams(max_tokens=2, temperature=0.0))
+        while core.has_work():
+            core.step()
+        assert PLANS.built_after_arm >= 1 and PLANS.seconds_after_arm > 0
+        assert core.stats()["cudnn_plans_built_after_warmup"] == PLANS.built_after_arm
+        core.check_whole()
+        assert WATCH.compiled_after_arm == compiled, f"{WATCH.compiled_after_arm - compiled} kernels compiled"
+    finally:
+        core.close()

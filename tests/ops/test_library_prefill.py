@@ -111,6 +111,22 @@ def test_rows_qualify_by_length_and_prefix():
     assert lib._qualifying_rows([0, 1, 2], [7, 9]) is None  # decode only
 
 
+def test_short_chunks_qualify_on_shapes_planned_before(monkeypatch):
+    """Below MIN_CHUNK a chunk on a prefix takes cuDNN only where its calls' shapes were run before (no plan to
+    build while serving), and only from MIN_PLANNED tokens; a fresh short prompt never."""
+    monkeypatch.setattr(lib, "_planned_shapes", set())
+    assert not lib.row_qualifies(2048, 4096)
+    lib._planned_shapes.add(lib.bucketed_shapes(2048, 4096)[:3])  # as attend_row records a row it ran (the warm-up's)
+    assert lib.row_qualifies(2048, 4096)
+    assert lib.row_qualifies(1800, 4096)  # padded to the same 2048 query rows and causal size
+    assert not lib.row_qualifies(2048, 4096 + 200)  # 200 prefix tokens join the causal call: a larger size
+    assert not lib.row_qualifies(2048, 5120) and not lib.row_qualifies(2304, 4096)  # other prefix, other rows
+    lib._planned_shapes.add(lib.bucketed_shapes(1024, 0)[:3])
+    assert not lib.row_qualifies(1024, 0)  # a fresh prompt: MIN_FRESH decides, planned or not
+    lib._planned_shapes.add(lib.bucketed_shapes(256, 4096)[:3])
+    assert lib.MIN_PLANNED > 256 and not lib.row_qualifies(256, 4096)  # too short whatever was planned
+
+
 def test_off_on_cpu_and_by_environment(monkeypatch):
     assert not lib.enabled(torch.device("cpu"))
     monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY", "none")
@@ -125,7 +141,7 @@ def test_off_on_cpu_and_by_environment(monkeypatch):
 
 def test_min_chunk_from_the_environment(monkeypatch):
     monkeypatch.delenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", raising=False)
-    assert envs.prefill_library_min_chunk(1024) == 1024 == lib.MIN_CHUNK  # the default, as imported here
+    assert envs.prefill_library_min_chunk(4096) == 4096 == lib.MIN_CHUNK  # the default, as imported here
     monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", "2048")
     assert envs.prefill_library_min_chunk(4096) == 2048
     monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", "0")
@@ -233,7 +249,7 @@ def test_warm_shapes_cover_fresh_buckets_and_full_chunks():
     assert [c for n, c in shapes if c] == list(range(1024, 32769, 1024))
     assert all(n == 8192 for n, c in shapes if c)
     assert lib.warm_shapes(1000, 4096) == []  # no row of such an engine takes the library
-    assert lib.warm_shapes(3000, 4096) == [(n, 0) for n in (2048, 2304, 2560, 2816)] + [(3000, 0), (3000, 1024)]
+    assert lib.warm_shapes(3000, 4096) == [(n, 0) for n in (2048, 2304, 2560, 2816)] + [(3000, 0)]
     assert len(lib.warm_shapes(8192, 10 ** 6)) == 25 + lib.WARM_MAX_PREFIXES
 
 
@@ -242,8 +258,9 @@ def test_warm_shapes_add_the_long_prefill_cap_chunks():
     capped = lib.warm_shapes(8192, 40960, chunk=2048)
     assert capped[:len(base)] == base  # full chunks first, as without a cap
     assert capped[len(base):] == [(2048, c) for c in range(1024, 38913, 1024)][:lib.WARM_MAX_PREFIXES]
-    # a cap the Triton kernel takes (below MIN_CHUNK), or one no smaller than the step, adds nothing
-    assert lib.warm_shapes(8192, 40960, chunk=lib.MIN_CHUNK - 1) == base
+    # a cap the Triton kernel takes (below MIN_PLANNED), or one no smaller than the step, adds nothing
+    assert lib.warm_shapes(8192, 40960, chunk=lib.MIN_PLANNED - 1) == base
+    assert lib.warm_shapes(8192, 40960, chunk=lib.MIN_PLANNED)[len(base)] == (lib.MIN_PLANNED, 1024)
     assert lib.warm_shapes(8192, 40960, chunk=8192) == base == lib.warm_shapes(8192, 40960, chunk=9000)
 
 

@@ -26,7 +26,8 @@ torch.ops.aten._scaled_dot_product_cudnn_attention, the op torch's SDPA dispatch
 cuDNN as they are (no repeat of K/V).
 
 Which rows: a step uses the library only if every prefill row in it qualifies (decode rows still go to the Triton
-decode kernel): a fresh prompt of at least MIN_FRESH tokens, or a chunk of at least MIN_CHUNK tokens on a prefix;
+decode kernel): a fresh prompt of at least MIN_FRESH tokens, or a chunk of at least MIN_CHUNK tokens on a prefix, or of
+at least MIN_PLANNED whose call shapes have plans already (the warm-up's: --max-long-prefill-tokens' chunks);
 bf16/fp16, an unquantized pool, head dim <= 128, no sliding window or softcapping, the step's K/V given, a CUDA
 device of compute capability 9.0 or later with cuDNN. `PDSERVE_PREFILL_LIBRARY=none` turns it off.
 
@@ -38,6 +39,7 @@ gather) adds that bound to the step peak it measured.
 from __future__ import annotations
 
 import logging
+import time
 from functools import lru_cache
 
 import torch
@@ -45,6 +47,7 @@ import torch
 from pdserve import envs
 from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.metadata import AttentionMetadata
+from pdserve.ops.attention.plan_watch import WATCH as PLANS
 from pdserve.ops.dispatch import HAS_TRITON, use_fused
 
 if HAS_TRITON:
@@ -70,10 +73,12 @@ if HAS_TRITON:
 log = logging.getLogger(__name__)
 
 MIN_FRESH = 2048  # a whole prompt: cuDNN 87 vs Triton 116 us at 2048 tokens, 14.7 vs 19.5 ms at 32768 (H200)
-MIN_CHUNK = 1024  # a chunk on a prefix (H200, dummy Qwen3-8B steps, benchmarks/lease_s28): a step with cuDNN
-# against one with the Triton kernel was 1.12-1.25x faster at 1024 tokens on 8k-31k prefixes (1.01x on 1024), 1.14-1.27x
-# at 2048 on 8k-31k (1.03x on 2048), 1.00-1.37x at 256-512 on 8k-31k; the chunks below 1024 are left to Triton, since
-# each new shape costs a plan build (below); PDSERVE_PREFILL_LIBRARY_MIN_CHUNK changes it for an A/B
+MIN_CHUNK = 4096  # a chunk on a prefix of a shape not planned yet (H200, dummy Qwen3-8B): 1.08-1.28x faster at 4096 on
+# 4k-8k prefixes, 1.32-1.44x at 8192 on 8k-24k; from here a step's gain pays for the plan a new shape costs (below);
+# PDSERVE_PREFILL_LIBRARY_MIN_CHUNK changes it for an A/B
+MIN_PLANNED = 512  # a chunk on a prefix whose shapes already have plans (the warm-up's, or met before) goes to cuDNN
+# from this length: whole engine steps with cuDNN against the Triton kernel (benchmarks/lease_s28) were 1.12-1.25x
+# faster at 1024 tokens on 8k-31k prefixes (1.01x on 1024), 1.14-1.27x at 2048 (1.03x on 2048), 1.00-1.17x at 512
 MIN_CHUNK = envs.prefill_library_min_chunk(MIN_CHUNK)
 MAX_HEAD_DIM = 128  # measured at 128
 QUERY_BUCKET = 256  # calls' query (and causal key) counts are rounded up to this: a bounded set of shapes
@@ -98,8 +103,15 @@ def enabled(device: torch.device) -> bool:
     return _device_ok(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_planned_shapes: set[tuple[int, int, int]] = set()  # bucketed_shapes(...)[:3] of the rows run in this process
+
+
 def row_qualifies(q_len: int, ctx: int) -> bool:
-    return q_len >= (MIN_FRESH if ctx == 0 else MIN_CHUNK)
+    """Whether cuDNN takes a prefill row: a long one (a plan for a new shape pays for itself), or a chunk on a prefix
+    of at least MIN_PLANNED tokens whose calls' shapes were run before in this process (no plan to build)."""
+    if q_len >= (MIN_FRESH if ctx == 0 else MIN_CHUNK):
+        return True
+    return ctx > 0 and q_len >= MIN_PLANNED and bucketed_shapes(q_len, ctx)[:3] in _planned_shapes
 
 
 def library_rows(meta: AttentionMetadata, q: torch.Tensor, kv_layer: torch.Tensor, k_new: torch.Tensor | None,
@@ -156,17 +168,28 @@ def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
            lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN's fused attention of [1, H, L, D] views (top-left causal), with its log-sum-exps when `lse`."""
     global _expand_kv
-    op = torch.ops.aten._scaled_dot_product_cudnn_attention
     if not _expand_kv:
         try:
-            out = op(q, k, v, None, lse, 0.0, causal, False, scale=scale)
-            return out[0], out[1]
+            return _call_watched(q, k, v, scale, causal, lse)
         except RuntimeError as e:
             log.warning("cuDNN attention refused grouped K/V heads as views (%s); repeating them instead", e)
             _expand_kv = True
     g = q.shape[1] // k.shape[1]
-    out = op(q.contiguous(), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, lse, 0.0, causal, False,
-             scale=scale)
+    return _call_watched(q.contiguous(), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), scale, causal, lse)
+
+
+def _call_watched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+             lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One cuDNN call; the first of its shape is timed on the host for plan_watch (the plan is built then)."""
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention
+    key = ((tuple(q.shape), q.stride()), (tuple(k.shape), k.stride()), (tuple(v.shape), v.stride()), causal, lse,
+           q.dtype)
+    if PLANS.seen(key):
+        out = op(q, k, v, None, lse, 0.0, causal, False, scale=scale)
+        return out[0], out[1]
+    t0 = time.perf_counter()
+    out = op(q, k, v, None, lse, 0.0, causal, False, scale=scale)
+    PLANS.record(key, time.perf_counter() - t0)
     return out[0], out[1]
 
 
@@ -251,6 +274,7 @@ def attend_row(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, kp: torch.T
     hq, q_len = qr.shape[1], qr.shape[0]
     ctx = 0 if kp is None else kp.shape[0]
     c0, qa, sb, r = bucketed_shapes(q_len, ctx)
+    _planned_shapes.add((c0, qa, sb))
     # the causal call: r prefix tokens (dummy query rows for them), the new tokens, zero padding at the end
     qb = _padded([(qr, r)], sb)
     kb = _padded([(kp[c0:], 0), (kr, r)] if r else [(kr, 0)], sb)
@@ -270,16 +294,16 @@ def attend_row(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, kp: torch.T
 
 def warm_shapes(max_tokens: int, max_model_len: int, chunk: int = 0) -> list[tuple[int, int]]:
     """(new tokens, prefix) of the rows whose call shapes start-up builds, ahead of the first requests: a fresh
-    prompt in each query bucket from MIN_FRESH to max_tokens, and a chunk of max_tokens, and of `chunk` tokens (the
-    engine's max_long_prefill_tokens, when set), on each multiple of PREFIX_BUCKET a prompt of max_model_len reaches
-    (at most WARM_MAX_PREFIXES of them). The rest (chunks shifted by decode rows, longer prefixes) build on first
-    use."""
+    prompt in each query bucket from MIN_FRESH to max_tokens, and a chunk of max_tokens (from MIN_CHUNK), and of
+    `chunk` tokens (the engine's max_long_prefill_tokens, when set, from MIN_PLANNED), on each multiple of
+    PREFIX_BUCKET a prompt of max_model_len reaches (at most WARM_MAX_PREFIXES of them). The rest (chunks shifted by
+    decode rows, longer prefixes) build on first use when they are long enough (row_qualifies)."""
     fresh = [(n, 0) for n in range(_round_up(MIN_FRESH, QUERY_BUCKET), max_tokens + 1, QUERY_BUCKET)]
     if max_tokens >= MIN_FRESH and (not fresh or fresh[-1][0] != max_tokens):
         fresh.append((max_tokens, 0))
     chunks = []
     for n in sorted({max_tokens} | ({chunk} if 0 < chunk < max_tokens else set()), reverse=True):
-        if n >= MIN_CHUNK:
+        if n >= (MIN_CHUNK if n == max_tokens else MIN_PLANNED):
             top = min(max_model_len - n, WARM_MAX_PREFIXES * PREFIX_BUCKET)
             chunks += [(n, c) for c in range(PREFIX_BUCKET, top + 1, PREFIX_BUCKET)]
     return fresh + chunks
