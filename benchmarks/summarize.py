@@ -655,6 +655,13 @@ def session28() -> None:
               + ", ".join(f"{p.name.split('.')[0].split('_')[1]}: {_compiles(str(p.relative_to(B)))}"
                           for p in sorted((B / base / folder).glob("pdserve_*.log.gz"))) + "\n")
         interference_table(f"{base}/{folder}")
+    print()
+    for rel, what in (("s28c/fixed.txt", "the merge kernel is one binary for any chunk length and offset (s28c)"),
+                      ("s28c/reverted.txt", "the same test with the kernel's decorator reverted (s28c; it should fail)"),
+                      ("s28d/gpu_tests.txt", "the library prefill's GPU tests and long prompts after the warm-up "
+                       "building no cuDNN plan (s28d, code c185831)")):
+        last = (B / base / rel).read_text().strip().splitlines()[-1]
+        print(f"- {what}: `{last}`")
 
 
 def interference_table(folder: str) -> None:
