@@ -179,7 +179,7 @@ def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 
 
 def _call_watched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-             lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One cuDNN call; the first of its shape is timed on the host for plan_watch (the plan is built then)."""
     op = torch.ops.aten._scaled_dot_product_cudnn_attention
     key = ((tuple(q.shape), q.stride()), (tuple(k.shape), k.stride()), (tuple(v.shape), v.stride()), causal, lse,
