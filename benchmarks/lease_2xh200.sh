@@ -27,6 +27,7 @@
 #   pd_ahead   1P1D handover and TTFT at 8k and 32k with --kv-push-ahead on and off
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, tuned on both GPUs at once and merged
 #   interfere  decoders' TPOT alone and under a stream of 32k prompts, vLLM and pdserve arms of --max-long-prefill-tokens
+#              (INTERF_ARMS="pd-vllm pd-pdserve": 1P1D deployments of both on both GPUs)
 #   unpack     the staging tar (.stage/c0..c9, one part carried per call) joined into .vllm-stage; vLLM installed
 #   lib_tests  the GPU tests of the library prefill and of the start-up warm-up, on GPU 0
 #   pd_one     PD_MODE=pd-pdserve or pd-vllm: one 1P1D deployment, 1024/1024 c256 and 8192/16, vLLM's client
@@ -210,7 +211,8 @@ PY
     tar czf "$OUT/attn_sweep.tgz" -C "$OUT" attn_sweep ;;
   interfere)
     # decoding requests' TPOT under a stream of long prompts (benchmarks/vs_vllm/interference.sh): vLLM on GPU 0, the
-    # pdserve arms (--max-long-prefill-tokens) one after the other on GPU 1; vLLM installed by unpack
+    # pdserve arms (--max-long-prefill-tokens) one after the other on GPU 1; vLLM installed by unpack;
+    # INTERF_ARMS="pd-vllm pd-pdserve": the same through 1P1D deployments on both GPUs (vLLM with NIXL, then pdserve)
     OUT=$W STAGE=.vllm-stage ARMS="${INTERF_ARMS:-vllm pdserve:0 pdserve:2048 pdserve:1024}" \
       timeout ${INTERF_LIMIT:-560} bash benchmarks/vs_vllm/interference.sh 2>&1 | tail -20
     tar czf "$OUT/interfere.tgz" -C "$OUT" interfere ;;

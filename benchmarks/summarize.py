@@ -677,10 +677,11 @@ def interference_table(folder: str) -> None:
     itl = "median / p90 / p99 / p99.9" if deep else "median / p90 / p99"  # p99.9 from session 28
     print(f"| server | decoders | out tok/s | mean TPOT ms | {itl} ITL ms | long prompts' mean / median "
           "TTFT ms | overlap s |\n|---|---|---|---|---|---|---|")
+    names = {"vllm": "vllm", "pd-vllm": "vLLM 1P1D (NIXL, 2 GPUs)", "pd-pdserve": "pdserve --prefill 1 --decode 1"}
     tags = sorted({p.name.rsplit("_dec_alone", 1)[0] for p in (B / folder).glob("*_dec_alone.json")},
-                  key=lambda t: (t != "vllm", int(t.split("_")[1]) if "_" in t else 0))
+                  key=lambda t: (t.startswith("pd-"), t != "vllm" and t != "pd-vllm", int(t.split("_")[1]) if "_" in t else 0))
     for tag in tags:
-        name = tag if tag == "vllm" else f"pdserve --max-long-prefill-tokens {tag.split('_')[1]}"
+        name = names.get(tag) or f"pdserve --max-long-prefill-tokens {tag.split('_')[1]}"
         long = load(f"{folder}/{tag}_long.json") if (B / folder / f"{tag}_long.json").exists() else None
         for phase in ("alone", "with_long"):
             if not (B / folder / f"{tag}_dec_{phase}.json").exists():  # that run failed (its .txt says why)

@@ -9,9 +9,12 @@
 # (from its result: saved at the end, after `duration` s), so a long stream that missed the decoders shows.
 #
 #   OUT=$OUT STAGE=.vllm-stage bash benchmarks/vs_vllm/interference.sh
-# ARMS (default "vllm pdserve:0 pdserve:2048 pdserve:1024", as lease_2xh200.sh interfere runs them): vllm, or pdserve:N with --max-long-prefill-tokens N.
+# ARMS (default "vllm pdserve:0 pdserve:2048 pdserve:1024", as lease_2xh200.sh interfere runs them): vllm, or pdserve:N with --max-long-prefill-tokens N;
+# on two GPUs also pd-vllm (vLLM 1P1D with NixlConnector behind the anchors' proxy: prefill on GPU 0, decode on GPU 1)
+# and pd-pdserve (`pdserve serve --prefill 1 --decode 1`), where the long prompts are prefilled on the other GPU.
 # With two GPUs the vllm arm runs on GPU 0 while the pdserve arms run one after the other on GPU 1 (GPUS=1: every
-# arm on GPU 0, in order). vLLM from /tmp/site (side_by_side.sh or lease_2xh200.sh unpack installed it).
+# arm on GPU 0, in order); the pd arms then run one after the other on both. vLLM from /tmp/site (side_by_side.sh or
+# lease_2xh200.sh unpack installed it, with NIXL when staged).
 set -u
 S=${STAGE:-.vllm-stage}; OUT=${OUT:-/tmp/interference}; mkdir -p "$OUT"
 M=${MODEL:-$S/model}; NAME=qwen3-dummy
@@ -63,15 +66,49 @@ arm() {  # ARM GPU PORT
   done
   gzip -f "$log"
 }
-others=""
-for a in $ARMS; do [ "$a" != vllm ] && others="$others $a"; done
+pd_arm() {  # ARM (pd-vllm or pd-pdserve): a 1P1D deployment on GPUs 0 and 1, the clients on port 8000
+  local a=$1 log="$OUT/$1.log" pids pid
+  if [ "$a" = pd-vllm ]; then
+    local kv='{"kv_connector":"NixlConnector","kv_role":"kv_both"}' c="$M --load-format dummy --max-model-len 40960"
+    c="$c --gpu-memory-utilization 0.9 --served-model-name $NAME --kv-transfer-config $kv"
+    CUDA_VISIBLE_DEVICES=0 VLLM_NIXL_SIDE_CHANNEL_PORT=5600 $V serve $c --port 8100 > "$OUT/pd-vllm_p.log" 2>&1 &
+    pids=$!
+    CUDA_VISIBLE_DEVICES=1 VLLM_NIXL_SIDE_CHANNEL_PORT=5601 $V serve $c --port 8300 > "$log" 2>&1 & pid=$!
+    python3 $S/anchors/pd_proxy.py pd 8000 http://127.0.0.1:8100 http://127.0.0.1:8300 > "$OUT/pd-vllm_proxy.log" 2>&1 &
+    pids="$pids $pid $!"
+  else
+    env -u PYTHONPATH pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name $NAME --prefill 1 --decode 1 --port 8000 --log-dir "$OUT/pdlogs" > "$log" 2>&1 & pid=$!
+    pids=$pid
+  fi
+  if ready 8000 $pid "$log"; then
+    client 8000 $DEC ${a}_dec_alone 11
+    client 8000 $DEC ${a}_dec_with_long 12 & local c=$!
+    sleep $DELAY
+    client 8000 $LONG ${a}_long 13
+    wait $c
+  fi
+  kill $pids 2>/dev/null; sleep 3; kill -9 $pids 2>/dev/null; wait $pids 2>/dev/null
+  for _ in $(seq 60); do  # both GPUs' memory back before the next deployment sizes its KV pools
+    [ "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '$1 > 2048' | wc -l)" = 0 ] && break
+    sleep 1
+  done
+  rm -f "$OUT/pdlogs/deployment-secret"  # the launcher's secret for this deployment: not a result
+  for f in "$OUT"/pd-*.log "$OUT"/pdlogs/*.log; do [ -f "$f" ] && gzip -f "$f"; done
+}
+others=""; pds=""
+for a in $ARMS; do
+  case $a in vllm) ;; pd-*) pds="$pds $a" ;; *) others="$others $a" ;; esac
+done
 if [ "$GPUS" -ge 2 ] && [[ " $ARMS " == *" vllm "* ]]; then
   arm vllm 0 8100 & v=$!
   for a in $others; do arm $a 1 8200; done
   wait $v
 else
-  for a in $ARMS; do arm $a 0 8200; done
+  for a in $ARMS; do case $a in pd-*) ;; *) arm $a 0 8200 ;; esac; done
 fi
+if [ -n "$pds" ] && [ "$GPUS" -lt 2 ]; then echo "the pd arms ($pds) need two GPUs: left out"; pds=""; fi
+for a in $pds; do pd_arm $a; done
 # the table (benchmarks/summarize.py prints the same one into docs/benchmarks.md)
 python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import summarize; summarize.interference_table(sys.argv[1])' \
   "$OUT"
