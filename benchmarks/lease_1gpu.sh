@@ -124,6 +124,8 @@
 #   s28b       chunks of 256-2048 tokens on aligned and unaligned prefixes, cuDNN (MIN_CHUNK 256) against Triton
 #   s28c       the merge kernel's one-binary GPU test, with the fix and with it reverted (should fail)
 #   s28d       the library prefill's GPU tests; long prompts after the warm-up build no cuDNN plan (plan_watch)
+#   s29a       (not yet run) the one-row products alone (bench_linear sweep at 1 row) and the batch-1 8k loop's kernels
+#              under the profiler with PDL off: where the batch-1 step's time above its floor goes
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 set -uo pipefail
@@ -987,6 +989,22 @@ PY
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
       tests/engine/test_warmup.py::test_long_prompts_after_the_warm_up_build_no_cudnn_plan 2>&1 | tee "$W/gpu_tests.txt" \
       | grep -v "^\.*$" | cut -c1-1500 | tail -12 ;;
+  s29a)  # (written in session 28, not yet run) where the batch-1 8k step's 0.7 ms above its floor goes: the one-row
+    # products alone (bench_linear.py: cuBLAS, the shipped skinny tile and the sweep's best, GB/s against the copy
+    # rate; session 12 had qkv and o at 3.4-3.5 TB/s against 4.2-4.5 for gate_up and lm_head), then the batch-1 8k
+    # loop under the profiler with programmatic dependent launch off (each kernel's own time, not its wait) and the
+    # same loop as shipped (PDL early) for the step time
+    save() { tar czf "$OUT/s29a.tgz" -C "$OUT" s29a; }
+    timeout 240 python3 benchmarks/engine/bench_linear.py --model qwen3-8b --rows 1 --sweep \
+      --out "$W/linear.json" > "$W/linear.txt" 2>&1
+    grep -v " INFO " "$W/linear.txt" | grep -E "^\||GB/s" | cut -c1-200 | head -24
+    save
+    timeout 200 $STEPS_8B --max-model-len 16384 --iters 20 --top 30 --decode= --loop 1x8192 --pdl off \
+      --profile-loop 1x8192 --loop-steps 60 --loop-temperature 1.0 --out "$W/profile_pdl_off.json" \
+      > "$W/profile_pdl_off.txt" 2>&1
+    grep -v " INFO " "$W/profile_pdl_off.txt" | grep -E "^loop[^ ]*:|^\||^profile|GPU busy" | grep -v "async off" \
+      | cut -c1-200 | head -30
+    save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1
