@@ -189,9 +189,10 @@ def test_a_step_one_token_past_an_mlp_part_compiles_nothing():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_long_prompts_after_the_warm_up_build_no_cudnn_plan():
     """On CUDA (cuDNN's prefill: sm_90+): after the warm-up, a long prompt in --max-long-prefill-tokens' chunks beside
-    a decoding request, then one alone in full chunks, run on cuDNN plans the warm-up built (plan_watch counts any
-    other; their short last chunks go to the Triton kernel); a prefix-cache hit whose new tokens are a long chunk of a
-    length no warm-up shape has then builds one, and the watcher counts it."""
+    a decoding request, one alone in full chunks, and one in full chunks beside a decoding request without the cap
+    (shifted off the prefix buckets) run on cuDNN plans the warm-up built (plan_watch counts any other; their short
+    last chunks go to the Triton kernel); a prefix-cache hit whose new tokens are a long chunk of a length no warm-up
+    shape has then builds one, and the watcher counts it."""
     import torch
 
     from pdserve.ops.attention import library_prefill as lib
@@ -216,6 +217,13 @@ def test_long_prompts_after_the_warm_up_build_no_cudnn_plan():
         core.add_request("alone", torch.randint(0, 151000, (20000,), generator=g).tolist(),
                          SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         while core.has_work():  # 8192-token chunks on prefixes of 8192 and 16384
+            core.step()
+        core.scheduler.max_long_prefill_tokens = 0  # as an engine without the cap: full chunks beside decode rows
+        core.add_request("decoding-2", [4] * 20, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        core.step()
+        core.add_request("shifted", torch.randint(0, 151000, (20000,), generator=g).tolist(),
+                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while core.has_work():  # 8191-token chunks: the second on a prefix 1023 tokens past a bucket (shifted_chunks)
             core.step()
         assert PLANS.built_after_arm == 0, f"{PLANS.built_after_arm} cuDNN plans built ({PLANS.stats()})"
         # the first 8192 tokens from the prefix cache, 5000 new ones: past MIN_CHUNK, of a length no warm-up shape has

@@ -246,21 +246,44 @@ def test_warm_shapes_cover_fresh_buckets_and_full_chunks():
     shapes = lib.warm_shapes(8192, 40960)
     fresh = [n for n, c in shapes if c == 0]
     assert fresh == list(range(2048, 8193, 256))
-    assert [c for n, c in shapes if c] == list(range(1024, 32769, 1024))
-    assert all(n == 8192 for n, c in shapes if c)
+    shifted = lib.shifted_chunks(8192, 40960)
+    assert shapes[-len(shifted):] == shifted
+    chunks = shapes[len(fresh):-len(shifted)]
+    assert [c for n, c in chunks] == list(range(1024, 32769, 1024)) and all(n == 8192 for n, c in chunks)
     assert lib.warm_shapes(1000, 4096) == []  # no row of such an engine takes the library
     assert lib.warm_shapes(3000, 4096) == [(n, 0) for n in (2048, 2304, 2560, 2816)] + [(3000, 0)]
-    assert len(lib.warm_shapes(8192, 10 ** 6)) == 25 + lib.WARM_MAX_PREFIXES
+    assert len(lib.warm_shapes(8192, 10 ** 6)) == 25 + lib.WARM_MAX_PREFIXES + 4
+
+
+def test_shifted_chunks_cover_every_causal_size_of_a_full_chunk_on_an_unaligned_prefix():
+    """Decode rows shift a long prompt's chunks off the prefix buckets: a chunk of up to max_tokens on a prefix r
+    tokens past a bucket makes a causal call of round_up(r + chunk) rows; every size it can take has a warm row."""
+    for max_tokens in (8192, 6000, 4096):
+        rows = lib.shifted_chunks(max_tokens, 40960)
+        assert {lib.bucketed_shapes(n, c)[2] for n, c in rows} == {
+            lib.bucketed_shapes(max_tokens, 1024 + r)[2] for r in range(1, lib.PREFIX_BUCKET)}
+        # the calls of the warm rows on a prefix: unmasked (query rows, prefix keys), causal with log-sum-exps (size)
+        warm = [lib.bucketed_shapes(n, c) for n, c in lib.warm_shapes(max_tokens, 40960) if c]
+        unmasked, causal = {(qa, c0) for c0, qa, _, _ in warm}, {sb for _, _, sb, _ in warm}
+        full_qa = lib.bucketed_shapes(max_tokens, 0)[1]
+        for q_len in range(max_tokens, lib.MIN_CHUNK - 1, -1):  # a full chunk less the step's decode rows
+            for c in (1024, 1025, 1224, 5120 + 511, 9216 + 1023):
+                c0, qa, sb, _ = lib.bucketed_shapes(q_len, c)
+                if qa == full_qa and c + q_len <= 40960:
+                    assert (qa, c0) in unmasked and sb in causal, (max_tokens, q_len, c)
+    assert lib.shifted_chunks(3000, 40960) == []  # no full chunk takes the library below MIN_CHUNK
+    assert lib.shifted_chunks(8192, 8192 + 2047) == []  # no prompt reaches a bucket past the chunk
 
 
 def test_warm_shapes_add_the_long_prefill_cap_chunks():
     base = lib.warm_shapes(8192, 40960)
     capped = lib.warm_shapes(8192, 40960, chunk=2048)
-    assert capped[:len(base)] == base  # full chunks first, as without a cap
-    assert capped[len(base):] == [(2048, c) for c in range(1024, 38913, 1024)][:lib.WARM_MAX_PREFIXES]
+    extra = [x for x in capped if x not in base]
+    assert [x for x in capped if x in base] == base  # everything without a cap, in the same order
+    assert extra == [(2048, c) for c in range(1024, 38913, 1024)][:lib.WARM_MAX_PREFIXES]
     # a cap the Triton kernel takes (below MIN_PLANNED), or one no smaller than the step, adds nothing
     assert lib.warm_shapes(8192, 40960, chunk=lib.MIN_PLANNED - 1) == base
-    assert lib.warm_shapes(8192, 40960, chunk=lib.MIN_PLANNED)[len(base)] == (lib.MIN_PLANNED, 1024)
+    assert (lib.MIN_PLANNED, 1024) in lib.warm_shapes(8192, 40960, chunk=lib.MIN_PLANNED)
     assert lib.warm_shapes(8192, 40960, chunk=8192) == base == lib.warm_shapes(8192, 40960, chunk=9000)
 
 

@@ -296,8 +296,9 @@ def warm_shapes(max_tokens: int, max_model_len: int, chunk: int = 0) -> list[tup
     """(new tokens, prefix) of the rows whose call shapes start-up builds, ahead of the first requests: a fresh
     prompt in each query bucket from MIN_FRESH to max_tokens, and a chunk of max_tokens (from MIN_CHUNK), and of
     `chunk` tokens (the engine's max_long_prefill_tokens, when set, from MIN_PLANNED), on each multiple of
-    PREFIX_BUCKET a prompt of max_model_len reaches (at most WARM_MAX_PREFIXES of them). The rest (chunks shifted by
-    decode rows, longer prefixes) build on first use when they are long enough (row_qualifies)."""
+    PREFIX_BUCKET a prompt of max_model_len reaches (at most WARM_MAX_PREFIXES of them), and the causal sizes of a full
+    chunk on an unaligned prefix (shifted_chunks). The rest (longer prefixes, other lengths) build on first use when
+    they are long enough (row_qualifies)."""
     fresh = [(n, 0) for n in range(_round_up(MIN_FRESH, QUERY_BUCKET), max_tokens + 1, QUERY_BUCKET)]
     if max_tokens >= MIN_FRESH and (not fresh or fresh[-1][0] != max_tokens):
         fresh.append((max_tokens, 0))
@@ -306,7 +307,19 @@ def warm_shapes(max_tokens: int, max_model_len: int, chunk: int = 0) -> list[tup
         if n >= (MIN_CHUNK if n == max_tokens else MIN_PLANNED):
             top = min(max_model_len - n, WARM_MAX_PREFIXES * PREFIX_BUCKET)
             chunks += [(n, c) for c in range(PREFIX_BUCKET, top + 1, PREFIX_BUCKET)]
-    return fresh + chunks
+    return fresh + chunks + shifted_chunks(max_tokens, max_model_len)
+
+
+def shifted_chunks(max_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
+    """Rows whose causal calls have the sizes a full chunk meets on a prefix that is not a multiple of PREFIX_BUCKET
+    (decode rows beside a long prompt shift its chunks): the prefix's r tokens past the bucket join the causal call,
+    so it is up to PREFIX_BUCKET - 1 rows longer than the chunk. One row of max_tokens for each such size, on a
+    prefix of one bucket and r tokens (the unmasked call is then a full chunk's on one bucket, built anyway)."""
+    n = max_tokens
+    if n < MIN_CHUNK or max_model_len < n + 2 * PREFIX_BUCKET:
+        return []
+    sizes = range(_round_up(n + 1, QUERY_BUCKET), _round_up(n + PREFIX_BUCKET - 1, QUERY_BUCKET) + 1, QUERY_BUCKET)
+    return [(n, PREFIX_BUCKET + min(sb - n, PREFIX_BUCKET - 1)) for sb in sizes]
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
