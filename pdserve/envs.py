@@ -88,7 +88,8 @@ def prefill_library() -> str:
 
 def prefill_library_min_chunk(default: int) -> int:
     """`PDSERVE_PREFILL_LIBRARY_MIN_CHUNK`: the fewest new tokens of a chunk on a prefix that cuDNN's prefill takes
-    (default: library_prefill.MIN_CHUNK; an A/B knob for benchmarks, read once at import)."""
+    when its call shapes have no plan yet (default: library_prefill.MIN_CHUNK; an A/B knob for benchmarks, read once
+    at import)."""
     v = int(os.environ.get("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", str(default)))
     if v < 1:
         raise ValueError(f"PDSERVE_PREFILL_LIBRARY_MIN_CHUNK must be positive, got {v}")

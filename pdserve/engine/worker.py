@@ -170,7 +170,7 @@ class Worker:
         torch.cuda.empty_cache()  # what loading left cached but unused (temporaries of the weights' init) is free
         return torch.cuda.mem_get_info(self.device)
 
-    def arm_jit_watch(self) -> None:
+    def arm_watchers(self) -> None:
         """Count and log the kernels Triton compiles (pdserve.ops.jit_watch) and the cuDNN attention plans torch builds
         (pdserve.ops.attention.plan_watch) from now on in this rank's process."""
         if self.device.type != "cuda":
