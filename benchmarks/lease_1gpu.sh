@@ -124,10 +124,12 @@
 #   s28b       chunks of 256-2048 tokens on aligned and unaligned prefixes, cuDNN (MIN_CHUNK 256) against Triton
 #   s28c       the merge kernel's one-binary GPU test, with the fix and with it reverted (should fail)
 #   s28d       the library prefill's GPU tests; long prompts after the warm-up build no cuDNN plan (plan_watch)
-#   s29a       (not yet run) the one-row products alone (bench_linear sweep at 1 row) and the batch-1 8k loop's kernels
+#   s29a       (run in session 29) the one-row products alone (bench_linear sweep at 1 row) and the batch-1 8k loop's kernels
 #              under the profiler with PDL off: where the batch-1 step's time above its floor goes
 #   moe_tune   the fused MoE tile table for Qwen3-30B-A3B's experts, the buckets a 1024/1024 c256 run and 8k prefill
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
+#   s29b       the batch-1 loops' kernels by their position in the step (per-layer kinds told apart), PDL off at 8k and
+#              32k, then PDL early at 8k
 set -uo pipefail
 STAGE=${1:?stage}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -1004,6 +1006,21 @@ PY
       > "$W/profile_pdl_off.txt" 2>&1
     grep -v " INFO " "$W/profile_pdl_off.txt" | grep -E "^loop[^ ]*:|^\||^profile|GPU busy" | grep -v "async off" \
       | cut -c1-200 | head -30
+    save ;;
+  s29b)  # the batch-1 loops' kernels by position in the step (bench_steps.py prints each per-layer kernel's launches
+    # folded by kind: q/k/v, o, gate_up, down and the LM head for the one-row products), with programmatic dependent
+    # launch off (each kernel's own time) at 8k and 32k of context, then as shipped (PDL early: a kernel's time holds
+    # its wait for the one before) at 8k
+    save() { tar czf "$OUT/s29b.tgz" -C "$OUT" s29b; }
+    timeout 200 $STEPS_8B --max-model-len 40960 --iters 20 --top 12 --decode= --pdl off \
+      --profile-loop 1x8192,1x32768 --loop-steps 40 --loop-temperature 1.0 --out "$W/slots_pdl_off.json" \
+      > "$W/slots_pdl_off.txt" 2>&1
+    grep -v " INFO " "$W/slots_pdl_off.txt" | grep -E "^loop[^ ]*:|^\||^profile|by position" | cut -c1-400 | head -40
+    save
+    timeout 150 $STEPS_8B --max-model-len 16384 --iters 20 --top 12 --decode= \
+      --profile-loop 1x8192 --loop-steps 40 --loop-temperature 1.0 --out "$W/slots_pdl_early.json" \
+      > "$W/slots_pdl_early.txt" 2>&1
+    grep -v " INFO " "$W/slots_pdl_early.txt" | grep -E "^loop[^ ]*:|by position" | cut -c1-400 | head -12
     save ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \

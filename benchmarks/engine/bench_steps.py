@@ -245,8 +245,28 @@ def kernel_table(prof, steps: int, top: int) -> dict:
     rows = sorted(((name, len(v) / steps, sum(v) / steps) for name, v in per_kernel.items()), key=lambda r: -r[2])
     total_us = sum(r[2] for r in rows)
     return {"steps": steps, "kernels_per_step": sum(r[1] for r in rows), "gpu_us_per_step": total_us,
-            "top": [{"name": n, "count_per_step": c, "us_per_step": us, "share": us / total_us if total_us else 0}
-                    for n, c, us in rows[:top]]}
+            "top": [{"name": n, "count_per_step": c, "us_per_step": us, "share": us / total_us if total_us else 0,
+                     "slots_us": kernel_slots(per_kernel[n], steps)} for n, c, us in rows[:top]]}
+
+
+def kernel_slots(times_us: list[float], steps: int) -> list[float]:
+    """A kernel's mean time at each of its positions within a step (its k-th launch of the step), from its launches
+    in start order over `steps` steps of one repeated shape (a steady loop); [] where its count is not the same each
+    step. With one launch per layer and kind (the one-row products: q/k/v, o, gate_up, down, then the LM head), the
+    positions modulo the kinds tell the kinds apart (print_slots)."""
+    per_step, rest = divmod(len(times_us), steps)
+    if rest or per_step < 2:
+        return []
+    return [sum(times_us[i::per_step]) / steps for i in range(per_step)]
+
+
+def print_slots(name: str, slots: list[float], period: int) -> None:
+    """A kernel's positions folded by `period` launches (the kinds of a layer; the launches past the last whole
+    period printed one by one): mean, min and max us a launch of each kind."""
+    whole = len(slots) // period * period
+    parts = [slots[r:whole:period] for r in range(period)] + [[t] for t in slots[whole:]]
+    cells = [f"#{i}: {sum(p) / len(p):.2f} ({min(p):.2f}-{max(p):.2f})" for i, p in enumerate(parts)]
+    print(f"  {name[:40]} by position mod {period}: " + "; ".join(cells))
 
 
 def print_profile(label: str, p: dict) -> None:
@@ -255,6 +275,11 @@ def print_profile(label: str, p: dict) -> None:
     print("| kernel | per step | us/step | share |\n|---|---|---|---|")
     for r in p["top"]:
         print(f"| {r['name'][:90]} | {r['count_per_step']:.0f} | {r['us_per_step']:.0f} | {r['share']:.1%} |")
+    layers = p.get("layers") or 0
+    for r in p["top"]:
+        slots = r.get("slots_us") or []
+        if layers and len(slots) >= layers:
+            print_slots(r["name"], slots, max(1, len(slots) // layers))
     g = p.get("gpu")
     if g:
         print(f"  GPU busy {g['busy_us_per_step'] / 1e3:.2f} ms, idle {g['idle_us_per_step'] / 1e3:.2f} ms a step "
@@ -578,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         b, ctx = (int(x) for x in spec.split("x"))
         r = {"case": f"loop:{spec}", **time_decode_loop(core, b, ctx, args.loop_steps, args.warmup, True, rng,
                                                          profiled=True, top=args.top)}
+        r["profile"]["layers"] = core.hf_config.num_hidden_layers  # print_profile folds per-layer kernels by kind
         loops.append(r)
         g = r.get("gpu", {})
         print(f"{r['case']} async on, profiled: {r['step_ms']:.2f} ms/step; GPU busy "
