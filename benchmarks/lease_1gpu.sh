@@ -130,6 +130,8 @@
 #              chunks use first (the tuner stops starting buckets after --max-minutes)
 #   s29b       the batch-1 loops' kernels by their position in the step (per-layer kinds told apart), PDL off at 8k and
 #              32k, then PDL early at 8k
+#   s29c       the folded one-row products' own tiles: bench_linear.py --folds, the GPU tests with the measured table,
+#              the batch-1 loops with it and without (new, old, new)
 set -uo pipefail
 STAGE=${1:?stage}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -1022,6 +1024,28 @@ PY
       > "$W/slots_pdl_early.txt" 2>&1
     grep -v " INFO " "$W/slots_pdl_early.txt" | grep -E "^loop[^ ]*:|by position" | cut -c1-400 | head -12
     save ;;
+  s29c)  # the folded one-row products' own tiles (pdserve.ops.linear.fold_config): bench_linear.py --folds sweeps the
+    # sum kernel with each fold of Qwen3-8B's batch-1 step (q/k/v and gate_up "in", o "out", down "act_out") against
+    # the shipped plain tile; the GPU tests of the skinny kernel and the norm fold with the measured table; then the
+    # batch-1 8k loop with the measured table (new) and as shipped (old), in the order new, old, new
+    save() { tar czf "$OUT/s29c.tgz" -C "$OUT" s29c; }
+    timeout 180 python3 benchmarks/engine/bench_linear.py --model qwen3-8b --rows 1 --folds --precompile-procs 16 \
+      --fold-out "$W/folds_table.json" --out "$W/folds.json" > "$W/folds.txt" 2>&1
+    grep -v " INFO " "$W/folds.txt" | grep -E "shipped tile|^    |Error|error" | cut -c1-300 | head -24
+    save
+    [ -f "$W/folds_table.json" ] || { echo "no table"; exit 0; }
+    PDSERVE_SKINNY_CONFIG="$W/folds_table.json" timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+      --tb=short tests/ops/test_linear.py tests/ops/test_norm_fold.py 2>&1 | tee "$W/gpu_tests.txt" | tail -3
+    i=0
+    for arm in new old new; do
+      i=$((i + 1))
+      if [ $arm = new ]; then export PDSERVE_SKINNY_CONFIG="$W/folds_table.json"; else unset PDSERVE_SKINNY_CONFIG; fi
+      timeout 90 $STEPS_8B --max-model-len 16384 --iters 20 --decode= --loop 1x8192,1x1024 --loop-steps 100 \
+        --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" > "$W/loop_${i}_$arm.txt" 2>&1
+      grep -E "^loop:[^ ]* async on" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
+      save
+    done
+    unset PDSERVE_SKINNY_CONFIG ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

@@ -9,6 +9,14 @@ layers of a decode step are), so every call reads its weight from HBM and pays t
 
 `--best-out` writes the table `PDSERVE_SKINNY_CONFIG` reads: per shape the fastest candidate for one row ("N,K,m1")
 and for --table-rows rows ("N,K"); where cuBLAS measured fastest the entry says kind "cublas".
+
+`--folds` times the one-row sum kernel as a batch-1 step runs it, with work folded in (pdserve.ops.linear.FOLDS:
+the RMS norm's scale, the residual add and the norm's parts, the activation), over FOLD_SWEEP's tiles against the
+tile serving would take without a fold entry (the shipped table's plain one-row tile); `--fold-out` writes the
+"N,K,m1,<fold>" entries that beat it by more than 1 %, merged into the shipped table (a file for
+PDSERVE_SKINNY_CONFIG, or for configs/skinny_linear/ once measured in the loop).
+
+    python benchmarks/engine/bench_linear.py --model qwen3-8b --rows 1 --folds --fold-out folds.json --out f.json
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, replace
@@ -25,7 +34,9 @@ import torch
 
 from pdserve.bench.ceilings import graph_us, hbm_copy_gbps
 from pdserve.bench.record import new_record, save_json
-from pdserve.ops.linear import DEFAULT_CONFIG, ONE_ROW_CONFIG, SkinnyConfig, skinny_linear
+from pdserve.ops import linear as lin
+from pdserve.ops import norm_fold as nf
+from pdserve.ops.linear import DEFAULT_CONFIG, ONE_ROW_CONFIG, SkinnyConfig, skinny_act_linear, skinny_linear
 
 # (name, N, K) of each projection; q/k/v and gate/up are merged as pdserve serves them
 PRESETS = {
@@ -39,11 +50,47 @@ DOT_SWEEP = [SkinnyConfig(bn, bk, w, s, "dot") for bn, bk, w, s in
 DOT_SWEEP += [SkinnyConfig(bn, 512, 8, s, "dot") for bn, s in itertools.product((16, 32, 64), (3, 4, 5))]
 SUM_SWEEP = [SkinnyConfig(bn, bk, w, s, "sum") for bn, bk, w, s in
              itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 3))]
+# the folded products of each preset's batch-1 step (the model's norms folded, pdserve.ops.norm_fold; the activation
+# folded into down): shape name -> fold
+FOLD_PRESETS = {"qwen3-8b": {"qkv": "in", "o": "out", "gate_up": "in", "down": "act_out"}}
+FOLD_SWEEP = [SkinnyConfig(bn, bk, w, s, "sum") for bn, bk, w, s in
+              itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3))]
+FOLD_PARTIALS = 1024  # the partial sums an "in" product reads (Qwen3-8B's o and down at 4 columns a program)
 
 
-def _compile(cfgs: list[dict], shapes: list[tuple[str, int, int]]) -> int:
-    """Worker: run each tile once per shape so its binaries land in Triton's on-disk cache."""
+def fold_call(fold: str, cfg: SkinnyConfig, n: int, k: int):
+    """fn(w) running the sum kernel with `fold` and tile `cfg` on weight w [n, k], its other inputs made here."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale
+    x, gu, res, nw = rnd(1, k, scale=k ** -0.5), rnd(1, 2 * k), rnd(1, n), rnd(n)
+    if fold == "in":
+        row = nf.NormedRow(x, x, torch.rand(FOLD_PARTIALS, device="cuda", generator=g), rnd(k), 1e-6, 0.0)
+        return lambda w: row.linear(w, config=cfg)
+    if fold == "out":
+        return lambda w: nf.produce(x, w, res, nw, 1e-6, config=cfg)
+    if fold == "act_out":
+        return lambda w: nf.produce(gu, w, res, nw, 1e-6, act="silu", config=cfg)
+    if fold == "act":
+        return lambda w: skinny_act_linear(gu, "silu", w, None, cfg)
+    raise ValueError(f"no fold {fold!r}")
+
+
+def _compile(cfgs: list[dict], shapes: list[tuple[str, int, int]], folds: dict | None = None) -> int:
+    """Worker: run each tile once per shape (with `folds`: each shape's fold instead) so its binaries land in
+    Triton's on-disk cache."""
     failed = 0
+    if folds:
+        for name, n, k in shapes:
+            w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)
+            for c in cfgs:
+                try:
+                    fold_call(folds[name], SkinnyConfig(**c), n, k)(w)
+                except Exception:
+                    failed += 1
+            del w
+        torch.cuda.synchronize()
+        return failed
     for c in cfgs:
         cfg = SkinnyConfig(**c)
         for _, n, k in shapes:
@@ -58,13 +105,13 @@ def _compile(cfgs: list[dict], shapes: list[tuple[str, int, int]]) -> int:
     return failed
 
 
-def precompile(cands: list[SkinnyConfig], shapes, procs: int) -> None:
+def precompile(cands: list[SkinnyConfig], shapes, procs: int, folds: dict | None = None) -> None:
     """Compile the candidates in `procs` processes at once (the sweep's time is otherwise mostly compiling)."""
     import multiprocessing as mp
 
     chunks = [[asdict(c) for c in cands[i::procs]] for i in range(procs)]
     with mp.get_context("spawn").Pool(procs) as pool:
-        failed = sum(pool.starmap(_compile, [(ch, shapes) for ch in chunks if ch]))
+        failed = sum(pool.starmap(_compile, [(ch, shapes, folds) for ch in chunks if ch]))
     print(f"precompiled {len(cands)} tiles in {procs} processes ({failed} launches failed)", flush=True)
 
 
@@ -139,6 +186,38 @@ def bench_shape(name: str, n: int, k: int, args, rows: list[int], ceil: dict, re
               flush=True)
 
 
+def bench_folds(name: str, n: int, k: int, fold: str, ceil: dict, results: list, table: dict) -> None:
+    """Time FOLD_SWEEP's tiles of the sum kernel with `fold` on one shape against the tile serving takes without a
+    fold entry; the best goes into `table` as "N,K,m1,<fold>" where it is more than 1 % faster."""
+    nbytes = n * k * 2
+    copies = max(2, -(-(768 << 20) // nbytes))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    shipped = lin.skinny_config(n, k, 1, torch.device("cuda"))  # PDSERVE_SKINNY_CONFIG unset: the shipped table
+
+    def run(cfg, label):
+        fn = fold_call(fold, cfg, n, k)
+        r = {"shape": name, "n": n, "k": k, "rows": 1, "fold": fold, "impl": label, "config": asdict(cfg)}
+        try:
+            us = graph_us([functools.partial(fn, w) for w in weights])
+        except Exception as e:
+            r["error"] = repr(e)[:200]
+        else:
+            gbps = nbytes / (us * 1e-6) / 1e9
+            r.update(us=us, gbps=gbps, of_copy=gbps / ceil["hbm_copy_gbps"])
+        results.append(r)
+        return r
+
+    base = run(shipped, f"shipped:{shipped}")
+    runs = [run(c, f"fold:{c}") for c in FOLD_SWEEP if c != shipped]
+    best = min([base] + runs, key=lambda r: r.get("us", 1e9))
+    if best is not base and best["us"] < 0.99 * base["us"]:
+        table[f"{n},{k},m1,{fold}"] = best["config"]
+    print(f"{name} {n}x{k} {fold}: shipped tile {base['us']:.2f} us ({base['of_copy']:.0%} of copy) {base['config']}"
+          f" | best {best['us']:.2f} us ({best['of_copy']:.0%}) {best['config']}", flush=True)
+    for r in sorted((r for r in runs if "us" in r), key=lambda r: r["us"])[:3]:
+        print(f"    {r['us']:.2f} us {r['config']}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(PRESETS))
@@ -151,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="weight copies per shape: at least this many bytes in all (L2 is 50-60 MB)")
     ap.add_argument("--precompile-procs", type=int, default=8, help="processes compiling the sweep's tiles first")
     ap.add_argument("--best-out", default=None, help="write the measured table (PDSERVE_SKINNY_CONFIG's format)")
+    ap.add_argument("--folds", action="store_true",
+                    help="time the folded one-row products of the model's batch-1 step (FOLD_PRESETS) instead")
+    ap.add_argument("--fold-out", default=None,
+                    help="with --folds: the shipped table with the measured fold entries added")
     ap.add_argument("--out", default="linear.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -162,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                               "hbm_read_gbps": hbm_read_gbps()}
     print("ceilings:", ceil, flush=True)
     torch.manual_seed(0)
+    if args.folds:
+        return main_folds(args, rec, ceil)
     if args.sweep and args.precompile_procs > 1:
         precompile(DOT_SWEEP + SUM_SWEEP, PRESETS[args.model], args.precompile_procs)
     results, table = [], {}
@@ -173,6 +258,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.best_out:
         with open(args.best_out, "w") as f:
             json.dump(table, f, indent=1)
+    print(json.dumps(table, indent=1))
+    return 0
+
+
+def main_folds(args, rec: dict, ceil: dict) -> int:
+    """--folds: each folded shape's sweep; the fold entries, and the shipped table with them (--fold-out)."""
+    if "PDSERVE_SKINNY_CONFIG" in os.environ:
+        print("--folds compares against the shipped table: unset PDSERVE_SKINNY_CONFIG", file=sys.stderr)
+        return 2
+    folds = FOLD_PRESETS.get(args.model, {})
+    shapes = [s for s in PRESETS[args.model] if s[0] in folds]
+    if args.precompile_procs > 1:
+        precompile(FOLD_SWEEP, shapes, args.precompile_procs, folds)
+    results, table = [], {}
+    for name, n, k in shapes:
+        bench_folds(name, n, k, folds[name], ceil, results, table)
+        torch.cuda.empty_cache()
+    rec["results"], rec["table"] = results, table
+    save_json(rec, args.out)
+    if args.fold_out:
+        path = lin.CONFIG_DIR / f"device={torch.cuda.get_device_name().replace(' ', '_')}.json"
+        shipped = json.loads(path.read_text()) if path.is_file() else {}
+        with open(args.fold_out, "w") as f:
+            json.dump({**shipped, **table}, f, indent=1)
     print(json.dumps(table, indent=1))
     return 0
 

@@ -212,7 +212,7 @@ def skinny_act_linear(gate_up: torch.Tensor, act: str, weight: torch.Tensor, bia
     if gate_up.shape != (1, 2 * k) or not gate_up.is_contiguous() or act not in ("silu", "gelu_tanh", "gelu"):
         raise ValueError(f"skinny_act_linear takes one contiguous gate_up row [1, 2K] and silu, gelu_tanh or gelu; "
                          f"got {tuple(gate_up.shape)} with weight {tuple(weight.shape)} and {act!r}")
-    cfg = config or skinny_config(n, k, 1, gate_up.device)
+    cfg = config or fold_config(n, k, "act", gate_up.device)
     cfg = cfg if cfg.kind == "sum" else ONE_ROW_CONFIG
     out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
     if n == 0:
@@ -247,23 +247,48 @@ def skinny_config(n: int, k: int, m: int = 1, device: torch.device | None = None
     """The tile for an [M, K] @ [N, K]^T product. Tables, first match wins: PDSERVE_SKINNY_CONFIG's file, then the
     one shipped for this GPU; in each, "N,K,m1" (one row only), "N,K" (any rows up to 16), then "default". Without
     an entry: ONE_ROW_CONFIG for one row (it beat cuBLAS on every shape measured), cuBLAS for more."""
-    index = None
+    return _config(n, k, m == 1, _index(device), envs.skinny_config_file())
+
+
+# The one-row sum kernel with work folded in, by what it takes on (each its own binary, with its own best tile):
+# "act" the activation of a merged gate_up row (skinny_act_linear), "in" the RMS norm's scale from the partial sums
+# of the product before it (pdserve.ops.norm_fold.NormedRow.linear), "out" the residual add and the norm's parts
+# (norm_fold.produce), "act_out" both of the last two (the down projection in a batch-1 step). A folded kernel does
+# per-program work the plain one does not: "act" and "act_out" compute the activation over all of K in every program
+# (1,024 programs of the plain table's 4-column tile on Qwen3-8B's down projection), so its best tile can be wider.
+FOLDS = ("act", "in", "out", "act_out")
+
+
+def fold_config(n: int, k: int, fold: str, device: torch.device | None = None) -> SkinnyConfig:
+    """The tile of the one-row sum kernel with `fold` (FOLDS) for an [N, K] weight: a table's "N,K,m1,<fold>" entry
+    (a sum tile; tables in skinny_config's order) where one names it, else the plain one-row tile. The caller has
+    checked that the plain one-row tile is the sum kernel's (the fold's condition)."""
+    if fold not in FOLDS:
+        raise ValueError(f"fold_config takes one of {FOLDS}, got {fold!r}")
+    return _config(n, k, True, _index(device), envs.skinny_config_file(), fold)
+
+
+def _index(device: torch.device | None) -> int | None:
     if device is not None and device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-    return _config(n, k, m == 1, index, envs.skinny_config_file())
+        return device.index if device.index is not None else torch.cuda.current_device()
+    return None
 
 
 @lru_cache(maxsize=1024)
-def _config(n: int, k: int, one_row: bool, device_index: int | None, path: str | None) -> SkinnyConfig:
-    """skinny_config's lookup, once per shape (an eager step asks for every layer's projections)."""
+def _config(n: int, k: int, one_row: bool, device_index: int | None, path: str | None, fold: str = ""
+            ) -> SkinnyConfig:
+    """skinny_config's and fold_config's lookup, once per shape (an eager step asks for every layer's
+    projections)."""
     tables = [_load_table(path)] if path else []
     if device_index is not None:
         tables.append(_device_table(device_index))
-    keys = ((f"{n},{k},m1",) if one_row else ()) + (f"{n},{k}", "default")
+    keys = ((f"{n},{k},m1,{fold}",) if fold else ()) + ((f"{n},{k},m1",) if one_row else ()) + (f"{n},{k}", "default")
     for table in tables:
         for key in keys:
             if key in table:
                 cfg = table[key]
+                if fold and key.endswith(f",{fold}") and cfg.kind != "sum":
+                    continue  # a folded product runs the sum kernel only
                 if one_row or cfg.kind != "sum":
                     return cfg
                 return replace(cfg, kind="dot", block_n=max(16, cfg.block_n))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.ops.dispatch import HAS_TRITON
-from pdserve.ops.linear import SkinnyConfig, skinny_config, use_skinny
+from pdserve.ops.linear import SkinnyConfig, fold_config, skinny_config, use_skinny
 from pdserve.ops.pdl import pdl_args
 
 if HAS_TRITON:
@@ -86,14 +86,15 @@ class NormedRow:
         from pdserve.ops.norm import rms_norm
         return rms_norm(self.h, self.weight, self.eps, self.offset)
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """norm(h) @ weight^T (+ bias): in the one-row sum kernel where it serves this shape, else the norm's
-        kernel and then `linear`."""
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, config: SkinnyConfig | None = None
+               ) -> torch.Tensor:
+        """norm(h) @ weight^T (+ bias): in the one-row sum kernel where it serves this shape (its tile: `config`,
+        else fold_config's "in" entry), else the norm's kernel and then `linear`."""
         from pdserve.ops.linear import linear
-        cfg = _sum_config(self.hw, weight)
-        if cfg is None:
+        if _sum_config(self.hw, weight) is None:
             return linear(self.materialize(), weight, bias)
         n, k = weight.shape
+        cfg = config or fold_config(n, k, "in", self.hw.device)
         out = torch.empty((1, n), dtype=self.h.dtype, device=self.h.device)
         if n == 0:
             return out
@@ -127,15 +128,17 @@ def can_produce(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> b
 
 
 def produce(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-            offset: float = 0.0, act: str | None = None) -> NormedRow:
+            offset: float = 0.0, act: str | None = None, config: SkinnyConfig | None = None) -> NormedRow:
     """norm(x @ weight^T + residual) left for the next product (NormedRow), with `act`: x is a merged gate_up row
-    and the input is act(gate) * up (pdserve.ops.linear.act_linear's fold). The caller checks `can_produce`."""
+    and the input is act(gate) * up (pdserve.ops.linear.act_linear's fold). The caller checks `can_produce`. The
+    tile: `config`, else fold_config's "out" entry ("act_out" with `act`)."""
     n, k = weight.shape
     gated = act is not None
     cfg = _sum_config(x[:, :k].contiguous() if gated else x, weight)
     if cfg is None or residual.shape != (1, n) or not residual.is_contiguous():
         raise ValueError(f"norm_fold.produce takes one row through the sum kernel and a [1, {n}] residual; got "
                          f"{tuple(x.shape)} @ {tuple(weight.shape)}^T with residual {tuple(residual.shape)}")
+    cfg = config or fold_config(n, k, "act_out" if gated else "out", x.device)
     grid = triton.cdiv(n, cfg.block_n)
     h = torch.empty((1, n), dtype=x.dtype, device=x.device)
     hw = torch.empty_like(h)

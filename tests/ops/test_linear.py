@@ -257,3 +257,51 @@ def test_activation_fold_on_qwen3_8b_down_projection_in_a_cuda_graph():
         gu.copy_(randn((1, 24576), gen(seed), "cuda", torch.bfloat16, 2.0))
         graph.replay()
         _check(y, _ref(act_and_mul_triton(gu, "silu"), w, None))
+
+
+def test_folded_tiles_have_their_own_entries(tmp_path, monkeypatch):
+    """fold_config: a table's "N,K,m1,<fold>" entry for the sum kernel with that fold, else the plain one-row tile;
+    a fold entry that is not a sum tile is passed over; an unknown fold is refused."""
+    plain = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 3, "kind": "sum"}
+    table = {"4096,12288,m1": plain,
+             "4096,12288,m1,act_out": {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 2, "kind": "sum"},
+             "4096,12288,m1,act": {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 2, "kind": "dot"},
+             "6144,4096,m1,in": {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3, "kind": "sum"}}
+    path = tmp_path / "skinny.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("PDSERVE_SKINNY_CONFIG", str(path))
+    assert lin.fold_config(4096, 12288, "act_out") == SkinnyConfig(16, 512, 8, 2, "sum")
+    assert lin.fold_config(4096, 12288, "act") == SkinnyConfig(**plain)  # a dot tile cannot serve the fold
+    assert lin.fold_config(4096, 12288, "out") == SkinnyConfig(**plain)
+    assert lin.fold_config(6144, 4096, "in") == SkinnyConfig(8, 256, 4, 3, "sum")
+    assert skinny_config(6144, 4096, 1) == lin.ONE_ROW_CONFIG  # the fold entry is not the plain product's
+    assert skinny_config(4096, 12288, 1) == SkinnyConfig(**plain)
+    with pytest.raises(ValueError):
+        lin.fold_config(4096, 12288, "norm")
+
+
+def test_folded_activation_takes_its_own_tile(tmp_path, monkeypatch):
+    """skinny_act_linear launches the "act" entry's tile (its program count) and still computes the same product."""
+    from pdserve.ops.activation import act_and_mul_triton
+    table = {"32,64,m1": {"block_n": 4, "block_k": 32, "num_warps": 4, "num_stages": 2, "kind": "sum"},
+             "32,64,m1,act": {"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 2, "kind": "sum"}}
+    path = tmp_path / "skinny.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("PDSERVE_SKINNY_CONFIG", str(path))
+    grids = []
+    real = lin._skinny_sum_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(lin, "_skinny_sum_kernel", Spy())
+    g = gen(8)
+    gu = randn((1, 128), g, "cpu", torch.float16, 2.0)
+    w = randn((32, 64), g, "cpu", torch.float16, 0.125)
+    with force_fused():
+        y = lin.skinny_act_linear(gu, "silu", w)
+        a = act_and_mul_triton(gu, "silu")
+    assert grids == [(2,)]  # 32 columns / 16 a program: the act entry, not the plain one's 8 programs
+    _check(y, _ref(a, w, None))

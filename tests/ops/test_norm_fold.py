@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from pdserve.ops import norm_fold as nf  # noqa: E402
 from pdserve.ops.activation import act_and_mul_triton  # noqa: E402
 from pdserve.ops.dispatch import force_fused  # noqa: E402
-from pdserve.ops.linear import skinny_act_linear, skinny_linear  # noqa: E402
+from pdserve.ops.linear import SkinnyConfig, skinny_act_linear, skinny_linear  # noqa: E402
 from pdserve.ops.norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
 
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -107,6 +107,45 @@ def test_gated_producer_takes_the_activation(device, dtype, tiles):
         apart = skinny_linear(act_and_mul_triton(gu, "silu"), w)
     assert torch.equal(row.h, h_ref)
     torch.testing.assert_close(y.float(), apart.float(), **TOL[dtype])
+
+
+def test_folded_products_take_their_own_tiles(tmp_path, monkeypatch):
+    """produce takes the "out" entry's tile ("act_out" with the activation) and the consumer the "in" entry's, where
+    the table names them (their program counts), with the same results as the plain tiles give."""
+    plain = dict(num_warps=4, num_stages=2, kind="sum")
+    table = {"40,24,m1": dict(block_n=8, block_k=16, **plain), "40,24,m1,out": dict(block_n=4, block_k=8, **plain),
+             "40,96,m1": dict(block_n=8, block_k=32, **plain), "40,96,m1,act_out": dict(block_n=16, block_k=32, **plain),
+             "32,40,m1": dict(block_n=8, block_k=16, **plain), "32,40,m1,in": dict(block_n=16, block_k=64, **plain)}
+    path = tmp_path / "skinny.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("PDSERVE_SKINNY_CONFIG", str(path))
+    g = gen(9)
+    x, w0 = randn((1, 24), g, "cpu", torch.float16, 0.2), randn((40, 24), g, "cpu", torch.float16)
+    gu, wd = randn((1, 192), g, "cpu", torch.float16, 2.0), randn((40, 96), g, "cpu", torch.float16, 0.1)
+    res, nw = randn((1, 40), g, "cpu", torch.float16, 3.0), randn((40,), g, "cpu", torch.float16)
+    w = randn((32, 40), g, "cpu", torch.float16, 0.15)
+    grids = []
+    real = nf._skinny_sum_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    with force_fused():
+        monkeypatch.setattr(nf, "_skinny_sum_kernel", Spy())
+        row = nf.produce(x, w0, res, nw, 1e-6)
+        gated = nf.produce(gu, wd, res, nw, 1e-6, act="silu")
+        y = row.linear(w)
+        monkeypatch.setattr(nf, "_skinny_sum_kernel", real)
+        ref_row = nf.produce(x, w0, res, nw, 1e-6, config=SkinnyConfig(8, 8, 4, 2, "sum"))  # same K steps
+        ref_gated = nf.produce(gu, wd, res, nw, 1e-6, act="silu", config=SkinnyConfig(8, 32, 4, 2, "sum"))
+        ref_y = ref_row.linear(w, config=SkinnyConfig(8, 16, 4, 2, "sum"))
+    assert grids == [(10,), (3,), (2,)]  # 40 / 4, 40 / 16 rounded up, 32 / 16
+    assert row.partials.shape == (10,) and gated.partials.shape == (3,)
+    assert torch.equal(row.h, ref_row.h) and torch.equal(gated.h, ref_gated.h)  # the residual stream, bit for bit
+    torch.testing.assert_close(row.partials.sum(), ref_row.partials.sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.float(), ref_y.float(), **TOL[torch.float16])
 
 
 def test_a_consumer_without_the_scale_would_be_caught(tiles):
