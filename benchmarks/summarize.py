@@ -624,6 +624,100 @@ def session27() -> None:
         interference_table(f"{base}/{folder}")
 
 
+def session29() -> None:
+    """Session 29 (machines 1-4: an H200, two 2xH200s, an H200): decoders under long prompts through 1P1D deployments; where the
+    batch-1 step's kernels go, by kind; the folded one-row products' own tiles; the side by side at the session's
+    code."""
+    base = "lease_s29"
+    print("Decoders under a stream of long prompts through 1P1D deployments on both GPUs (pd_interfere/, machine 2, "
+          "`INTERF_ARMS=\"pd-vllm pd-pdserve\" lease_2xh200.sh interfere`, code 79d7b0e): vLLM 0.22 with NixlConnector "
+          "behind the anchors' proxy (prefill on GPU 0, decode on GPU 1), then `pdserve serve --prefill 1 --decode 1`. "
+          "Decoders: 1024 in / 1024 out, 128 prompts at concurrency 32, alone, then again with 8 prompts of 32768 "
+          "tokens (1 out) sent one at a time from 8 s after them; vLLM's client:\n")
+    interference_table(f"{base}/pd_interfere")
+    lin = load(f"{base}/s29a/linear.json")
+    print(f"\nThe one-row products alone (s29a, machine 1, `bench_linear.py --rows 1 --sweep`: each timed in a CUDA graph "
+          f"over weight copies larger than L2; HBM copy {lin['ceilings']['hbm_copy_gbps']:,.0f} GB/s in the same run), "
+          f"cuBLAS against the sweep's best tile of the skinny kernel (plain products: no fold):\n")
+    print("| projection | cuBLAS us | best skinny us | its GB/s | its tile |\n|---|---|---|---|---|")
+    alone = {}
+    for shape in dict.fromkeys(r["shape"] for r in lin["results"]):
+        rs = [r for r in lin["results"] if r["shape"] == shape and r["rows"] == 1 and "us" in r]
+        cb = next(r for r in rs if r["impl"] == "cublas")
+        best = min((r for r in rs if r["impl"].startswith("skinny")), key=lambda r: r["us"])
+        alone[shape] = best["us"]
+        c = best["config"]
+        print(f"| {shape} | {cb['us']:.2f} | {best['us']:.2f} | {best['gbps']:,.0f} | {c['kind']} {c['block_n']}x"
+              f"{c['block_k']}, {c['num_warps']} warps, {c['num_stages']} stages |")
+    kinds = ["q/k/v (norm's scale in)", "o (residual add, norm's parts out)", "gate_up (norm's scale in)",
+             "down (activation in, norm's parts out)", "LM head"]
+    runs = [("PDL off, 8k", "slots_pdl_off.json", 0), ("PDL off, 32k", "slots_pdl_off.json", 1),
+            ("PDL early (shipped), 8k", "slots_pdl_early.json", 0)]
+    print("\nThe batch-1 loop's kernels by kind (s29b, machine 3: GPU 0 of a 2xH200, `bench_steps.py "
+          "--profile-loop` at temperature 1, 40 steps; each per-layer kernel's launches averaged by their position in "
+          "the step, us a launch; with PDL off a kernel's time is its own, with PDL early it holds its wait for the "
+          "kernel before):\n")
+    print("| kernel | alone (s29a) | " + " | ".join(r[0] for r in runs) + " |\n|---|---|" + "---|" * len(runs))
+    profs = []
+    for _, f, i in runs:
+        loops = [r for r in load(f"{base}/s29b/{f}")["loops"] if "profile" in r]
+        profs.append(loops[i]["profile"])
+    def slots(prof, name):
+        return next(t["slots_us"] for t in prof["top"] if t["name"] == name)
+    for i, kind in enumerate(kinds):
+        cells = []
+        for prof in profs:
+            sl = slots(prof, "_skinny_sum_kernel")
+            xs = sl[i:144:4] if i < 4 else sl[144:]
+            cells.append(f"{sum(xs) / len(xs):.2f}")
+        ref = alone[["qkv", "o", "gate_up", "down", "lm_head"][i]]
+        print(f"| {kind} | {ref:.2f} | " + " | ".join(cells) + " |")
+    for name in ("_decode_kernel", "_merge_kernel", "_qk_norm_rope_kernel"):
+        cells = [f"{sum(slots(p, name)) / len(slots(p, name)):.2f}" for p in profs]
+        print(f"| {name} | | " + " | ".join(cells) + " |")
+    for (label, f, i), prof in zip(runs, profs):
+        loops = [r for r in load(f"{base}/s29b/{f}")["loops"] if "profile" in r]
+        print(f"- {label}: {loops[i]['step_ms']:.2f} ms a step under the profiler, {prof['kernels_per_step']:.0f} "
+              f"kernels, {prof['gpu_us_per_step'] / 1e3:.2f} ms of kernel time a step")
+    fo = load(f"{base}/s29c/folds.json")
+    print(f"\nThe folded products' own tiles (s29c, machine 4, an H200, `bench_linear.py --folds`: the sum kernel "
+          f"as the batch-1 step runs it, each tile in a CUDA graph over weight copies larger than L2; HBM copy "
+          f"{fo['ceilings']['hbm_copy_gbps']:,.0f} GB/s): the shipped plain tile against the sweep's best, us:\n")
+    print("| projection | fold | shipped tile | us | best tile | us | written |\n|---|---|---|---|---|---|---|")
+    def tile(c):
+        return f"{c['block_n']}x{c['block_k']}, {c['num_warps']}w {c['num_stages']}s"
+    for shape in dict.fromkeys(r["shape"] for r in fo["results"]):
+        rs = [r for r in fo["results"] if r["shape"] == shape and "us" in r]
+        base_r = next(r for r in rs if r["impl"].startswith("shipped"))
+        best = min(rs, key=lambda r: r["us"])
+        key = f"{base_r['n']},{base_r['k']},m1,{base_r['fold']}"
+        print(f"| {shape} | {base_r['fold']} | {tile(base_r['config'])} | {base_r['us']:.2f} | {tile(best['config'])} "
+              f"| {best['us']:.2f} | {'yes' if key in fo['table'] else 'no'} |")
+    print("\nThe batch-1 loops at temperature 1 with the measured fold entries (new) and as shipped before (old), one "
+          "process each, in the order new, old, new (s29c, machine 4; the skinny kernel's and the norm fold's GPU "
+          "tests with the new table: `" + (B / base / "s29c/gpu_tests.txt").read_text().strip().splitlines()[-1]
+          + "`):\n")
+    arms = [("new", 1), ("old", 2), ("new", 3)]
+    print("| loop | " + " | ".join(f"{a} ({i}) ms (of floor)" for a, i in arms) + " |\n|---|---|---|---|")
+    data = [{r["case"]: r for r in load(f"{base}/s29c/loop_{i}_{a}.json")["loops"] if r["async"]} for a, i in arms]
+    for case in data[0]:
+        print(f"| {case} | " + " | ".join(f"{d[case]['step_ms']:.2f} ({d[case]['fraction_of_floor']:.0%})"
+                                          for d in data) + " |")
+    sbs = f"{base}/sbs"
+    print(f"\nOne GPU each at once at the session's engine code (sbs/, machine 3, "
+          f"`SBS_WORKLOADS=... SBS_ROUNDS=1 SBS_CLIENTS=vllm lease_2xh200.sh sbs`, engine code 79d7b0e, before the fold "
+          f"tiles; kernels pdserve compiled while serving: {_compiles(f'{sbs}/pdserve.log.gz')}), vLLM's client. The "
+          f"256-token runs follow the 16-token runs of the same length and seed: prefix-cache hits on both servers, "
+          f"so their TTFT is not a prefill and their TPOT is one request's steady pace:\n")
+    _sbs_table(sbs)
+    print()
+    for w in ("8192x16_c1", "32768x16_c1", "8192x256_c1", "32768x256_c1"):
+        _sbs_chunks(sbs, w)
+    last = (B / base / "s28d/gpu_tests.txt").read_text().strip().splitlines()[-1]
+    print(f"\n- the library prefill's GPU tests and the warm-up's plan test with its shifted-chunk case (s28d, machine 1, "
+          f"code 79d7b0e): `{last}`")
+
+
 def session28() -> None:
     """Session 28 (one H200, two 2xH200 machines, one H200): the library (cuDNN) prefill against the Triton kernel on
     chunks of 256-2048 tokens on prefixes; decoders under a stream of long prompts with cuDNN from 1024 tokens."""
@@ -2065,6 +2159,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session29()
+    print()
     session28()
     print()
     session27()
