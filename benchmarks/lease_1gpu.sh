@@ -132,6 +132,7 @@
 #              32k, then PDL early at 8k
 #   s29c       the folded one-row products' own tiles: bench_linear.py --folds, the GPU tests with the measured table,
 #              the batch-1 loops with it and without (new, old, new)
+#   s29d       the decode kernel at one row, 8k and 32k: every tile x split count x block-table prefetch (sweep_decode.py)
 set -uo pipefail
 STAGE=${1:?stage}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -1046,6 +1047,12 @@ PY
       save
     done
     unset PDSERVE_SKINNY_CONFIG ;;
+  s29d)  # the decode kernel at one row (8k and 32k of context, bf16 pool): every tile, split count and block-table
+    # prefetch (sweep_decode.py; s29b: 13.2 us a layer at 8k in the loop, 33.5 MB of KV, 512 programs of 128 keys)
+    timeout ${SWEEP_LIMIT:-170} python3 benchmarks/attention/sweep_decode.py --shapes 1x8192,1x32768 \
+      --splits 0,16,24,32,48,128 --kv bf16 --prefetch --out "$W/decode_b1.json" > "$W/decode_b1.txt" 2>&1
+    grep -v " INFO " "$W/decode_b1.txt" | grep -E "^    |b=" | cut -c1-200 | head -20
+    tar czf "$OUT/s29d.tgz" -C "$OUT" s29d ;;
   moe_tune)
     timeout ${TUNE_LIMIT:-540} python3 benchmarks/moe/tune_fused_moe.py --tokens 256 4096 128 2048 64 1024 512 1 8 32 \
       16 2 4 96 192 384 768 1536 3072 24 48 --max-minutes ${TUNE_MINUTES:-7.5} --out "$W/table.json" > "$W/tune.txt" 2>&1

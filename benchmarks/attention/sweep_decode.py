@@ -6,7 +6,8 @@ mean of the fraction of the floor) and writes every timing as JSON.
 Each timing is one CUDA graph of a call per layer of the pool (as a decode step launches them), divided by the
 layers: a Python call at batch 1 costs more than the kernel (session 7's sweep timed 50-125 us per call where the
 engine's graph profile showed 14 us), and cycling layers keeps the KV out of L2 the way a step does. Small batches
-are also timed at other split counts (SPLITS; the engine's choice is decode.decode_splits).
+are also timed at other split counts (SPLITS; the engine's choice is decode.decode_splits), and with --prefetch each
+tile also with the block table read a tile ahead.
 
   python benchmarks/attention/sweep_decode.py --out $OUT/decode_sweep.json [--hq 32 --hk 8 --head-dim 128]
 """
@@ -39,17 +40,27 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=12, help="layers in the pool, one call per layer in each timing")
+    ap.add_argument("--shapes", default="", help="rowsxcontext,... (default: SHAPES)")
+    ap.add_argument("--splits", default="", help="split counts for small batches, 0 the engine's (default: SPLITS)")
+    ap.add_argument("--kv", default="bf16,fp8", help="pool dtypes: bf16, fp8")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="also time each tile with the block table read a tile ahead (the kernel's PREFETCH_BT)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    splits = tuple(int(x) for x in args.splits.split(",")) if args.splits else SPLITS
+    prefetches = (False, True) if args.prefetch else (False,)
     dev = torch.device("cuda")
     hbm = hbm_copy_gbps(dev)
     rec = new_record("decode_tile_sweep", vars(args))
     rec["ceilings"] = {"hbm_copy_gbps": hbm, "gpu": torch.cuda.get_device_name(dev)}
     rec["rows"], rec["best"] = [], {}
-    max_tokens = max(b * c for b, c in SHAPES)
+    max_tokens = max(b * c for b, c in shapes)
     nb = max_tokens // args.block_size + 64
     rng = np.random.default_rng(0)
     for name, dt in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        if name not in args.kv.split(","):
+            continue
         pool = torch.empty((nb, args.hk, args.layers, 2, args.block_size, args.head_dim), dtype=dt, device=dev)
         if is_fp8(dt):
             as_storage(pool).random_(0, 256).bitwise_and_(0x77)
@@ -59,7 +70,7 @@ def main(argv=None) -> int:
         scale = torch.tensor(1.0, device=dev) if is_fp8(dt) else None
         default = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), 8)  # the many-row tile
         scores: dict[tuple, list[float]] = {t: [] for t in TILES}
-        for b, ctx in SHAPES:
+        for b, ctx in shapes:
             width = -(-ctx // args.block_size)
             perm = rng.permutation(nb)[: b * width] if b * width <= nb else rng.integers(0, nb, b * width)
             bt = torch.tensor(perm.reshape(b, width).astype(np.int32), device=dev)
@@ -69,9 +80,9 @@ def main(argv=None) -> int:
             floor = kv_bytes / (hbm * 1e9) * 1e6
             engine_tile = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), b)
             ref = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale)
-            for t in TILES:
-                for sp in (SPLITS if b < SPLIT_ROWS else (0,)):
-                    kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None)
+            for t, pf in itertools.product(TILES, prefetches):
+                for sp in (splits if b < SPLIT_ROWS else (0,)):
+                    kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None, prefetch=pf)
                     try:
                         out = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, **kw)
                         if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
@@ -80,19 +91,24 @@ def main(argv=None) -> int:
                                                          **kw) for lay in layers])
                     except Exception as e:  # out of resources, compile failure
                         rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
-                                            "error": str(e)[:200]})
-                        if not sp:
+                                            "prefetch": pf, "error": str(e)[:200]})
+                        if not sp and not pf:
                             scores[t].append(1e-3)
                         continue
-                    if not sp:
+                    if not sp and not pf:
                         scores[t].append(floor / us)
-                    rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp, "us": us,
-                                        "floor_us": floor, "of_floor": floor / us, "default": t == default,
-                                        "engine": t == engine_tile and not sp})
+                    rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
+                                        "prefetch": pf, "us": us, "floor_us": floor, "of_floor": floor / us,
+                                        "default": t == default, "engine": t == engine_tile and not sp and not pf})
             mine = [r for r in rec["rows"] if r.get("us") and r["kv"] == name and r["batch"] == b
                     and r["context"] == ctx]
             best = min(mine, key=lambda r: r["us"])
             eng = next((r for r in mine if r["engine"]), None)
+            for r in sorted(mine, key=lambda r: r["us"])[:6]:
+                print(f"    {r['tile']} splits {r['splits'] or 'engine'} prefetch {r['prefetch']}: {r['us']:.2f} us",
+                      flush=True)
+            if args.out:
+                save_json(rec, args.out)  # each shape as it ends (a call cut short keeps what it timed)
             print(f"{name} b={b} ctx={ctx}: best {best['tile']} splits {best['splits'] or 'engine'} "
                   f"{best['us']:.1f} us ({100 * best['of_floor']:.0f}% of floor)"
                   + (f"; the engine's {eng['tile']} {eng['us']:.1f} us ({100 * eng['of_floor']:.0f}%)" if eng else ""),
