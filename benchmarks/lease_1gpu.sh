@@ -132,7 +132,8 @@
 #              32k, then PDL early at 8k
 #   s29c       the folded one-row products' own tiles: bench_linear.py --folds, the GPU tests with the measured table,
 #              the batch-1 loops with it and without (new, old, new)
-#   s29d       the decode kernel at one row, 8k and 32k: every tile x split count x block-table prefetch (sweep_decode.py)
+#   s29d       (written in session 29, not yet run) the decode kernel at one row, 8k and 32k: every tile x split count x
+#              block-table prefetch (sweep_decode.py)
 set -uo pipefail
 STAGE=${1:?stage}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
