@@ -254,8 +254,9 @@ def skinny_config(n: int, k: int, m: int = 1, device: torch.device | None = None
 # "act" the activation of a merged gate_up row (skinny_act_linear), "in" the RMS norm's scale from the partial sums
 # of the product before it (pdserve.ops.norm_fold.NormedRow.linear), "out" the residual add and the norm's parts
 # (norm_fold.produce), "act_out" both of the last two (the down projection in a batch-1 step). A folded kernel does
-# per-program work the plain one does not: "act" and "act_out" compute the activation over all of K in every program
-# (1,024 programs of the plain table's 4-column tile on Qwen3-8B's down projection), so its best tile can be wider.
+# per-program work the plain one does not: "act" and "act_out" compute the activation over all of K in every program,
+# "in" sums the producer's partials, so its best tile need not be the plain product's (benchmarks/lease_s29/s29c: wider
+# tiles for o and gate_up on an H200, the batch-1 loops 0.05-0.06 ms a step faster).
 FOLDS = ("act", "in", "out", "act_out")
 
 
@@ -287,7 +288,7 @@ def _config(n: int, k: int, one_row: bool, device_index: int | None, path: str |
         for key in keys:
             if key in table:
                 cfg = table[key]
-                if fold and key.endswith(f",{fold}") and cfg.kind != "sum":
+                if fold and key == keys[0] and cfg.kind != "sum":
                     continue  # a folded product runs the sum kernel only
                 if one_row or cfg.kind != "sum":
                     return cfg
