@@ -132,6 +132,8 @@
 #              32k, then PDL early at 8k
 #   s29c       the folded one-row products' own tiles: bench_linear.py --folds, the GPU tests with the measured table,
 #              the batch-1 loops with it and without (new, old, new)
+#   s30a       (written in session 29, not yet run) s29c again with every tile also prefetching its next weight tile
+#              (bench_linear.py --folds --prefetch; against the fold entries s29c shipped)
 #   s29d       (written in session 29, not yet run) the decode kernel at one row, 8k and 32k: every tile x split count x
 #              block-table prefetch (sweep_decode.py)
 set -uo pipefail
@@ -1026,12 +1028,15 @@ PY
       > "$W/slots_pdl_early.txt" 2>&1
     grep -v " INFO " "$W/slots_pdl_early.txt" | grep -E "^loop[^ ]*:|by position" | cut -c1-400 | head -12
     save ;;
-  s29c)  # the folded one-row products' own tiles (pdserve.ops.linear.fold_config): bench_linear.py --folds sweeps the
-    # sum kernel with each fold of Qwen3-8B's batch-1 step (q/k/v and gate_up "in", o "out", down "act_out") against
-    # the shipped plain tile; the GPU tests of the skinny kernel and the norm fold with the measured table; then the
-    # batch-1 8k loop with the measured table (new) and as shipped (old), in the order new, old, new
-    save() { tar czf "$OUT/s29c.tgz" -C "$OUT" s29c; }
-    timeout 180 python3 benchmarks/engine/bench_linear.py --model qwen3-8b --rows 1 --folds --precompile-procs 16 \
+  s29c|s30a)  # the folded one-row products' own tiles (pdserve.ops.linear.fold_config): bench_linear.py --folds sweeps
+    # the sum kernel with each fold of Qwen3-8B's batch-1 step (q/k/v and gate_up "in", o "out", down "act_out")
+    # against the tile serving takes; the GPU tests of the skinny kernel and the norm fold with the measured table;
+    # then the batch-1 loops with the measured table (new) and as shipped (old), in the order new, old, new.
+    # s30a (written in session 29, not yet run): the same with every tile also prefetching (SkinnyConfig.prefetch: the
+    # next weight tile loaded a step ahead, a register double buffer), against the fold entries s29c shipped
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    extra=""; [ $STAGE = s30a ] && extra="--prefetch"
+    timeout 200 python3 benchmarks/engine/bench_linear.py --model qwen3-8b --rows 1 --folds $extra --precompile-procs 16 \
       --fold-out "$W/folds_table.json" --out "$W/folds.json" > "$W/folds.txt" 2>&1
     grep -v " INFO " "$W/folds.txt" | grep -E "shipped tile|^    |Error|error" | cut -c1-300 | head -24
     save

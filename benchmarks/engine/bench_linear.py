@@ -12,7 +12,8 @@ and for --table-rows rows ("N,K"); where cuBLAS measured fastest the entry says 
 
 `--folds` times the one-row sum kernel as a batch-1 step runs it, with work folded in (pdserve.ops.linear.FOLDS:
 the RMS norm's scale, the residual add and the norm's parts, the activation), over FOLD_SWEEP's tiles against the
-tile serving would take without a fold entry (the shipped table's plain one-row tile); `--fold-out` writes the
+tile serving takes (the shipped table's fold entry, else its plain one-row tile; session 29's s29c ran before the
+table had fold entries); `--prefetch` adds each sum tile prefetching its next weight tile; `--fold-out` writes the
 "N,K,m1,<fold>" entries that beat it by more than 1 %, merged into the shipped table (a file for
 PDSERVE_SKINNY_CONFIG, or for configs/skinny_linear/ once measured in the loop).
 
@@ -55,6 +56,7 @@ SUM_SWEEP = [SkinnyConfig(bn, bk, w, s, "sum") for bn, bk, w, s in
 FOLD_PRESETS = {"qwen3-8b": {"qkv": "in", "o": "out", "gate_up": "in", "down": "act_out"}}
 FOLD_SWEEP = [SkinnyConfig(bn, bk, w, s, "sum") for bn, bk, w, s in
               itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3))]
+# --prefetch: every sum tile also with the next weight tile loaded a step ahead (SkinnyConfig.prefetch)
 FOLD_PARTIALS = 1024  # the partial sums an "in" product reads (Qwen3-8B's o and down at 4 columns a program)
 
 
@@ -166,7 +168,7 @@ def bench_shape(name: str, n: int, k: int, args, rows: list[int], ceil: dict, re
 
     base = {m: run("cublas", cublas, m) for m in sorted(set(rows) | {1, args.table_rows})}
     run("cublas_mv", cublas_mv, 1)
-    cands = (DOT_SWEEP + SUM_SWEEP) if args.sweep else [ONE_ROW_CONFIG, DEFAULT_CONFIG]
+    cands = (DOT_SWEEP + _sums(SUM_SWEEP, args)) if args.sweep else [ONE_ROW_CONFIG, DEFAULT_CONFIG]
     best1 = min((run(f"skinny:{c}", skinny(c), 1, c) for c in cands), key=lambda r: r.get("us", 1e9))
     multi = min((run(f"skinny:{c}", skinny(c), args.table_rows, c) for c in cands if c.kind == "dot"),
                 key=lambda r: r.get("us", 1e9))
@@ -186,13 +188,15 @@ def bench_shape(name: str, n: int, k: int, args, rows: list[int], ceil: dict, re
               flush=True)
 
 
-def bench_folds(name: str, n: int, k: int, fold: str, ceil: dict, results: list, table: dict) -> None:
-    """Time FOLD_SWEEP's tiles of the sum kernel with `fold` on one shape against the tile serving takes without a
-    fold entry; the best goes into `table` as "N,K,m1,<fold>" where it is more than 1 % faster."""
+def bench_folds(name: str, n: int, k: int, fold: str, ceil: dict, results: list, table: dict,
+                cands: list[SkinnyConfig]) -> None:
+    """Time the candidate tiles of the sum kernel with `fold` on one shape against the tile serving takes (the
+    shipped fold entry, else the plain one-row tile); the best goes into `table` as "N,K,m1,<fold>" where it is more
+    than 1 % faster."""
     nbytes = n * k * 2
     copies = max(2, -(-(768 << 20) // nbytes))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    shipped = lin.skinny_config(n, k, 1, torch.device("cuda"))  # PDSERVE_SKINNY_CONFIG unset: the shipped table
+    shipped = lin.fold_config(n, k, fold, torch.device("cuda"))  # PDSERVE_SKINNY_CONFIG unset: what serving takes
 
     def run(cfg, label):
         fn = fold_call(fold, cfg, n, k)
@@ -208,7 +212,7 @@ def bench_folds(name: str, n: int, k: int, fold: str, ceil: dict, results: list,
         return r
 
     base = run(shipped, f"shipped:{shipped}")
-    runs = [run(c, f"fold:{c}") for c in FOLD_SWEEP if c != shipped]
+    runs = [run(c, f"fold:{c}") for c in cands if c != shipped]
     best = min([base] + runs, key=lambda r: r.get("us", 1e9))
     if best is not base and best["us"] < 0.99 * base["us"]:
         table[f"{n},{k},m1,{fold}"] = best["config"]
@@ -216,6 +220,11 @@ def bench_folds(name: str, n: int, k: int, fold: str, ceil: dict, results: list,
           f" | best {best['us']:.2f} us ({best['of_copy']:.0%}) {best['config']}", flush=True)
     for r in sorted((r for r in runs if "us" in r), key=lambda r: r["us"])[:3]:
         print(f"    {r['us']:.2f} us {r['config']}", flush=True)
+
+
+def _sums(tiles: list[SkinnyConfig], args) -> list[SkinnyConfig]:
+    """The sum tiles, and with --prefetch each of them also prefetching."""
+    return tiles + ([replace(c, prefetch=True) for c in tiles] if getattr(args, "prefetch", False) else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the folded one-row products of the model's batch-1 step (FOLD_PRESETS) instead")
     ap.add_argument("--fold-out", default=None,
                     help="with --folds: the shipped table with the measured fold entries added")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="every sum tile also with the next weight tile loaded a step ahead (SkinnyConfig.prefetch)")
     ap.add_argument("--out", default="linear.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -248,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.folds:
         return main_folds(args, rec, ceil)
     if args.sweep and args.precompile_procs > 1:
-        precompile(DOT_SWEEP + SUM_SWEEP, PRESETS[args.model], args.precompile_procs)
+        precompile(DOT_SWEEP + _sums(SUM_SWEEP, args), PRESETS[args.model], args.precompile_procs)
     results, table = [], {}
     for name, n, k in PRESETS[args.model]:
         bench_shape(name, n, k, args, rows, ceil, results, table)
@@ -269,11 +280,12 @@ def main_folds(args, rec: dict, ceil: dict) -> int:
         return 2
     folds = FOLD_PRESETS.get(args.model, {})
     shapes = [s for s in PRESETS[args.model] if s[0] in folds]
+    cands = _sums(FOLD_SWEEP, args)
     if args.precompile_procs > 1:
-        precompile(FOLD_SWEEP, shapes, args.precompile_procs, folds)
+        precompile(cands, shapes, args.precompile_procs, folds)
     results, table = [], {}
     for name, n, k in shapes:
-        bench_folds(name, n, k, folds[name], ceil, results, table)
+        bench_folds(name, n, k, folds[name], ceil, results, table, cands)
         torch.cuda.empty_cache()
     rec["results"], rec["table"] = results, table
     save_json(rec, args.out)

@@ -46,13 +46,15 @@ SKINNY_MAX_ROWS = 16  # the dot tile's row count: every M up to it shares one co
 class SkinnyConfig:
     """One launch shape of the skinny kernel: output columns per program, K per inner step, warps, pipeline
     stages, and the inner product (`dot` for any M <= 16, `sum` for M == 1 only). `cublas` in a measured table:
-    that shape measured faster through F.linear, which `linear` then calls."""
+    that shape measured faster through F.linear, which `linear` then calls. `prefetch` (the sum kernel): each step
+    issues the next weight tile's load before its own products (a register double buffer)."""
 
     block_n: int = 16
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
     kind: str = "dot"
+    prefetch: bool = False
 
 
 # Without a measured entry: one row through the sum kernel with 8 columns and 1024 of K a program, the tile whose
@@ -117,12 +119,30 @@ if HAS_TRITON:
         return x.to(tl.float32)
 
     @triton.jit
+    def _w_tile(w_ptrs, k, rk, nmask, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+        """The weight tile at K offset k (w_ptrs already there): nothing loaded past K or N (a scalar mask where K
+        is a multiple of the tile, so the loads stay vectorized)."""
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs, mask=k < K, other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=nmask[:, None] & (k < K), other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=nmask[:, None] & ((k + rk) < K)[None, :], other=0.0)
+        return w
+
+    @triton.jit
     def _skinny_sum_kernel(X, W, B, Out, N, K, s_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
                            EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                            GATED: tl.constexpr = False, ACT: tl.constexpr = "silu",
                            PartIn=None, n_part_in=0, eps=0.0, BLOCK_P: tl.constexpr = 0,
-                           Res=None, NormW=None, offset=0.0, HGOut=None, PartOut=None, NORM_OUT: tl.constexpr = False):
+                           Res=None, NormW=None, offset=0.0, HGOut=None, PartOut=None, NORM_OUT: tl.constexpr = False,
+                           PREFETCH: tl.constexpr = False):
         """One row: X [K], or (GATED) a merged gate_up row [2K] whose act(gate) * up is the input.
+
+        The weight tiles' loads go straight to registers (Triton's pipeliner stages only loads that feed a dot), so
+        without PREFETCH a step's products wait for its own tile. PREFETCH carries the next tile in registers: its
+        load is issued before this step's products, two tiles in flight a program.
 
         BLOCK_P > 0 (the RMS norm folded in, input side, pdserve.ops.norm_fold): X is h * w of the norm's input h,
         PartIn the n_part_in partial sums of h's squares; the product is scaled by rsqrt(mean(h^2) + eps) at the
@@ -135,25 +155,37 @@ if HAS_TRITON:
         nmask = rn < N
         w_ptrs = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        k0 = 0
-        if PDL != 0:  # the first weight tile streams in under the previous kernel's tail (see pdserve.ops.pdl)
-            kmask = rk < K
-            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if PREFETCH:
+            # the first tile before the wait (it streams in under the previous kernel's tail with PDL), then each
+            # step loads the next (nothing past K) before its own products
+            w_cur = _w_tile(w_ptrs, 0, rk, nmask, K, EVEN_N, EVEN_K)
             pdl_wait(PDL)
-            acc += w.to(tl.float32) * _x_chunk(X, 0, rk, kmask, K, GATED, ACT, True)[None, :]
-            w_ptrs += BLOCK_K
-            k0 = BLOCK_K
-        for k in range(k0, K, BLOCK_K):
-            kmask = (k + rk) < K
-            if EVEN_K:
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
-            else:
+            for k in range(0, K, BLOCK_K):
+                w_ptrs += BLOCK_K
+                w_nxt = _w_tile(w_ptrs, k + BLOCK_K, rk, nmask, K, EVEN_N, EVEN_K)
+                kmask = (k + rk) < K
+                acc += w_cur.to(tl.float32) * _x_chunk(X, k, rk, kmask, K, GATED, ACT, not EVEN_K)[None, :]
+                w_cur = w_nxt
+        else:
+            k0 = 0
+            if PDL != 0:  # the first weight tile streams in under the previous kernel's tail (see pdserve.ops.pdl)
+                kmask = rk < K
                 w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc += w.to(tl.float32) * _x_chunk(X, k, rk, kmask, K, GATED, ACT, not EVEN_K)[None, :]
-            w_ptrs += BLOCK_K
+                pdl_wait(PDL)
+                acc += w.to(tl.float32) * _x_chunk(X, 0, rk, kmask, K, GATED, ACT, True)[None, :]
+                w_ptrs += BLOCK_K
+                k0 = BLOCK_K
+            for k in range(k0, K, BLOCK_K):
+                kmask = (k + rk) < K
+                if EVEN_K:
+                    if EVEN_N:
+                        w = tl.load(w_ptrs)
+                    else:
+                        w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
+                else:
+                    w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+                acc += w.to(tl.float32) * _x_chunk(X, k, rk, kmask, K, GATED, ACT, not EVEN_K)[None, :]
+                w_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
         if BLOCK_P > 0:  # the norm's 1 / rms, from the previous product's partial sums of squares
             rp = tl.arange(0, BLOCK_P)
@@ -195,7 +227,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     common = dict(HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     if cfg.kind == "sum" and m == 1:
-        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), **common, **pdl_args(x))
+        _skinny_sum_kernel[grid](x, weight, b, out, n, k, weight.stride(0), **common, PREFETCH=cfg.prefetch,
+                                 **pdl_args(x))
     elif cfg.kind in ("dot", "sum"):
         # never with PDL: its shared memory, held while waiting, crowds out the kernel before it (pdserve.ops.pdl)
         _skinny_dot_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), **common)
@@ -220,7 +253,8 @@ def skinny_act_linear(gate_up: torch.Tensor, act: str, weight: torch.Tensor, bia
     _skinny_sum_kernel[(triton.cdiv(n, cfg.block_n),)](
         gate_up, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GATED=True, ACT=act, num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(gate_up))
+        GATED=True, ACT=act, PREFETCH=cfg.prefetch, num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+        **pdl_args(gate_up))
     return out
 
 

@@ -34,9 +34,9 @@ def _check(y, ref):
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("kind", ["dot", "sum"])
+@pytest.mark.parametrize("kind", ["dot", "sum", "sum+prefetch"])
 @pytest.mark.parametrize("m,n,k,block_n,block_k", [(1, 40, 200, 16, 64), (3, 64, 256, 16, 128), (16, 48, 96, 32, 32),
-                                                   (1, 33, 128, 8, 64), (7, 32, 512, 16, 256)])
+                                                   (1, 33, 128, 8, 64), (7, 32, 512, 16, 256), (1, 32, 256, 8, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_matches_reference(device, dtype, kind, m, n, k, block_n, block_k, bias):
     if kind == "dot" and block_n < 16:
@@ -46,9 +46,28 @@ def test_skinny_matches_reference(device, dtype, kind, m, n, k, block_n, block_k
     w = randn((n, k), g, device, dtype)
     b = randn((n,), g, device, dtype) if bias else None
     with force_fused():
-        y = skinny_linear(x, w, b, SkinnyConfig(block_n, block_k, 4, 2, kind))
+        y = skinny_linear(x, w, b, SkinnyConfig(block_n, block_k, 4, 2, kind.split("+")[0],
+                                                prefetch=kind.endswith("prefetch")))
     assert y.shape == (m, n) and y.dtype == dtype
     _check(y, _ref(x, w, b))
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n,k,block_n,block_k", [(40, 200, 16, 64), (33, 128, 8, 64), (32, 256, 8, 64),
+                                                 (24, 64, 8, 64)])
+def test_prefetched_tiles_give_the_same_bits(device, dtype, n, k, block_n, block_k):
+    """The sum kernel with the next weight tile loaded a step ahead sums the same tiles in the same order: the same
+    bits as without, with the activation folded in too; K not a multiple of the tile, N not a multiple of the
+    columns, and a single tile (nothing to prefetch) included."""
+    g = gen(n * 31 + k)
+    x = randn((1, k), g, device, dtype, k ** -0.5)
+    gu = randn((1, 2 * k), g, device, dtype, 2.0)
+    w = randn((n, k), g, device, dtype)
+    plain, ahead = SkinnyConfig(block_n, block_k, 4, 2, "sum"), SkinnyConfig(block_n, block_k, 4, 2, "sum", True)
+    with force_fused():
+        assert torch.equal(skinny_linear(x, w, None, ahead), skinny_linear(x, w, None, plain))
+        assert torch.equal(lin.skinny_act_linear(gu, "silu", w, None, ahead),
+                           lin.skinny_act_linear(gu, "silu", w, None, plain))
 
 
 @pytest.mark.parametrize("device,dtype", CASES)

@@ -148,6 +148,25 @@ def test_folded_products_take_their_own_tiles(tmp_path, monkeypatch):
     torch.testing.assert_close(y.float(), ref_y.float(), **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_prefetched_folds_give_the_same_bits(device, dtype):
+    """The producer (with and without the activation) and the consumer with the next weight tile loaded a step
+    ahead (SkinnyConfig.prefetch): the same bits as without."""
+    g = gen(13)
+    x, w0 = randn((1, 96), g, device, dtype, 0.1), randn((40, 96), g, device, dtype, 0.1)
+    gu = randn((1, 192), g, device, dtype, 2.0)
+    res, nw = randn((1, 40), g, device, dtype, 3.0), randn((40,), g, device, dtype)
+    w = randn((24, 40), g, device, dtype, 0.15)
+    plain, ahead = SkinnyConfig(8, 32, 4, 2, "sum"), SkinnyConfig(8, 32, 4, 2, "sum", True)
+    with force_fused():
+        for act in (None, "silu"):
+            inp = gu if act else x
+            a, b = (nf.produce(inp, w0, res, nw, 1e-6, act=act, config=c) for c in (ahead, plain))
+            assert torch.equal(a.h, b.h) and torch.equal(a.hw, b.hw) and torch.equal(a.partials, b.partials)
+        assert torch.equal(a.linear(w, config=SkinnyConfig(8, 16, 4, 2, "sum", True)),
+                           a.linear(w, config=SkinnyConfig(8, 16, 4, 2, "sum")))
+
+
 def test_a_consumer_without_the_scale_would_be_caught(tiles):
     """The check above rejects the product of h * w left unscaled (1 / rms dropped)."""
     tiles({(40, 24): (8, 16), (32, 40): (8, 16)})
