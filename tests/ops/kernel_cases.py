@@ -33,3 +33,15 @@ def randn(shape, g: torch.Generator, device: str, dtype: torch.dtype, scale: flo
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
     torch.testing.assert_close(actual.float(), expected.float(), msg=msg or None, **TOL[expected.dtype])
+
+
+class GridSpy:
+    """Stands in for a Triton kernel (monkeypatch it over the module's name): records each launch's grid, then
+    launches the kernel it wraps."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.ops.kernel_cases import TOL, gen, randn
+from tests.ops.kernel_cases import TOL, GridSpy, gen, randn
 
 pytest.importorskip("triton")
 
@@ -312,20 +312,13 @@ def test_folded_activation_takes_its_own_tile(tmp_path, monkeypatch):
     path = tmp_path / "skinny.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv("PDSERVE_SKINNY_CONFIG", str(path))
-    grids = []
-    real = lin._skinny_sum_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(lin, "_skinny_sum_kernel", Spy())
+    spy = GridSpy(lin._skinny_sum_kernel)
+    monkeypatch.setattr(lin, "_skinny_sum_kernel", spy)
     g = gen(8)
     gu = randn((1, 128), g, "cpu", torch.float16, 2.0)
     w = randn((32, 64), g, "cpu", torch.float16, 0.125)
     with force_fused():
         y = lin.skinny_act_linear(gu, "silu", w)
         a = act_and_mul_triton(gu, "silu")
-    assert grids == [(2,)]  # 32 columns / 16 a program: the act entry, not the plain one's 8 programs
+    assert spy.grids == [(2,)]  # 32 columns / 16 a program: the act entry, not the plain one's 8 programs
     _check(y, _ref(a, w, None))

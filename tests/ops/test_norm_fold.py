@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.ops.kernel_cases import TOL, gen, randn
+from tests.ops.kernel_cases import TOL, GridSpy, gen, randn
 
 pytest.importorskip("triton")
 
@@ -124,16 +124,10 @@ def test_folded_products_take_their_own_tiles(tmp_path, monkeypatch):
     gu, wd = randn((1, 192), g, "cpu", torch.float16, 2.0), randn((40, 96), g, "cpu", torch.float16, 0.1)
     res, nw = randn((1, 40), g, "cpu", torch.float16, 3.0), randn((40,), g, "cpu", torch.float16)
     w = randn((32, 40), g, "cpu", torch.float16, 0.15)
-    grids = []
     real = nf._skinny_sum_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
+    spy = GridSpy(real)
     with force_fused():
-        monkeypatch.setattr(nf, "_skinny_sum_kernel", Spy())
+        monkeypatch.setattr(nf, "_skinny_sum_kernel", spy)
         row = nf.produce(x, w0, res, nw, 1e-6)
         gated = nf.produce(gu, wd, res, nw, 1e-6, act="silu")
         y = row.linear(w)
@@ -141,7 +135,7 @@ def test_folded_products_take_their_own_tiles(tmp_path, monkeypatch):
         ref_row = nf.produce(x, w0, res, nw, 1e-6, config=SkinnyConfig(8, 8, 4, 2, "sum"))  # same K steps
         ref_gated = nf.produce(gu, wd, res, nw, 1e-6, act="silu", config=SkinnyConfig(8, 32, 4, 2, "sum"))
         ref_y = ref_row.linear(w, config=SkinnyConfig(8, 16, 4, 2, "sum"))
-    assert grids == [(10,), (3,), (2,)]  # 40 / 4, 40 / 16 rounded up, 32 / 16
+    assert spy.grids == [(10,), (3,), (2,)]  # 40 / 4, 40 / 16 rounded up, 32 / 16
     assert row.partials.shape == (10,) and gated.partials.shape == (3,)
     assert torch.equal(row.h, ref_row.h) and torch.equal(gated.h, ref_gated.h)  # the residual stream, bit for bit
     torch.testing.assert_close(row.partials.sum(), ref_row.partials.sum(), rtol=1e-5, atol=1e-5)
