@@ -48,7 +48,8 @@ def test_a_worker_killed_while_idle_fails_the_next_step(tiny_model_dirs):
         core.step()
         t0 = time.monotonic()
         os.kill(_worker_pid(core), signal.SIGKILL)
-        while core.executor.failed is None and time.monotonic() - t0 < DETECT_S:
+        # the watcher sets `failed`, kills the ranks, then wakes the loop: wait for both (one deadline)
+        while (core.executor.failed is None or not woken) and time.monotonic() - t0 < DETECT_S:
             time.sleep(0.01)
         assert core.executor.failed is not None, "the watcher did not notice the dead rank"
         assert "rank 1" in core.executor.failed and "died" in core.executor.failed
