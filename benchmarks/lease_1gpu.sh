@@ -134,8 +134,12 @@
 #              the batch-1 loops with it and without (new, old, new)
 #   s30a       (written in session 29, not yet run) s29c again with every tile also prefetching its next weight tile
 #              (bench_linear.py --folds --prefetch; against the fold entries s29c shipped)
-#   s29d       (written in session 29, not yet run) the decode kernel at one row, 8k and 32k: every tile x split count x
-#              block-table prefetch (sweep_decode.py)
+#   s29d       (written in session 29, run in session 30) the decode kernel at one row, 8k and 32k: every tile x split
+#              count x block-table prefetch (sweep_decode.py)
+#   s30b       the decode kernel's first tile read before its PDL wait (decode.EARLY_TILE): the batch-1 loops (8k, 1k)
+#              per arm, in order: off, on, on with other few-row tiles, on with fewer splits, off, on
+#   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
+#              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
 STAGE=${1:?stage}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -1053,6 +1057,32 @@ PY
       save
     done
     unset PDSERVE_SKINNY_CONFIG ;;
+  s30b)  # the decode kernel's first tile read before its PDL wait (decode.EARLY_TILE), batch-1 loops at 8k and 1k; one
+    # process an arm, in order. Arms: off (--no-decode-early-tile), on (as shipped: (64, 4, 2), 64 splits at one row),
+    # t32 (on, few-row tile (32, 4, 2)), w8 (on, (64, 8, 2)), s48 (on, 3 waves: 49 splits, 392 programs, so a 157-
+    # register program (3 an SM) fits one wave)
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    i=0
+    for arm in off on t32 w8 s48 off on; do
+      i=$((i + 1)); left=$(( 570 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
+      case $arm in off) a="--no-decode-early-tile" ;; on) a="" ;; t32) a="--few-rows-tile 32,4,2" ;;
+        w8) a="--few-rows-tile 64,8,2" ;; s48) a="--decode-waves 3" ;; esac
+      timeout $(( left < 80 ? left : 80 )) $STEPS_8B --max-model-len 16384 --iters 20 --decode= $a \
+        --loop 1x8192,1x1024 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
+        > "$W/loop_${i}_$arm.txt" 2>&1
+      grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
+      save
+    done ;;
+  s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      tests/engine/test_cuda_graphs.py tests/engine/test_vs_transformers.py tests/engine/test_async_gpu.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
+    save
+    timeout $(( 570 - ($(date +%s) - t0) )) python3 benchmarks/attention/sweep_decode.py --shapes 1x8192,1x1024,4x8192,1x32768 \
+      --splits 0,48,128 --kv bf16 --early --out "$W/decode_early.json" > "$W/decode_early.txt" 2>&1
+    grep -v " INFO " "$W/decode_early.txt" | grep -E "^    |b=" | cut -c1-200 | head -40
+    save ;;
   s29d)  # the decode kernel at one row (8k and 32k of context, bf16 pool): every tile, split count and block-table
     # prefetch (sweep_decode.py; s29b: 13.2 us a layer at 8k in the loop, 33.5 MB of KV, 512 programs of 128 keys)
     timeout ${SWEEP_LIMIT:-170} python3 benchmarks/attention/sweep_decode.py --shapes 1x8192,1x32768 \

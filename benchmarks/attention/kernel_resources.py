@@ -24,7 +24,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.ops.attention.decode import MANY_PROGRAMS_PREFETCH, MANY_PROGRAMS_TILE, _decode_kernel, decode_tile
+from pdserve.ops.attention.decode import (
+    MANY_PROGRAMS_PREFETCH,
+    MANY_PROGRAMS_TILE,
+    _decode_kernel,
+    decode_tile,
+    early_tile,
+)
 from pdserve.ops.attention.kv_write import _write_kv_kernel
 from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, _prefill_kernel, default_g_pack
 
@@ -42,6 +48,7 @@ def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
                        options={"num_warps": num_warps, "num_stages": num_stages,
                                 "launch_pdl": bool(constexprs.get("PDL"))})
     ptx = k.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
@@ -55,7 +62,9 @@ def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
             "shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
-            "num_warps": num_warps, "num_stages": num_stages}
+            "num_warps": num_warps, "num_stages": num_stages,
+            # 16-byte global loads issued before the PDL wait (the decode kernel's early tile: EARLY_TILE)
+            "v4_loads_before_wait": ptx[:wait].count("ld.global.v4") if wait >= 0 else 0}
 
 
 def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, window: bool = False,
@@ -73,20 +82,23 @@ def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, 
     return _compile(_prefill_kernel, types, ce, cfg.num_warps, cfg.num_stages, aligned)
 
 
-def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16, many: bool = False) -> dict:
-    """many: the many-program tile (a batch-256 step) with its block table read a tile ahead."""
+def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16, many: bool = False,
+           few: bool = False) -> dict:
+    """many: the many-program tile (a batch-256 step) with its block table read a tile ahead; few: the tile below 8
+    rows (a batch-1 step), with its first tile read before the PDL wait where early_tile says."""
     types = dict(Q=f"*{dt}", KV=f"*{kv}", BT="*i32", SL="*i32", QSL="*i32", KS="*fp32", VS="*fp32", Out=f"*{dt}",
                  PartO="*fp32", PartM="*fp32", PartL="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
                  s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_btb="i32", s_pb="i32", s_ph="i32",
                  s_ps="i32", sm_scale="fp32", softcap="fp32", window="i32")
     qdt = getattr(torch, TORCH_DT[dt])
-    block_n, warps, stages = decode_tile(d, qdt, kv in FP8)  # the many-row tile (the larger of the two)
+    block_n, warps, stages = decode_tile(d, qdt, kv in FP8, 1 if few else 8)  # default: the many-row tile (larger)
     if many:
         block_n, warps, stages = MANY_PROGRAMS_TILE
     ce = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs,
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
-              DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH)
+              DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH,
+              EARLY_TILE=early_tile(block_n, many))
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
                "s_kvh", "s_pb", "s_ph", "s_ps"]
     return _compile(_decode_kernel, types, ce, warps, stages, aligned)
@@ -124,6 +136,11 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                     desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=single, mixed=mixed)
                     cases.append((f"decode {dt}/{kv} d={d} g={g} single={single} mixed={mixed}", desc,
                                   lambda dt=dt, kv=kv, d=d, g=g, s=single, m=mixed: decode(dt, kv, d, g, s, m)))
+                if dt != "fp32":  # what paged_decode picks at one row, several splits
+                    for mixed in (False, True):
+                        desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=False, mixed=mixed, few=True)
+                        cases.append((f"decode {dt}/{kv} d={d} g={g} single=False mixed={mixed} few rows", desc,
+                                      lambda dt=dt, kv=kv, d=d, g=g, m=mixed: decode(dt, kv, d, g, False, m, few=True)))
                 if kv == dt and dt != "fp32" and MANY_PROGRAMS_TILE is not None:  # what paged_decode picks at 256 rows
                     for mixed in (False, True):
                         desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=True, mixed=mixed, many=True)

@@ -25,7 +25,7 @@ import torch
 from pdserve.bench.ceilings import graph_us, hbm_copy_gbps
 from pdserve.bench.record import new_record, save_json
 from pdserve.ops.attention.common import as_storage, is_fp8
-from pdserve.ops.attention.decode import decode_tile, paged_decode
+from pdserve.ops.attention.decode import decode_tile, early_tile, paged_decode
 
 SHAPES = [(1, 1024), (1, 8192), (1, 32768), (4, 8192), (32, 4096), (128, 2048), (256, 1024), (256, 4096)]
 TILES = [(32, 4, 2)] + [(n, w, s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))]
@@ -45,11 +45,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kv", default="bf16,fp8", help="pool dtypes: bf16, fp8")
     ap.add_argument("--prefetch", action="store_true",
                     help="also time each tile with the block table read a tile ahead (the kernel's PREFETCH_BT)")
+    ap.add_argument("--early", action="store_true",
+                    help="time each tile with its first tile read before the PDL wait and after it (decode."
+                         "EARLY_TILE; without: as the engine decides)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     splits = tuple(int(x) for x in args.splits.split(",")) if args.splits else SPLITS
     prefetches = (False, True) if args.prefetch else (False,)
+    earlies = (False, True) if args.early else (None,)
     dev = torch.device("cuda")
     hbm = hbm_copy_gbps(dev)
     rec = new_record("decode_tile_sweep", vars(args))
@@ -80,9 +84,9 @@ def main(argv=None) -> int:
             floor = kv_bytes / (hbm * 1e9) * 1e6
             engine_tile = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), b)
             ref = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale)
-            for t, pf in itertools.product(TILES, prefetches):
+            for t, pf, early in itertools.product(TILES, prefetches, earlies):
                 for sp in (splits if b < SPLIT_ROWS else (0,)):
-                    kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None, prefetch=pf)
+                    kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None, prefetch=pf, early=early)
                     try:
                         out = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, **kw)
                         if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
@@ -91,22 +95,24 @@ def main(argv=None) -> int:
                                                          **kw) for lay in layers])
                     except Exception as e:  # out of resources, compile failure
                         rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
-                                            "prefetch": pf, "error": str(e)[:200]})
-                        if not sp and not pf:
+                                            "prefetch": pf, "early": early, "error": str(e)[:200]})
+                        if not sp and not pf and not early:
                             scores[t].append(1e-3)
                         continue
-                    if not sp and not pf:
+                    if not sp and not pf and not early:
                         scores[t].append(floor / us)
                     rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
-                                        "prefetch": pf, "us": us, "floor_us": floor, "of_floor": floor / us,
-                                        "default": t == default, "engine": t == engine_tile and not sp and not pf})
+                                        "prefetch": pf, "early": early, "us": us, "floor_us": floor,
+                                        "of_floor": floor / us, "default": t == default,
+                                        "engine": t == engine_tile and not sp and not pf
+                                        and early in (None, early_tile(t[0], False))})
             mine = [r for r in rec["rows"] if r.get("us") and r["kv"] == name and r["batch"] == b
                     and r["context"] == ctx]
             best = min(mine, key=lambda r: r["us"])
             eng = next((r for r in mine if r["engine"]), None)
             for r in sorted(mine, key=lambda r: r["us"])[:6]:
-                print(f"    {r['tile']} splits {r['splits'] or 'engine'} prefetch {r['prefetch']}: {r['us']:.2f} us",
-                      flush=True)
+                print(f"    {r['tile']} splits {r['splits'] or 'engine'} prefetch {r['prefetch']} early {r['early']}: "
+                      f"{r['us']:.2f} us", flush=True)
             if args.out:
                 save_json(rec, args.out)  # each shape as it ends (a call cut short keeps what it timed)
             print(f"{name} b={b} ctx={ctx}: best {best['tile']} splits {best['splits'] or 'engine'} "

@@ -464,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-prefetch", action=argparse.BooleanOptionalAction, default=True,
                     help="the many-program decode tile reads the block table a tile ahead (decode.MANY_PROGRAMS_"
                          "PREFETCH, tile (64, 4, 2)); --no-decode-prefetch: session 22's (64, 4, 3) without (an A/B)")
+    ap.add_argument("--decode-early-tile", action=argparse.BooleanOptionalAction, default=True,
+                    help="each decode split reads its first tile of older keys before its PDL wait (decode."
+                         "EARLY_TILE); --no-decode-early-tile: after it (an A/B)")
+    ap.add_argument("--few-rows-tile", default=None,
+                    help="the decode kernel's tile below 8 rows on a 16-bit pool (decode.DECODE_TILES[(False, "
+                         "False)]): 'keys,warps,stages' (an A/B)")
     ap.add_argument("--kv-write-early", action=argparse.BooleanOptionalAction, default=True,
                     help="the rotary kernel writes the step's K/V into the pool (TritonAttentionBackend."
                          "writes_kv_early); --no-kv-write-early: the backend's own write_kv kernel (an A/B)")
@@ -486,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.decode_prefetch:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
+    if not args.decode_early_tile:
+        decode_mod.EARLY_TILE = False
+    if args.few_rows_tile:
+        decode_mod.DECODE_TILES[(False, False)] = tuple(int(x) for x in args.few_rows_tile.split(","))
     if args.decode_waves:
         decode_mod.DECODE_WAVES = args.decode_waves
     if args.min_split_keys:

@@ -20,12 +20,12 @@ def _reference(p, scale, window, softcap):
     return TorchAttentionBackend().attend(p.q.float(), layer, p.meta, scale, window, softcap, p.k_scale, p.v_scale)
 
 
-def _run(p, scale, window=None, softcap=None, mixed=False, splits=None, prefetch=None):
+def _run(p, scale, window=None, softcap=None, mixed=False, splits=None, prefetch=None, early=None, tile=None):
     m = p.meta
     out = poisoned(p.q)
     paged_decode(p.q, p.kv_layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap,
                  p.k_scale, p.v_scale, query_start_loc=m.query_start_loc_t if mixed else None, out=out,
-                 num_splits=splits, prefetch=prefetch)
+                 num_splits=splits, prefetch=prefetch, early=early, tile=tile)
     return out
 
 
@@ -60,6 +60,54 @@ def test_block_table_read_a_tile_ahead_matches_reference(hq, hk, d, bs, dtype, k
     scale = d ** -0.5
     out = _run(p, scale, window, softcap, splits=splits, prefetch=True)
     assert_close(out, _reference(p, scale, window, softcap), dtype, "decode, block table read ahead")
+
+
+@pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window,softcap,splits", CPU_CASES[1:])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_first_tile_read_before_the_wait_gives_the_same_bits(hq, hk, d, bs, dtype, kv_dtype, window, softcap, splits,
+                                                             prefetch):
+    """EARLY_TILE: each split's first tile of older keys read ahead of the PDL wait, the newest key after it (the
+    tile read early leaves it out, so a kernel that did not read it again would be wrong). Rows end inside and at
+    the edge of a tile (1, 17, 64, 65, 130 keys), splits with no keys (1-key rows over several splits), windows,
+    softcapping, fp8 pools, with and without the block table read ahead: the same bits as reading it after."""
+    p = make_problem([1, 17, 130, 64, 65], [1] * 5, hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype,
+                     seed=hq + d + bs + 2)
+    scale = d ** -0.5
+    late = _run(p, scale, window, softcap, splits=splits, prefetch=prefetch, early=False)
+    early = _run(p, scale, window, softcap, splits=splits, prefetch=prefetch, early=True)
+    assert torch.equal(early, late)
+    assert_close(early, _reference(p, scale, window, softcap), dtype, "decode, first tile early")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_first_tile_read_early_in_a_mixed_batch(splits):
+    p = make_problem([33, 70, 9, 120, 16], [1, 20, 1, 5, 16], hq=8, hk=2, d=64, bs=16, seed=12)
+    out = _run(p, 0.125, mixed=True, splits=splits, early=True)
+    dec, pre = row_kinds(p.meta)
+    assert torch.isnan(out[pre]).all()
+    assert torch.equal(out[dec], _run(p, 0.125, mixed=True, splits=splits, early=False)[dec])
+    assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed decode rows, early tile")
+
+
+def test_first_tile_early_only_where_the_launch_takes_pdl(monkeypatch):
+    p = make_problem([40, 7], [1, 1], hq=4, hk=2, d=32, bs=16, dtype=torch.float16, seed=4)
+    seen = []
+    real = D._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["EARLY_TILE"])
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(D, "_decode_kernel", Spy())
+    _run(p, 0.2, splits=2)  # on CPU: no PDL, so no early tile
+    monkeypatch.setattr(D, "pdl_on", lambda x: True)
+    _run(p, 0.2, splits=2)
+    monkeypatch.setattr(D, "EARLY_TILE", False)
+    _run(p, 0.2, splits=2)
+    assert seen == [False, True, False]
 
 
 def test_block_table_read_ahead_is_the_many_program_default():

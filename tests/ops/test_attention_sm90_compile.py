@@ -1,6 +1,7 @@
 """The kernels compile for sm_90 (H100/H200) without a GPU, and the default bf16 configurations of Qwen3-8B's
 shape (d=128, GQA 4) with bf16 and fp8 pools (prefill: with and without the new tokens' K/V read from the
-step's k/v) use wgmma, fit shared memory and spill nothing (ptxas -v). Runs
+step's k/v) use wgmma, fit shared memory and spill nothing (ptxas -v); the one-row decode tile loads its first K/V
+tile before its PDL wait. Runs
 benchmarks/attention/kernel_resources.py in a subprocess without TRITON_INTERPRET."""
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ def test_default_kernels_fit_sm90(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())
     count = {k: sum(r["kernel"] == k for r in rows) for k in ("prefill", "decode", "kv_write")}
-    assert count == {"prefill": 8, "decode": 8, "kv_write": 3}, count  # decode: 6 table tiles, 2 many-program
+    # decode: 6 of the many-row tile, 2 many-program, 4 few-row
+    assert count == {"prefill": 8, "decode": 12, "kv_write": 3}, count
     for r in rows:
         assert r["spill_bytes"] == 0 and r["shared"] <= 227 * 1024, r
+        if r.get("few"):  # decode.EARLY_TILE: the first K and V tile are loaded before the PDL wait
+            assert r["v4_loads_before_wait"] >= 8, r
         if r["kernel"] == "prefill":
             assert r["wgmma"] > 0, r  # Hopper tensor cores, not mma.sync

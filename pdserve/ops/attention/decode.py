@@ -17,7 +17,7 @@ import triton.language as tl
 
 from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.tl_math import tanh
-from pdserve.ops.pdl import pdl_args, pdl_enter
+from pdserve.ops.pdl import pdl_args, pdl_enter, pdl_launch_early, pdl_on, pdl_wait
 
 # Integer arguments that change from step to step. Triton compiles a kernel again for every new specialization of an
 # integer argument (equal to 1, a multiple of 16, neither), so each of these would cost a compile the first time a
@@ -35,6 +35,22 @@ METADATA_PTRS = ["BT", "SL", "QSL", "KS", "VS"]
 MERGE_SPLITS = 64
 
 
+@triton.jit
+def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys (K, V as stored: widened here) into the online softmax's running max, sum and output."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        s = softcap * tanh(s / softcap)
+    s = tl.where(valid[None, :], s * 1.4426950408889634, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=VARYING_DECODE, do_not_specialize_on_alignment=METADATA_PTRS)
 def _decode_kernel(
     Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL,
@@ -46,17 +62,19 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False,
+    DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
 ):
-    pdl_enter(PDL)  # pdserve.ops.pdl
+    pdl_launch_early(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    # Step metadata is written before the step's first kernel (a copy or a torch kernel, never launched early), so it
+    # may be read before the wait below.
+    one_new = True
     if MIXED:
         row = tl.load(QSL + b)
-        if tl.load(QSL + b + 1) - row != 1:
-            return
+        one_new = tl.load(QSL + b + 1) - row == 1
     else:
         row = b
     row = row.to(tl.int64)
@@ -73,6 +91,33 @@ def _decode_kernel(
     h = hk * G + g
     gmask = g < G
     dmask = d < D
+    # The split's first tile. With EARLY_TILE its older keys are read before the wait (EARLY_TILE says why that is
+    # safe), so they stream in under the previous kernels; the newest key is this step's write and is read after it.
+    n = start + tl.arange(0, BLOCK_N)
+    valid = n < end
+    newest = seq_len - 1
+    page = tl.maximum(tl.load(BT + b * s_btb + n // BS, mask=valid & one_new, other=0), 0)
+    base = page.to(tl.int64) * s_kvb + (n % BS) * s_kvt + hk * s_kvh
+    if EARLY_TILE:
+        old = (valid & one_new & (n < newest))[:, None] & dmask[None, :]
+        k_first = tl.load(KV + base[:, None] + d[None, :], mask=old, other=0.0)
+        v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=old, other=0.0)
+    if PREFETCH_BT:  # the block table a tile ahead (MANY_PROGRAMS_PREFETCH says why)
+        n_next = n + BLOCK_N
+        pg = tl.load(BT + b * s_btb + n_next // BS, mask=(n_next < end) & one_new, other=0)
+    pdl_wait(PDL)
+    if not one_new:  # a prefill row of a mixed step: the prefill kernel's
+        return
+    kv_mask = valid[:, None] & dmask[None, :]
+    if EARLY_TILE:
+        if (newest >= start) & (newest < start + BLOCK_N):
+            is_new = (n == newest)[:, None] & kv_mask
+            k_first = tl.where(is_new, tl.load(KV + base[:, None] + d[None, :], mask=is_new, other=0.0), k_first)
+            v_first = tl.where(is_new, tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=is_new, other=0.0),
+                               v_first)
+    else:
+        k_first = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
     q = tl.load(Q + row * s_qt + h[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
     if DOT_F16:  # fp8 pool: e4m3 widens to fp16 in one instruction per pair (to bf16 it takes three)
         q = q.to(tl.float16)
@@ -82,10 +127,9 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if PREFETCH_BT:  # the block table a tile ahead (MANY_PROGRAMS_PREFETCH says why)
-        n_next = start + tl.arange(0, BLOCK_N)
-        pg = tl.load(BT + b * s_btb + n_next // BS, mask=n_next < end, other=0)
-    for n0 in range(start, end, BLOCK_N):
+    m_i, l_i, acc = _attend_tile(q, k_first, v_first, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP,
+                                 PRECISION)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
         if PREFETCH_BT:
@@ -97,19 +141,9 @@ def _decode_kernel(
         page = tl.maximum(page, 0)  # -1 entries (padded rows) never address outside the pool
         base = page.to(tl.int64) * s_kvb + (n % BS) * s_kvt + hk * s_kvh
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if HAS_SOFTCAP:
-            s = softcap * tanh(s / softcap)
-        s = tl.where(valid[None, :], s * 1.4426950408889634, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        v = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        k = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP, PRECISION)
     if SINGLE:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if HAS_VS:
@@ -191,6 +225,29 @@ MANY_PROGRAM_WAVES = 4
 # rounds each); with 3 stages it holds two K/V tiles (72 KB), fits 3 programs an SM instead of 4 and was slower.
 MANY_PROGRAMS_PREFETCH = True
 
+# Each split reads its first tile of older keys (all but the row's newest) before its PDL wait, so those bytes stream
+# in while the kernels before it finish (the q/k/v product, the rotary kernel that writes the step's K/V): at one row a
+# split holds two 64-key tiles (8k keys over 64 splits) and the kernel is over in about 13 us, so the wait, then the
+# block table, then the K/V, each a round trip, were a good part of it. Reading pool entries before the wait is safe
+# for these keys alone (pdserve.ops.pdl says what is not): a decode row's keys before its newest were written by
+# earlier steps, and every step starts with kernels launched without PDL (the embedding lookup, the host's input
+# copies), which wait for all the work before them; within a step the kernels that write the pool write only the
+# step's new tokens (a decode row's newest key, a prefill row's chunk), into blocks no other row writes (blocks shared
+# by prefix hits are full and never written again); a mixed step's prefill rows read nothing before the wait; KV
+# transfers land before their request joins a step. The newest key is read after the wait. False: after the wait,
+# as before (an A/B: bench_steps.py --no-decode-early-tile).
+EARLY_TILE = True
+# ... for tiles of at most this many keys, in launches below MANY_PROGRAM_WAVES waves. Held across the wait, the tile
+# costs registers (ptxas on sm_90, bf16, d=128, GQA 4: (64, 4, 2) 114 -> 157, 4 programs an SM to 3; (128, 4, 3) 208
+# -> 255 and 64 bytes of spill; the many-program tile 122 -> 168), and a many-program launch (a 256-row step: about
+# 260 us a layer) has little to gain from the wait.
+EARLY_TILE_KEYS = 64
+
+
+def early_tile(block_n: int, many: bool) -> bool:
+    """Whether a launch with `block_n`-key tiles (`many`: taking MANY_PROGRAMS_TILE) reads its first tile early."""
+    return EARLY_TILE and block_n <= EARLY_TILE_KEYS and not many
+
 
 def many_program_rows(num_kv_heads: int, device: torch.device) -> int:
     """Decode rows from which a step's decode kernel takes MANY_PROGRAMS_TILE (one split; the warm-up runs a mixed
@@ -260,7 +317,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  query_start_loc: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  num_splits: int | None = None, tile: tuple[int, int, int] | None = None,
-                 prefetch: bool | None = None) -> torch.Tensor:
+                 prefetch: bool | None = None, early: bool | None = None) -> torch.Tensor:
     """Decode attention of rows with one new token.
 
     q [T, Hq, D]; kv_layer [num_blocks, 2, block_size, Hk, D] (any strides, D contiguous); block_tables [B, W] and
@@ -268,7 +325,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     ([B+1] int32), row b's query is token query_start_loc[b] and rows with another count of new tokens are skipped
     (their output rows are left as they are). Returns `out` ([T, Hq, D], allocated if not given). `tile` =
     (keys per step, warps, stages) overrides decode_tile's choice (benchmarks/attention/sweep_decode.py), `prefetch`
-    the block table read a tile ahead (None: with MANY_PROGRAMS_TILE, as MANY_PROGRAMS_PREFETCH says).
+    the block table read a tile ahead (None: with MANY_PROGRAMS_TILE, as MANY_PROGRAMS_PREFETCH says), `early` each
+    split's first tile of older keys read before the PDL wait (None: as early_tile says, where the launch takes PDL).
     """
     b = seq_lens.shape[0]
     if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
@@ -288,6 +346,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     block_n, warps, stages = tile or decode_tile(d, q.dtype, fp8, b, b * hk * splits, q.device)
     if prefetch is None:
         prefetch = tile is None and MANY_PROGRAMS_PREFETCH and many_programs(q.dtype, fp8, b * hk * splits, q.device)
+    if early is None:
+        early = early_tile(block_n, many_programs(q.dtype, fp8, b * hk * splits, q.device)) and pdl_on(q)
     if single:
         part_o = part_m = part_l = out
         s_p = (0, 0, 0)
@@ -311,7 +371,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
         HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
-        PREFETCH_BT=prefetch, num_warps=warps, num_stages=stages, **pdl_args(q),
+        PREFETCH_BT=prefetch, EARLY_TILE=early, num_warps=warps, num_stages=stages, **pdl_args(q),
     )
     if not single:
         _merge_kernel[(b, hq)](
