@@ -138,6 +138,9 @@
 #              count x block-table prefetch (sweep_decode.py)
 #   s30b       the decode kernel's first tile read before its PDL wait (decode.EARLY_TILE): the batch-1 loops (8k, 1k)
 #              per arm, in order: off, on, on with other few-row tiles, on with fewer splits, off, on
+#   s30d       the early tile with K alone (decode.EARLY_V False, as shipped) against K and V and against off: the graphs'
+#              PDL-changes-no-bit test, the engine against transformers and the decode kernel's GPU tests; then the
+#              batch-1 loops at 8k and 32k, in order: off, k, kv, off, k, kv
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1069,6 +1072,23 @@ PY
         w8) a="--few-rows-tile 64,8,2" ;; s48) a="--decode-waves 3" ;; esac
       timeout $(( left < 80 ? left : 80 )) $STEPS_8B --max-model-len 16384 --iters 20 --decode= $a \
         --loop 1x8192,1x1024 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
+        > "$W/loop_${i}_$arm.txt" 2>&1
+      grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
+      save
+    done ;;
+  s30d)  # the early tile, K alone (as shipped) against K and V and against off: GPU tests, then batch-1 loops at 8k, 32k
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+      tests/engine/test_cuda_graphs.py::test_pdl_changes_no_bit tests/engine/test_vs_transformers.py \
+      tests/engine/test_async_gpu.py tests/ops/test_attention_decode.py 2>&1 \
+      | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
+    save
+    i=0
+    for arm in off k kv off k kv; do
+      i=$((i + 1)); left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
+      case $arm in off) a="--no-decode-early-tile" ;; k) a="--no-decode-early-v" ;; kv) a="--decode-early-v" ;; esac
+      timeout $(( left < 80 ? left : 80 )) $STEPS_8B --max-model-len 40960 --iters 20 --decode= $a \
+        --loop 1x8192,1x32768 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
         > "$W/loop_${i}_$arm.txt" 2>&1
       grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
       save

@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pdserve.ops.attention.decode import (
+    EARLY_V,
     MANY_PROGRAMS_PREFETCH,
     MANY_PROGRAMS_TILE,
     _decode_kernel,
@@ -98,7 +99,7 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
               DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH,
-              EARLY_TILE=early_tile(block_n, many))
+              EARLY_TILE=early_tile(block_n, many), EARLY_V=EARLY_V)
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
                "s_kvh", "s_pb", "s_ph", "s_ps"]
     return _compile(_decode_kernel, types, ce, warps, stages, aligned)

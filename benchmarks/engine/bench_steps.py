@@ -467,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-early-tile", action=argparse.BooleanOptionalAction, default=True,
                     help="each decode split reads its first tile of older keys before its PDL wait (decode."
                          "EARLY_TILE); --no-decode-early-tile: after it (an A/B)")
+    ap.add_argument("--decode-early-v", action=argparse.BooleanOptionalAction, default=None,
+                    help="with the early tile, V's first tile before the wait too (decode.EARLY_V; default: as "
+                         "shipped): an A/B")
     ap.add_argument("--few-rows-tile", default=None,
                     help="the decode kernel's tile below 8 rows on a 16-bit pool (decode.DECODE_TILES[(False, "
                          "False)]): 'keys,warps,stages' (an A/B)")
@@ -494,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
     if not args.decode_early_tile:
         decode_mod.EARLY_TILE = False
+    if args.decode_early_v is not None:
+        decode_mod.EARLY_V = args.decode_early_v
     if args.few_rows_tile:
         decode_mod.DECODE_TILES[(False, False)] = tuple(int(x) for x in args.few_rows_tile.split(","))
     if args.decode_waves:

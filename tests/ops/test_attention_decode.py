@@ -63,13 +63,15 @@ def test_block_table_read_a_tile_ahead_matches_reference(hq, hk, d, bs, dtype, k
 
 
 @pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window,softcap,splits", CPU_CASES[1:])
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch,early_v", [(False, False), (True, False), (False, True)])
 def test_first_tile_read_before_the_wait_gives_the_same_bits(hq, hk, d, bs, dtype, kv_dtype, window, softcap, splits,
-                                                             prefetch):
+                                                             prefetch, early_v, monkeypatch):
     """EARLY_TILE: each split's first tile of older keys read ahead of the PDL wait, the newest key after it (the
     tile read early leaves it out, so a kernel that did not read it again would be wrong). Rows end inside and at
     the edge of a tile (1, 17, 64, 65, 130 keys), splits with no keys (1-key rows over several splits), windows,
-    softcapping, fp8 pools, with and without the block table read ahead: the same bits as reading it after."""
+    softcapping, fp8 pools, with and without the block table read ahead, K alone or K and V (EARLY_V): the same bits
+    as reading it after."""
+    monkeypatch.setattr(D, "EARLY_V", early_v)
     p = make_problem([1, 17, 130, 64, 65], [1] * 5, hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype,
                      seed=hq + d + bs + 2)
     scale = d ** -0.5
@@ -80,7 +82,9 @@ def test_first_tile_read_before_the_wait_gives_the_same_bits(hq, hk, d, bs, dtyp
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_first_tile_read_early_in_a_mixed_batch(splits):
+@pytest.mark.parametrize("early_v", [False, True])
+def test_first_tile_read_early_in_a_mixed_batch(splits, early_v, monkeypatch):
+    monkeypatch.setattr(D, "EARLY_V", early_v)
     p = make_problem([33, 70, 9, 120, 16], [1, 20, 1, 5, 16], hq=8, hk=2, d=64, bs=16, seed=12)
     out = _run(p, 0.125, mixed=True, splits=splits, early=True)
     dec, pre = row_kinds(p.meta)

@@ -63,6 +63,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
+    EARLY_V: tl.constexpr = False,
 ):
     pdl_launch_early(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
@@ -101,7 +102,8 @@ def _decode_kernel(
     if EARLY_TILE:
         old = (valid & one_new & (n < newest))[:, None] & dmask[None, :]
         k_first = tl.load(KV + base[:, None] + d[None, :], mask=old, other=0.0)
-        v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=old, other=0.0)
+        if EARLY_V:
+            v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=old, other=0.0)
     if PREFETCH_BT:  # the block table a tile ahead (MANY_PROGRAMS_PREFETCH says why)
         n_next = n + BLOCK_N
         pg = tl.load(BT + b * s_btb + n_next // BS, mask=(n_next < end) & one_new, other=0)
@@ -110,11 +112,14 @@ def _decode_kernel(
         return
     kv_mask = valid[:, None] & dmask[None, :]
     if EARLY_TILE:
+        if not EARLY_V:  # issued first: its round trip overlaps q's
+            v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if (newest >= start) & (newest < start + BLOCK_N):
             is_new = (n == newest)[:, None] & kv_mask
             k_first = tl.where(is_new, tl.load(KV + base[:, None] + d[None, :], mask=is_new, other=0.0), k_first)
-            v_first = tl.where(is_new, tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=is_new, other=0.0),
-                               v_first)
+            if EARLY_V:
+                v_first = tl.where(is_new, tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=is_new,
+                                                   other=0.0), v_first)
     else:
         k_first = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -225,7 +230,8 @@ MANY_PROGRAM_WAVES = 4
 # rounds each); with 3 stages it holds two K/V tiles (72 KB), fits 3 programs an SM instead of 4 and was slower.
 MANY_PROGRAMS_PREFETCH = True
 
-# Each split reads its first tile of older keys (all but the row's newest) before its PDL wait, so those bytes stream
+# Each split reads its first tile of older keys (all but the row's newest: K, and V with EARLY_V) before its PDL wait
+# and computes where its first tile's V lies, so those bytes stream
 # in while the kernels before it finish (the q/k/v product, the rotary kernel that writes the step's K/V): at one row a
 # split holds two 64-key tiles (8k keys over 64 splits) and the kernel is over in about 13 us, so the wait, then the
 # block table, then the K/V, each a round trip, were a good part of it. Reading pool entries before the wait is safe
@@ -242,6 +248,10 @@ EARLY_TILE = True
 # -> 255 and 64 bytes of spill; the many-program tile 122 -> 168), and a many-program launch (a 256-row step: about
 # 260 us a layer) has little to gain from the wait.
 EARLY_TILE_KEYS = 64
+# ... K and V both (True) or K alone (False: V's page ids are known before the wait, so its load goes out right after
+# it, beside q's). K and V early held (64, 4, 2) at 157 registers, 3 programs an SM: at one row the 512 programs of an 8k
+# or 32k step (64 splits x 8 KV heads) then take two waves on an H200's 132 SMs; K alone holds 120, 4 an SM.
+EARLY_V = False
 
 
 def early_tile(block_n: int, many: bool) -> bool:
@@ -371,7 +381,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
         HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
-        PREFETCH_BT=prefetch, EARLY_TILE=early, num_warps=warps, num_stages=stages, **pdl_args(q),
+        PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, num_warps=warps, num_stages=stages, **pdl_args(q),
     )
     if not single:
         _merge_kernel[(b, hq)](
