@@ -141,6 +141,8 @@
 #   s30d       the early tile with K alone (decode.EARLY_V False, as shipped) against K and V and against off: the graphs'
 #              PDL-changes-no-bit test, the engine against transformers and the decode kernel's GPU tests; then the
 #              batch-1 loops at 8k and 32k, in order: off, k, kv, off, k, kv
+#   s30e       the early tile with K and V at 128 registers a thread against off: batch-1 loops at 8k and 32k (off, kv, off,
+#              kv), then the PDL-changes-no-bit graph test with it (as far as S30E_LIMIT allows)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1093,6 +1095,24 @@ PY
       grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
       save
     done ;;
+  s30e)  # the early tile with K and V held at 128 registers (decode.EARLY_V_MAXNREG: 4 programs an SM) against off,
+    # batch-1 loops at 8k and 32k, in order off, kv, off, kv; then the graphs' PDL-changes-no-bit test with it
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    i=0
+    for arm in off kv off kv; do
+      i=$((i + 1)); left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
+      case $arm in off) a="--no-decode-early-tile" ;; kv) a="--decode-early-v --decode-early-maxnreg 128" ;; esac
+      timeout $(( left < 70 ? left : 70 )) $STEPS_8B --max-model-len 40960 --iters 20 --decode= $a \
+        --loop 1x8192,1x32768 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
+        > "$W/loop_${i}_$arm.txt" 2>&1
+      grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
+      save
+    done
+    left=$(( ${S30E_LIMIT:-240} - ($(date +%s) - t0) ))
+    [ $left -gt 30 ] && timeout $left python3 -c "import sys, pytest; from pdserve.ops.attention import decode as d
+d.EARLY_V = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rfE', '--tb=short',
+'tests/engine/test_cuda_graphs.py::test_pdl_changes_no_bit']))" 2>&1 | tee "$W/gpu_tests.txt" | tail -3
+    save ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \

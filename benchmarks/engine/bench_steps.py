@@ -470,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-early-v", action=argparse.BooleanOptionalAction, default=None,
                     help="with the early tile, V's first tile before the wait too (decode.EARLY_V; default: as "
                          "shipped): an A/B")
+    ap.add_argument("--decode-early-maxnreg", type=int, default=None,
+                    help="with V early, the registers a thread may hold (decode.EARLY_V_MAXNREG; 0: no limit)")
     ap.add_argument("--few-rows-tile", default=None,
                     help="the decode kernel's tile below 8 rows on a 16-bit pool (decode.DECODE_TILES[(False, "
                          "False)]): 'keys,warps,stages' (an A/B)")
@@ -499,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.EARLY_TILE = False
     if args.decode_early_v is not None:
         decode_mod.EARLY_V = args.decode_early_v
+    if args.decode_early_maxnreg is not None:
+        decode_mod.EARLY_V_MAXNREG = args.decode_early_maxnreg
     if args.few_rows_tile:
         decode_mod.DECODE_TILES[(False, False)] = tuple(int(x) for x in args.few_rows_tile.split(","))
     if args.decode_waves:

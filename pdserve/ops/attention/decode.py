@@ -252,6 +252,9 @@ EARLY_TILE_KEYS = 64
 # it, beside q's). K and V early held (64, 4, 2) at 157 registers, 3 programs an SM: at one row the 512 programs of an 8k
 # or 32k step (64 splits x 8 KV heads) then take two waves on an H200's 132 SMs; K alone holds 120, 4 an SM.
 EARLY_V = False
+# ... and with V, the registers a thread may hold (ptxas' .maxnreg): 128 keeps (64, 4, 2) at 4 programs an SM with no
+# spill (ptxas on sm_90, bf16, d=128, GQA 4). 0: as the compiler likes.
+EARLY_V_MAXNREG = 128
 
 
 def early_tile(block_n: int, many: bool) -> bool:
@@ -358,6 +361,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         prefetch = tile is None and MANY_PROGRAMS_PREFETCH and many_programs(q.dtype, fp8, b * hk * splits, q.device)
     if early is None:
         early = early_tile(block_n, many_programs(q.dtype, fp8, b * hk * splits, q.device)) and pdl_on(q)
+    limits = {"maxnreg": EARLY_V_MAXNREG} if early and EARLY_V and EARLY_V_MAXNREG and q.is_cuda else {}
     if single:
         part_o = part_m = part_l = out
         s_p = (0, 0, 0)
@@ -381,7 +385,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
         HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
-        PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, num_warps=warps, num_stages=stages, **pdl_args(q),
+        PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, num_warps=warps, num_stages=stages, **limits,
+        **pdl_args(q),
     )
     if not single:
         _merge_kernel[(b, hq)](
