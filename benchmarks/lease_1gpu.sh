@@ -132,13 +132,13 @@
 #              32k, then PDL early at 8k
 #   s29c       the folded one-row products' own tiles: bench_linear.py --folds, the GPU tests with the measured table,
 #              the batch-1 loops with it and without (new, old, new)
-#   s30a       (written in session 29, not yet run) s29c again with every tile also prefetching its next weight tile
+#   s30a       (written in session 29, run in session 30) s29c again with every tile also prefetching its next weight tile
 #              (bench_linear.py --folds --prefetch; against the fold entries s29c shipped)
 #   s29d       (written in session 29, run in session 30) the decode kernel at one row, 8k and 32k: every tile x split
 #              count x block-table prefetch (sweep_decode.py)
 #   s30b       the decode kernel's first tile read before its PDL wait (decode.EARLY_TILE): the batch-1 loops (8k, 1k)
 #              per arm, in order: off, on, on with other few-row tiles, on with fewer splits, off, on
-#   s30d       the early tile with K alone (decode.EARLY_V False, as shipped) against K and V and against off: the graphs'
+#   s30d       the early tile with K alone (decode.EARLY_V False) against K and V and against off: the graphs'
 #              PDL-changes-no-bit test, the engine against transformers and the decode kernel's GPU tests; then the
 #              batch-1 loops at 8k and 32k, in order: off, k, kv, off, k, kv
 #   s30e       the early tile with K and V at 128 registers a thread against off: batch-1 loops at 8k and 32k (off, kv, off,
@@ -1063,15 +1063,16 @@ PY
     done
     unset PDSERVE_SKINNY_CONFIG ;;
   s30b)  # the decode kernel's first tile read before its PDL wait (decode.EARLY_TILE), batch-1 loops at 8k and 1k; one
-    # process an arm, in order. Arms: off (--no-decode-early-tile), on (as shipped: (64, 4, 2), 64 splits at one row),
-    # t32 (on, few-row tile (32, 4, 2)), w8 (on, (64, 8, 2)), s48 (on, 3 waves: 49 splits, 392 programs, so a 157-
-    # register program (3 an SM) fits one wave)
+    # process an arm, in order. Arms: off (--no-decode-early-tile), on (K and V early, no register limit: the default
+    # at 533530a, where this ran; (64, 4, 2), 64 splits at one row), t32 (on, few-row tile (32, 4, 2)), w8 (on,
+    # (64, 8, 2)), s48 (on, 3 waves: 49 splits, 392 programs, so a 157-register program (3 an SM) fits one wave)
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     i=0
     for arm in off on t32 w8 s48 off on; do
       i=$((i + 1)); left=$(( 570 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
-      case $arm in off) a="--no-decode-early-tile" ;; on) a="" ;; t32) a="--few-rows-tile 32,4,2" ;;
-        w8) a="--few-rows-tile 64,8,2" ;; s48) a="--decode-waves 3" ;; esac
+      e="--decode-early-tile --decode-early-v --decode-early-maxnreg 0"
+      case $arm in off) a="--no-decode-early-tile" ;; on) a="$e" ;; t32) a="$e --few-rows-tile 32,4,2" ;;
+        w8) a="$e --few-rows-tile 64,8,2" ;; s48) a="$e --decode-waves 3" ;; esac
       timeout $(( left < 80 ? left : 80 )) $STEPS_8B --max-model-len 16384 --iters 20 --decode= $a \
         --loop 1x8192,1x1024 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
         > "$W/loop_${i}_$arm.txt" 2>&1
@@ -1088,7 +1089,8 @@ PY
     i=0
     for arm in off k kv off k kv; do
       i=$((i + 1)); left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
-      case $arm in off) a="--no-decode-early-tile" ;; k) a="--no-decode-early-v" ;; kv) a="--decode-early-v" ;; esac
+      case $arm in off) a="--no-decode-early-tile" ;; k) a="--decode-early-tile --no-decode-early-v" ;;
+        kv) a="--decode-early-tile --decode-early-v --decode-early-maxnreg 0" ;; esac
       timeout $(( left < 80 ? left : 80 )) $STEPS_8B --max-model-len 40960 --iters 20 --decode= $a \
         --loop 1x8192,1x32768 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
         > "$W/loop_${i}_$arm.txt" 2>&1
@@ -1101,7 +1103,8 @@ PY
     i=0
     for arm in off kv off kv; do
       i=$((i + 1)); left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
-      case $arm in off) a="--no-decode-early-tile" ;; kv) a="--decode-early-v --decode-early-maxnreg 128" ;; esac
+      case $arm in off) a="--no-decode-early-tile" ;; kv) a="--decode-early-tile --decode-early-v --decode-early-maxnreg 128" ;;
+      esac
       timeout $(( left < 70 ? left : 70 )) $STEPS_8B --max-model-len 40960 --iters 20 --decode= $a \
         --loop 1x8192,1x32768 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
         > "$W/loop_${i}_$arm.txt" 2>&1

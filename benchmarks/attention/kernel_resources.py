@@ -86,7 +86,8 @@ def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, 
 def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16, many: bool = False,
            few: bool = False) -> dict:
     """many: the many-program tile (a batch-256 step) with its block table read a tile ahead; few: the tile below 8
-    rows (a batch-1 step), with its first tile read before the PDL wait where early_tile says."""
+    rows (a batch-1 step) with its first tile read before the PDL wait (decode.EARLY_TILE, off as shipped: what an
+    A/B turns on)."""
     types = dict(Q=f"*{dt}", KV=f"*{kv}", BT="*i32", SL="*i32", QSL="*i32", KS="*fp32", VS="*fp32", Out=f"*{dt}",
                  PartO="*fp32", PartM="*fp32", PartL="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
                  s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_btb="i32", s_pb="i32", s_ph="i32",
@@ -99,7 +100,7 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
               DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH,
-              EARLY_TILE=early_tile(block_n, many), EARLY_V=EARLY_V)
+              EARLY_TILE=few or early_tile(block_n, many), EARLY_V=EARLY_V)
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
                "s_kvh", "s_pb", "s_ph", "s_ps"]
     return _compile(_decode_kernel, types, ce, warps, stages, aligned)

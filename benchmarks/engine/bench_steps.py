@@ -464,9 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-prefetch", action=argparse.BooleanOptionalAction, default=True,
                     help="the many-program decode tile reads the block table a tile ahead (decode.MANY_PROGRAMS_"
                          "PREFETCH, tile (64, 4, 2)); --no-decode-prefetch: session 22's (64, 4, 3) without (an A/B)")
-    ap.add_argument("--decode-early-tile", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--decode-early-tile", action=argparse.BooleanOptionalAction, default=None,
                     help="each decode split reads its first tile of older keys before its PDL wait (decode."
-                         "EARLY_TILE); --no-decode-early-tile: after it (an A/B)")
+                         "EARLY_TILE; default: as shipped, off): an A/B")
     ap.add_argument("--decode-early-v", action=argparse.BooleanOptionalAction, default=None,
                     help="with the early tile, V's first tile before the wait too (decode.EARLY_V; default: as "
                          "shipped): an A/B")
@@ -497,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.decode_prefetch:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
-    if not args.decode_early_tile:
-        decode_mod.EARLY_TILE = False
+    if args.decode_early_tile is not None:
+        decode_mod.EARLY_TILE = args.decode_early_tile
     if args.decode_early_v is not None:
         decode_mod.EARLY_V = args.decode_early_v
     if args.decode_early_maxnreg is not None:

@@ -106,12 +106,14 @@ def test_first_tile_early_only_where_the_launch_takes_pdl(monkeypatch):
             return launch
 
     monkeypatch.setattr(D, "_decode_kernel", Spy())
+    monkeypatch.setattr(D, "EARLY_TILE", True)
     _run(p, 0.2, splits=2)  # on CPU: no PDL, so no early tile
     monkeypatch.setattr(D, "pdl_on", lambda x: True)
     _run(p, 0.2, splits=2)
-    monkeypatch.setattr(D, "EARLY_TILE", False)
+    _run(p, 0.2, splits=2, tile=(128, 4, 3))  # a 128-key tile held across the wait would spill
+    monkeypatch.setattr(D, "EARLY_TILE", False)  # as shipped
     _run(p, 0.2, splits=2)
-    assert seen == [False, True, False]
+    assert seen == [False, True, False, False]
 
 
 def test_block_table_read_ahead_is_the_many_program_default():

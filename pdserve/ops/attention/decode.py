@@ -230,27 +230,40 @@ MANY_PROGRAM_WAVES = 4
 # rounds each); with 3 stages it holds two K/V tiles (72 KB), fits 3 programs an SM instead of 4 and was slower.
 MANY_PROGRAMS_PREFETCH = True
 
-# Each split reads its first tile of older keys (all but the row's newest: K, and V with EARLY_V) before its PDL wait
-# and computes where its first tile's V lies, so those bytes stream
-# in while the kernels before it finish (the q/k/v product, the rotary kernel that writes the step's K/V): at one row a
-# split holds two 64-key tiles (8k keys over 64 splits) and the kernel is over in about 13 us, so the wait, then the
-# block table, then the K/V, each a round trip, were a good part of it. Reading pool entries before the wait is safe
-# for these keys alone (pdserve.ops.pdl says what is not): a decode row's keys before its newest were written by
-# earlier steps, and every step starts with kernels launched without PDL (the embedding lookup, the host's input
-# copies), which wait for all the work before them; within a step the kernels that write the pool write only the
-# step's new tokens (a decode row's newest key, a prefill row's chunk), into blocks no other row writes (blocks shared
-# by prefix hits are full and never written again); a mixed step's prefill rows read nothing before the wait; KV
-# transfers land before their request joins a step. The newest key is read after the wait. False: after the wait,
-# as before (an A/B: bench_steps.py --no-decode-early-tile).
-EARLY_TILE = True
+# EARLY_TILE: each split reads its first tile of older keys (all but the row's newest: K, and V with EARLY_V) before
+# its PDL wait, and works out where that tile's V lies, so those bytes could stream in while the kernels before it
+# finish (the q/k/v product, the rotary kernel that writes the step's K/V). The idea: at one row a split holds two
+# 64-key tiles (8k keys over 64 splits) and the kernel is over in about 13 us, with the wait, then the block table,
+# then the K/V each a round trip.
+#
+# Off, because no way of it measured faster without a cost (dummy Qwen3-8B, batch-1 loops at temperature 1 on H200s,
+# one process an arm, benchmarks/lease_s30):
+# - K alone: 8k 4.50/4.50 against 4.51/4.51 ms a step off; 32k 5.32/5.32 against 5.31/5.32 (s30d).
+# - K and V at the compiler's 157 registers (3 programs an SM): 8k 4.45/4.45, but 32k 5.64/5.64 (s30d). In s30b, at 8k
+#   and 1k: 4.50/4.50 and 4.22/4.22 against off at 4.55/4.56 and 4.28/4.28.
+# - K and V held at 128 registers (EARLY_V_MAXNREG, 4 an SM): 8k 4.50/4.50 against 4.51/4.51, 32k 5.32/5.33 against
+#   5.32/5.31 (s30e).
+# A one-row step's 64 splits are fixed by the graph's length bound, not the row's length, so no rule by length could
+# take the 8k gain without the 32k loss.
+#
+# Why reading these pool entries before the wait is safe (pdserve.ops.pdl says what in general is not):
+# - a decode row's keys before its newest were written by earlier steps, and every step starts with kernels launched
+#   without PDL (the embedding lookup, the host's input copies), which wait for all the work before them;
+# - within a step, the kernels that write the pool write only the step's new tokens (a decode row's newest key, a
+#   prefill row's chunk), into blocks no other row writes (blocks shared by prefix hits are full and never written
+#   again);
+# - a mixed step's prefill rows read nothing before the wait;
+# - KV transfers land before their request joins a step;
+# - the newest key is read after the wait.
+# bench_steps.py --decode-early-tile turns it on for an A/B.
+EARLY_TILE = False
 # ... for tiles of at most this many keys, in launches below MANY_PROGRAM_WAVES waves. Held across the wait, the tile
-# costs registers (ptxas on sm_90, bf16, d=128, GQA 4: (64, 4, 2) 114 -> 157, 4 programs an SM to 3; (128, 4, 3) 208
-# -> 255 and 64 bytes of spill; the many-program tile 122 -> 168), and a many-program launch (a 256-row step: about
-# 260 us a layer) has little to gain from the wait.
+# costs registers (ptxas on sm_90, bf16, d=128, GQA 4, K and V early: (64, 4, 2) 114 -> 157, 4 programs an SM to 3;
+# (128, 4, 3) 208 -> 255 and 64 bytes of spill; the many-program tile 122 -> 168), and a many-program launch (a
+# 256-row step: about 260 us a layer) has little to gain from the wait.
 EARLY_TILE_KEYS = 64
 # ... K and V both (True) or K alone (False: V's page ids are known before the wait, so its load goes out right after
-# it, beside q's). K and V early held (64, 4, 2) at 157 registers, 3 programs an SM: at one row the 512 programs of an 8k
-# or 32k step (64 splits x 8 KV heads) then take two waves on an H200's 132 SMs; K alone holds 120, 4 an SM.
+# it, beside q's; (64, 4, 2) at 118 registers, 4 programs an SM).
 EARLY_V = False
 # ... and with V, the registers a thread may hold (ptxas' .maxnreg): 128 keeps (64, 4, 2) at 4 programs an SM with no
 # spill (ptxas on sm_90, bf16, d=128, GQA 4). 0: as the compiler likes.
