@@ -624,6 +624,90 @@ def session27() -> None:
         interference_table(f"{base}/{folder}")
 
 
+def session30() -> None:
+    """Session 30 (four H200 machines, one after the other): the folded one-row products' tiles with a weight-tile
+    prefetch; the decode kernel at one row (tiles, splits, block-table prefetch); the decode kernel's first tile read
+    before its PDL wait, in the batch-1 loops at 1k, 8k and 32k."""
+    base = "lease_s30"
+    fo = load(f"{base}/s30a/folds.json")
+
+    def tile(c):
+        return (f"{c['block_n']}x{c['block_k']}, {c['num_warps']}w {c['num_stages']}s"
+                + (", prefetch" if c.get("prefetch") else ""))
+    print(f"The folded one-row products' tiles, each also prefetching its next weight tile (s30a, machine 1, "
+          f"`bench_linear.py --folds --prefetch`: the sum kernel as the batch-1 step runs it, each tile in a CUDA graph "
+          f"over weight copies larger than L2; HBM copy {fo['ceilings']['hbm_copy_gbps']:,.0f} GB/s): the fold entries "
+          f"s29c shipped against the sweep's best, us:\n")
+    print("| projection | fold | shipped tile | us | best tile | us | written |\n|---|---|---|---|---|---|---|")
+    for shape in dict.fromkeys(r["shape"] for r in fo["results"]):
+        rs = [r for r in fo["results"] if r["shape"] == shape and "us" in r]
+        base_r = next(r for r in rs if r["impl"].startswith("shipped"))
+        best = min(rs, key=lambda r: r["us"])
+        key = f"{base_r['n']},{base_r['k']},m1,{base_r['fold']}"
+        written = fo["table"].get(key) == best["config"] and best is not base_r
+        print(f"| {shape} | {base_r['fold']} | {tile(base_r['config'])} | {base_r['us']:.2f} | {tile(best['config'])} "
+              f"| {best['us']:.2f} | {'yes' if written else 'no'} |")
+    print("\nThe batch-1 loops at temperature 1 with that table (new) and with s29c's (old), one process each, in the "
+          "order new, old, new (s30a; the skinny kernel's and the norm fold's GPU tests with the new table: `"
+          + (B / base / "s30a/gpu_tests.txt").read_text().strip().splitlines()[-1] + "`):\n")
+    _loop_arms(f"{base}/s30a", [("new", 1), ("old", 2), ("new", 3)])
+    sw = load(f"{base}/s29d/decode_b1.json")
+    print(f"\nThe decode kernel at one row (s29d, machine 1, `sweep_decode.py --shapes 1x8192,1x32768 --splits "
+          f"0,16,24,32,48,128 --kv bf16 --prefetch`: decode and merge in a CUDA graph over 12 layers' pools, us a "
+          f"layer; HBM copy {sw['ceilings']['hbm_copy_gbps']:,.0f} GB/s), the engine's tile and split count against "
+          f"the sweep's best:\n")
+    print("| context | engine's tile | us | of floor | best | us | of floor |\n|---|---|---|---|---|---|---|")
+    for ctx in (8192, 32768):
+        rs = [r for r in sw["rows"] if r["context"] == ctx and r.get("us")]
+        eng = next(r for r in rs if r["engine"])
+        best = min(rs, key=lambda r: r["us"])
+        print(f"| {ctx} | {tuple(eng['tile'])} | {eng['us']:.1f} | {eng['of_floor']:.0%} | {tuple(best['tile'])}, "
+              f"splits {best['splits'] or 'engine'}{', prefetch' if best['prefetch'] else ''} | {best['us']:.1f} | "
+              f"{best['of_floor']:.0%} |")
+    se = load(f"{base}/s30c/decode_early.json")
+    print("\nThe same sweep with each split's first tile read before the PDL wait (K and V, no register limit) and "
+          "after it (s30c, machine 2, `sweep_decode.py --early`), tile (64, 4, 2), us a layer, by split count "
+          "(engine: decode_splits' 64 at one row):\n")
+    print("| rows x context | engine, after | engine, before | 48, after | 48, before | 128, after | 128, before |\n"
+          "|---|---|---|---|---|---|---|")
+    for b, ctx in dict.fromkeys((r["batch"], r["context"]) for r in se["rows"]):
+        cells = []
+        for sp in (0, 48, 128):
+            for e in (False, True):
+                r = next((r for r in se["rows"] if (r["batch"], r["context"]) == (b, ctx) and r["splits"] == sp
+                          and r["early"] == e and tuple(r["tile"]) == (64, 4, 2) and r.get("us")), None)
+                cells.append(f"{r['us']:.1f}" if r else "-")
+        print(f"| {b}x{ctx} | " + " | ".join(cells) + " |")
+    print("\nThe batch-1 loops with the decode kernel's first tile read before its PDL wait (decode.EARLY_TILE), one "
+          "process an arm, in order, at temperature 1, ms a step (of the floor). off: after the wait (as shipped); "
+          "kv: K and V before it, the compiler's registers (157: 3 programs an SM); k: K alone (118); kv128: K and V "
+          "held at 128 registers (4 an SM); t32, w8: kv with the few-row tile (32, 4, 2) or (64, 8, 2); s48: kv with "
+          "3 waves of programs (49 splits at 8k):\n")
+    for call, arms, note in (
+            ("s30b", [("off", 1), ("on", 2), ("t32", 3), ("w8", 4), ("s48", 5), ("off", 6), ("on", 7)],
+             "machine 2; on = kv"),
+            ("s30d", [("off", 1), ("k", 2), ("kv", 3), ("off", 4), ("k", 5), ("kv", 6)], "machine 3"),
+            ("s30e", [("off", 1), ("kv", 2), ("off", 3), ("kv", 4)], "machine 4; kv = kv128")):
+        print(f"{call} ({note}):\n")
+        _loop_arms(f"{base}/{call}", arms)
+        print()
+    for call, what in (("s30c", "the decode kernel's GPU tests, then the graphs' (K and V early by default then)"),
+                       ("s30d", "the graphs' PDL-changes-no-bit test first (K early by default then), then the engine "
+                        "against transformers")):
+        dots = (B / base / f"{call}/gpu_tests.txt").read_text().strip()
+        print(f"- {call}, {what}: {dots.count('.')} passed, {dots.count('F')} failed before the stage's timeout "
+              f"stopped pytest (no summary line)")
+
+
+def _loop_arms(folder: str, arms: list[tuple[str, int]]) -> None:
+    """The async loops of bench_steps.py runs named loop_<i>_<arm>.json: a row per loop case, a column per arm."""
+    data = [{r["case"]: r for r in load(f"{folder}/loop_{i}_{a}.json")["loops"] if r["async"]} for a, i in arms]
+    print("| loop | " + " | ".join(f"{a} ({i})" for a, i in arms) + " |\n|---|" + "---|" * len(arms))
+    for case in data[0]:
+        print(f"| {case} | " + " | ".join(f"{d[case]['step_ms']:.2f} ({d[case]['fraction_of_floor']:.0%})"
+                                          for d in data) + " |")
+
+
 def session29() -> None:
     """Session 29 (machines 1-4: an H200, two 2xH200s, an H200): decoders under long prompts through 1P1D deployments; where the
     batch-1 step's kernels go, by kind; the folded one-row products' own tiles; the side by side at the session's
@@ -2159,6 +2243,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session30()
+    print()
     session29()
     print()
     session28()
