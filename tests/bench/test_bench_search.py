@@ -74,10 +74,12 @@ def test_trial_size():
 # samples (numpy's interpolation, position 0.9 * (N - 1)) is P + 0.9 * (N - 1) * max(0, P - 1/rate), and the
 # highest rate meeting p90 <= L is 1 / (P - (L - P) / (0.9 * (N - 1))).
 # Timing noise only adds latency (a late first request shifts every TTFT of its trial), and on a shared 2-core
-# machine it reached 95 ms: the test checks the search against what was measured, and against the model only where
-# noise cannot decide (a trial the model fails never passes; one at least NOISE under the limit passes).
-C, L, N = 0.0014, 0.3, 11
-NOISE = 0.15
+# machine it reached 95 ms; in one full run (session 29) two of a trial's 11 requests came more than 188 ms late, so
+# the time scale is twice what it was then: the test checks the search against what was measured, and against the
+# model only where noise cannot decide (a trial the model fails never passes; one at least NOISE under the limit
+# passes).
+C, L, N = 0.0028, 0.6, 11
+NOISE = 0.3
 LENS = (80, 160)
 SEARCH = dict(start_rate=16.0, growth=2.0, tolerance=0.25, min_rate=0.5, max_rate=400.0)
 
