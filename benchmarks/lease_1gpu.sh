@@ -143,6 +143,10 @@
 #              batch-1 loops at 8k and 32k, in order: off, k, kv, off, k, kv
 #   s30e       the early tile with K and V at 128 registers a thread against off: batch-1 loops at 8k and 32k (off, kv, off,
 #              kv), then the PDL-changes-no-bit graph test with it (as far as S30E_LIMIT allows)
+#   s31a       (written in session 30, not yet run) whether serving adds to the batch-1 step: the async loop at 8k
+#              (bench_steps.py, --max-model-len 40960 as the server), then `pdserve serve` as the side by side starts it,
+#              pdserve's client one request at a time: 8192/16 x 16 (the criterion's workload) and 8192/256 x 4 (steady
+#              pace), then the loop again. Carry .vllm-stage/model (the dummy Qwen3-8B's config and tokenizer, 3.5 MB)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1116,6 +1120,34 @@ PY
 d.EARLY_V = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rfE', '--tb=short',
 'tests/engine/test_cuda_graphs.py::test_pdl_changes_no_bit']))" 2>&1 | tee "$W/gpu_tests.txt" | tail -3
     save ;;
+  s31a)  # the batch-1 step in serving against the engine loop on the same GPU (8k context, temperature 1: what a
+    # request of vLLM's client gets). Needs .vllm-stage/model carried (config and tokenizer of the dummy Qwen3-8B)
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    loop8k() {
+      timeout 90 $STEPS_8B --max-model-len 40960 --iters 20 --decode= --loop 1x8192 --loop-steps 200 \
+        --loop-temperature 1.0 --out "$W/loop_$1.json" > "$W/loop_$1.txt" 2>&1
+      grep -E "^loop:[^ ]* async on|Error" "$W/loop_$1.txt" | sed "s/^/$1: /" | cut -c1-200
+    }
+    loop8k before; save
+    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 200); do
+      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
+      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
+    done
+    for run in 8192x16x16 8192x256x4; do
+      IFS=x read -r i o n <<< "$run"
+      timeout 120 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy --tokenizer $M \
+        --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n --max-concurrency 1 \
+        --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 1 --seed 0 \
+        --disable-tqdm --no-plots --save-result --result-dir "$W" --result-filename "serve_$run.json" \
+        > "$W/serve_$run.txt" 2>&1
+      echo "== $run"; python3 benchmarks/vs_vllm/compare.py --line "$W/serve_$run.json"
+      save
+    done
+    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"; rm -f "$W"/*.pdserve.json
+    loop8k after; save ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
