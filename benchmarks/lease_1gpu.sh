@@ -147,6 +147,9 @@
 #              (bench_steps.py, --max-model-len 40960 as the server), then `pdserve serve` as the side by side starts it,
 #              pdserve's client one request at a time: 8192/16 x 16 (the criterion's workload) and 8192/256 x 4 (steady
 #              pace), then the loop again. Carry .vllm-stage/model (the dummy Qwen3-8B's config and tokenizer, 3.5 MB)
+#   s31b       (written in session 30, not yet run) the folded down projection alone with PDL off (s29b timed it at 44.6
+#              us a launch in the PDL-off loop, against 27.7 us alone with PDL): bench_linear.py --folds --shipped-only
+#              with --pdl early, then off; the plain one-row products with PDL off
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1148,6 +1151,16 @@ d.EARLY_V = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovid
     done
     kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"; rm -f "$W"/*.pdserve.json
     loop8k after; save ;;
+  s31b)  # the folded one-row products alone with PDL as shipped and off, then the plain ones with PDL off
+    for pdl in early off; do
+      timeout 120 python3 benchmarks/engine/bench_linear.py --model qwen3-8b --rows 1 --folds --shipped-only --pdl $pdl \
+        --out "$W/folds_$pdl.json" > "$W/folds_$pdl.txt" 2>&1
+      echo "== folds, PDL $pdl"; grep -v " INFO " "$W/folds_$pdl.txt" | grep -E "shipped tile|Error|error" | cut -c1-200
+    done
+    timeout 120 python3 benchmarks/engine/bench_linear.py --model qwen3-8b --rows 1 --pdl off --out "$W/plain_off.json" \
+      > "$W/plain_off.txt" 2>&1
+    grep -v " INFO " "$W/plain_off.txt" | tail -12 | cut -c1-200
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \

@@ -245,8 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --folds: the shipped table with the measured fold entries added")
     ap.add_argument("--prefetch", action="store_true",
                     help="every sum tile also with the next weight tile loaded a step ahead (SkinnyConfig.prefetch)")
+    ap.add_argument("--shipped-only", action="store_true",
+                    help="with --folds: time only the tile serving takes (no sweep)")
+    ap.add_argument("--pdl", choices=["early", "late", "off"], default="early",
+                    help="programmatic dependent launch of the kernels (pdserve.ops.pdl; off: each launch waits for "
+                         "the whole of the one before, so a graph of launches times each kernel's own span)")
     ap.add_argument("--out", default="linear.json")
     args = ap.parse_args(argv)
+    from pdserve.ops.pdl import set_pdl
+    set_pdl(args.pdl)
     if not torch.cuda.is_available():
         print("bench_linear.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -280,8 +287,8 @@ def main_folds(args, rec: dict, ceil: dict) -> int:
         return 2
     folds = FOLD_PRESETS.get(args.model, {})
     shapes = [s for s in PRESETS[args.model] if s[0] in folds]
-    cands = _sums(FOLD_SWEEP, args)
-    if args.precompile_procs > 1:
+    cands = [] if args.shipped_only else _sums(FOLD_SWEEP, args)
+    if cands and args.precompile_procs > 1:
         precompile(cands, shapes, args.precompile_procs, folds)
     results, table = [], {}
     for name, n, k in shapes:
