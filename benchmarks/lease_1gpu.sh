@@ -150,6 +150,9 @@
 #   s31b       (written in session 30, not yet run) the folded down projection alone with PDL off (s29b timed it at 44.6
 #              us a launch in the PDL-off loop, against 27.7 us alone with PDL): bench_linear.py --folds --shipped-only
 #              with --pdl early, then off; the plain one-row products with PDL off
+#   s31c       (written in session 30, not yet run) where the shipped batch-1 step's time goes under PDL: each kernel's
+#              marginal time (how far it pushes the GPU's latest end; bench_steps.py's marginal_slots_us) by kind, at 8k
+#              and 32k
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1160,6 +1163,12 @@ d.EARLY_V = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovid
     timeout 120 python3 benchmarks/engine/bench_linear.py --model qwen3-8b --rows 1 --pdl off --out "$W/plain_off.json" \
       > "$W/plain_off.txt" 2>&1
     grep -v " INFO " "$W/plain_off.txt" | tail -12 | cut -c1-200
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s31c)  # the batch-1 loops' kernels by kind under PDL as shipped: each launch's marginal time (what it adds to the step)
+    timeout 200 $STEPS_8B --max-model-len 40960 --iters 20 --top 12 --decode= \
+      --profile-loop 1x8192,1x32768 --loop-steps 40 --loop-temperature 1.0 --out "$W/marginal.json" \
+      > "$W/marginal.txt" 2>&1
+    grep -v " INFO " "$W/marginal.txt" | grep -E "^loop[^ ]*:|^\||^profile|marginal" | cut -c1-400 | head -60
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }

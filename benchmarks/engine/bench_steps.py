@@ -237,16 +237,36 @@ def profile_case(core: EngineCore, batch: ScheduledBatch, steps: int, top: int) 
 
 
 def kernel_table(prof, steps: int, top: int) -> dict:
-    """From a profile of `steps` steps: kernels (and copies) per step, their time per step, the `top` of them."""
+    """From a profile of `steps` steps: kernels (and copies) per step, their time per step, the `top` of them; with
+    each, its marginal time (marginal_times) a step and by position in the step."""
     per_kernel: dict[str, list[float]] = defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[e.name].append(e.time_range.elapsed_us())
+    marginal = marginal_times(prof)
     rows = sorted(((name, len(v) / steps, sum(v) / steps) for name, v in per_kernel.items()), key=lambda r: -r[2])
     total_us = sum(r[2] for r in rows)
     return {"steps": steps, "kernels_per_step": sum(r[1] for r in rows), "gpu_us_per_step": total_us,
             "top": [{"name": n, "count_per_step": c, "us_per_step": us, "share": us / total_us if total_us else 0,
-                     "slots_us": kernel_slots(per_kernel[n], steps)} for n, c, us in rows[:top]]}
+                     "slots_us": kernel_slots(per_kernel[n], steps),
+                     "marginal_us_per_step": sum(marginal[n]) / steps,
+                     "marginal_slots_us": kernel_slots(marginal[n], steps)} for n, c, us in rows[:top]]}
+
+
+def marginal_times(prof) -> dict[str, list[float]]:
+    """Each device activity's marginal time, by name in start order: how far its end pushes the latest end of the
+    activities that started before it (0 when it ends inside them). Their sum is the device's busy time. Under
+    programmatic dependent launch a kernel starts while the one before it runs and waits, so its own span counts
+    that wait; its marginal time is what it adds to the step."""
+    ivs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    out: dict[str, list[float]] = defaultdict(list)
+    frontier = None
+    for s, e, name in ivs:
+        base = s if frontier is None else max(s, frontier)
+        out[name].append(max(0.0, e - base))
+        frontier = e if frontier is None else max(frontier, e)
+    return out
 
 
 def kernel_slots(times_us: list[float], steps: int) -> list[float]:
@@ -272,14 +292,17 @@ def print_slots(name: str, slots: list[float], period: int) -> None:
 def print_profile(label: str, p: dict) -> None:
     print(f"\nprofile {label}: {p['kernels_per_step']:.0f} kernels per step, {p['gpu_us_per_step'] / 1e3:.2f} ms "
           "of kernel time per step")
-    print("| kernel | per step | us/step | share |\n|---|---|---|---|")
+    print("| kernel | per step | us/step | share | marginal us/step |\n|---|---|---|---|---|")
     for r in p["top"]:
-        print(f"| {r['name'][:90]} | {r['count_per_step']:.0f} | {r['us_per_step']:.0f} | {r['share']:.1%} |")
+        mg = r.get("marginal_us_per_step")
+        print(f"| {r['name'][:90]} | {r['count_per_step']:.0f} | {r['us_per_step']:.0f} | {r['share']:.1%} | "
+              + (f"{mg:.0f}" if mg is not None else "") + " |")
     layers = p.get("layers") or 0
-    for r in p["top"]:
-        slots = r.get("slots_us") or []
-        if layers and len(slots) >= layers:
-            print_slots(r["name"], slots, max(1, len(slots) // layers))
+    for key, what in (("slots_us", ""), ("marginal_slots_us", " marginal")):
+        for r in p["top"]:
+            slots = r.get(key) or []
+            if layers and len(slots) >= layers:
+                print_slots(r["name"] + what, slots, max(1, len(slots) // layers))
     g = p.get("gpu")
     if g:
         print(f"  GPU busy {g['busy_us_per_step'] / 1e3:.2f} ms, idle {g['idle_us_per_step'] / 1e3:.2f} ms a step "
