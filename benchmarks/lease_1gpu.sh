@@ -153,6 +153,8 @@
 #   s31c       (written in session 30, not yet run) where the shipped batch-1 step's time goes under PDL: each kernel's
 #              marginal time (how far it pushes the GPU's latest end; bench_steps.py's marginal_slots_us) by kind, at 8k
 #              and 32k
+#   s31d       (written in session 30, not yet run) the decode kernel merging its own splits (decode.SELF_MERGE): its GPU
+#              tests with it on, then the batch-1 loops at 8k and 32k, in order off, on, off, on
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1170,6 +1172,22 @@ d.EARLY_V = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovid
       > "$W/marginal.txt" 2>&1
     grep -v " INFO " "$W/marginal.txt" | grep -E "^loop[^ ]*:|^\||^profile|marginal" | cut -c1-400 | head -60
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s31d)  # the decode kernel merging its own splits (decode.SELF_MERGE, off as shipped): GPU tests with it on, then loops
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 150 python3 -c "import sys, pytest; from pdserve.ops.attention import decode as d
+d.SELF_MERGE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rfE', '--tb=short', '-x',
+'tests/ops/test_attention_decode.py', '-k', 'cuda and not lens1']))" 2>&1 | tee "$W/gpu_tests.txt" | tail -3
+    save
+    i=0
+    for arm in off on off on; do
+      i=$((i + 1)); left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
+      case $arm in off) a="--no-decode-self-merge" ;; on) a="--decode-self-merge" ;; esac
+      timeout $(( left < 70 ? left : 70 )) $STEPS_8B --max-model-len 40960 --iters 20 --decode= $a \
+        --loop 1x8192,1x32768 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
+        > "$W/loop_${i}_$arm.txt" 2>&1
+      grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
+      save
+    done ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \

@@ -31,6 +31,7 @@ from pdserve.ops.attention.decode import (
     _decode_kernel,
     decode_tile,
     early_tile,
+    merge_chunk,
 )
 from pdserve.ops.attention.kv_write import _write_kv_kernel
 from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, _prefill_kernel, default_g_pack
@@ -65,7 +66,8 @@ def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
             "shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "num_warps": num_warps, "num_stages": num_stages,
             # 16-byte global loads issued before the PDL wait (the decode kernel's early tile: EARLY_TILE)
-            "v4_loads_before_wait": ptx[:wait].count("ld.global.v4") if wait >= 0 else 0}
+            "v4_loads_before_wait": ptx[:wait].count("ld.global.v4") if wait >= 0 else 0,
+            "acq_rel_atomics": ptx.count("atom.global.gpu.acq_rel"), "cg_loads": ptx.count("ld.global.cg")}
 
 
 def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, window: bool = False,
@@ -84,12 +86,12 @@ def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, 
 
 
 def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16, many: bool = False,
-           few: bool = False) -> dict:
+           few: bool = False, self_merge: bool = False) -> dict:
     """many: the many-program tile (a batch-256 step) with its block table read a tile ahead; few: the tile below 8
     rows (a batch-1 step) with its first tile read before the PDL wait (decode.EARLY_TILE, off as shipped: what an
-    A/B turns on)."""
+    A/B turns on); self_merge: its splits merged in the kernel (decode.SELF_MERGE)."""
     types = dict(Q=f"*{dt}", KV=f"*{kv}", BT="*i32", SL="*i32", QSL="*i32", KS="*fp32", VS="*fp32", Out=f"*{dt}",
-                 PartO="*fp32", PartM="*fp32", PartL="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
+                 PartO="*fp32", PartM="*fp32", PartL="*fp32", Count="*i32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
                  s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_btb="i32", s_pb="i32", s_ph="i32",
                  s_ps="i32", sm_scale="fp32", softcap="fp32", window="i32")
     qdt = getattr(torch, TORCH_DT[dt])
@@ -100,7 +102,8 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
               DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH,
-              EARLY_TILE=few or early_tile(block_n, many), EARLY_V=EARLY_V)
+              EARLY_TILE=(few and not self_merge) or early_tile(block_n, many), EARLY_V=EARLY_V, SELF_MERGE=self_merge,
+              MERGE_G=triton.next_power_of_2(g), MERGE_S=64, MERGE_CHUNK=merge_chunk(g, triton.next_power_of_2(d)))
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
                "s_kvh", "s_pb", "s_ph", "s_ps"]
     return _compile(_decode_kernel, types, ce, warps, stages, aligned)
@@ -143,6 +146,11 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                         desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=False, mixed=mixed, few=True)
                         cases.append((f"decode {dt}/{kv} d={d} g={g} single=False mixed={mixed} few rows", desc,
                                       lambda dt=dt, kv=kv, d=d, g=g, m=mixed: decode(dt, kv, d, g, False, m, few=True)))
+                if dt != "fp32" and kv == dt:  # decode.SELF_MERGE (16-bit pools)
+                    desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=False, mixed=False, self_merge=True)
+                    cases.append((f"decode {dt}/{kv} d={d} g={g} single=False mixed=False few rows self-merge", desc,
+                                  lambda dt=dt, kv=kv, d=d, g=g: decode(dt, kv, d, g, False, False, few=True,
+                                                                         self_merge=True)))
                 if kv == dt and dt != "fp32" and MANY_PROGRAMS_TILE is not None:  # what paged_decode picks at 256 rows
                     for mixed in (False, True):
                         desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=True, mixed=mixed, many=True)

@@ -495,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
                          "shipped): an A/B")
     ap.add_argument("--decode-early-maxnreg", type=int, default=None,
                     help="with V early, the registers a thread may hold (decode.EARLY_V_MAXNREG; 0: no limit)")
+    ap.add_argument("--decode-self-merge", action=argparse.BooleanOptionalAction, default=None,
+                    help="the decode kernel merges its splits itself (decode.SELF_MERGE; default: as shipped, off): "
+                         "an A/B")
     ap.add_argument("--few-rows-tile", default=None,
                     help="the decode kernel's tile below 8 rows on a 16-bit pool (decode.DECODE_TILES[(False, "
                          "False)]): 'keys,warps,stages' (an A/B)")
@@ -526,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.EARLY_V = args.decode_early_v
     if args.decode_early_maxnreg is not None:
         decode_mod.EARLY_V_MAXNREG = args.decode_early_maxnreg
+    if args.decode_self_merge is not None:
+        decode_mod.SELF_MERGE = args.decode_self_merge
     if args.few_rows_tile:
         decode_mod.DECODE_TILES[(False, False)] = tuple(int(x) for x in args.few_rows_tile.split(","))
     if args.decode_waves:

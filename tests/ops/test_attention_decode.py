@@ -116,6 +116,53 @@ def test_first_tile_early_only_where_the_launch_takes_pdl(monkeypatch):
     assert seen == [False, True, False, False]
 
 
+SPLIT_CASES = [c[:-1] + (c[-1] or 4,) for c in CPU_CASES if c[-1] != 1 and c[5] is None]  # 16-bit pools
+
+
+@pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window,softcap,splits", SPLIT_CASES)
+def test_splits_merged_in_the_decode_kernel_match_the_merge_kernel(hq, hk, d, bs, dtype, kv_dtype, window, softcap,
+                                                                   splits, monkeypatch):
+    """SELF_MERGE: the last split of each (row, KV head) to finish merges the group (the output starts as NaN, so a
+    group nobody merged fails), a chunk of splits at a time (MERGE_ELEMS set so that chunks are 1-4 splits: some
+    cut short), and leaves its counter at zero for the next launch; the merge kernel is not launched."""
+    monkeypatch.setattr(D, "MERGE_ELEMS", 2 * 2 * d)
+    p = make_problem([1, 17, 130, 64, 45], [1] * 5, hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype,
+                     seed=hq + d + bs + 3)
+    scale = d ** -0.5
+    two_kernels = _run(p, scale, window, softcap, splits=splits)
+    merges = []
+    real = D._merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(D, "_merge_kernel", Spy())
+    monkeypatch.setattr(D, "SELF_MERGE", True)
+    for _ in range(2):  # the second launch finds the counters zeroed by the first
+        one = _run(p, scale, window, softcap, splits=splits)
+        assert_close(one, _reference(p, scale, window, softcap), dtype, "decode, merged in the kernel")
+        assert_close(one, two_kernels, dtype, "decode, merged in the kernel against the merge kernel")
+        assert D._counters[torch.device("cpu")].eq(0).all()
+    assert merges == []
+
+
+def test_splits_merged_in_the_kernel_in_a_mixed_batch_and_without_counters_enough(monkeypatch):
+    monkeypatch.setattr(D, "SELF_MERGE", True)
+    p = make_problem([33, 70, 9, 120, 16], [1, 20, 1, 5, 16], hq=8, hk=2, d=64, bs=16, seed=13)
+    out = _run(p, 0.125, mixed=True, splits=3)
+    dec, pre = row_kinds(p.meta)
+    assert torch.isnan(out[pre]).all()
+    assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed rows merged in the kernel")
+    monkeypatch.setattr(D, "_counters", {})
+    monkeypatch.setattr(D, "MERGE_COUNTERS", 4)  # 5 rows x 2 KV heads need 10: the merge kernel's way
+    assert D.merge_counters(torch.device("cpu"), 10) is None
+    out = _run(p, 0.125, mixed=True, splits=3)
+    assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed rows, the merge kernel")
+    assert not D.self_merge(fp8=True) and D.self_merge(fp8=False)  # an fp8 pool's kernel keeps the merge kernel
+
+
 def test_block_table_read_ahead_is_the_many_program_default():
     cpu = torch.device("cpu")
     p = make_problem([40] * 16, [1] * 16, hq=4, hk=2, d=32, bs=16, dtype=torch.float16, seed=3)

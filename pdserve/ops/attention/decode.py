@@ -3,7 +3,7 @@ through the block table (no gather copy).
 
 One program per (row, KV head, split) with the query heads of a GQA group packed into one tile, so each K/V tile
 is loaded once per group; the splits of a row are merged by a second small kernel (skipped when there is one
-split). A split's share is computed in the kernel from the row's own KV length, so a grid sized for an upper-bound
+split; with SELF_MERGE, an A/B, by the last of them to finish). A split's share is computed in the kernel from the row's own KV length, so a grid sized for an upper-bound
 length (a CUDA graph) still spreads a short row over every split. In a mixed batch the kernel reads the row's query
 offsets and leaves rows with more than one new token to the prefill kernel. fp8 pools are read as fp8 and widened (to fp16, one instruction per pair) in
 registers; k_scale folds into the softmax scale and v_scale into the output, accumulation is fp32.
@@ -28,7 +28,7 @@ VARYING_MERGE = ["num_splits"]
 # Step metadata (block tables, lengths, query offsets, the fp8 scales or their stand-ins): read an int at a time, so
 # a 16-byte-aligned address buys nothing, and a specialization on it is one more compile whenever a caller's
 # regions land otherwise (pdserve.engine.step_inputs aligns its regions; other callers need not).
-METADATA_PTRS = ["BT", "SL", "QSL", "KS", "VS"]
+METADATA_PTRS = ["BT", "SL", "QSL", "KS", "VS", "Count"]
 # The merge reads up to MERGE_SPLITS partials per (row, head) in one tile whatever the step's split count (a
 # BLOCK_S that followed the split count made each power of two another compile: 2..64, times mixed or not; the
 # masked lanes load nothing).
@@ -53,7 +53,7 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: 
 
 @triton.jit(do_not_specialize=VARYING_DECODE, do_not_specialize_on_alignment=METADATA_PTRS)
 def _decode_kernel(
-    Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL,
+    Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL, Count,
     s_qt, s_qh, s_ot, s_oh,
     s_kvb, s_kvkv, s_kvt, s_kvh,
     s_btb,
@@ -63,7 +63,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
-    EARLY_V: tl.constexpr = False,
+    EARLY_V: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, MERGE_G: tl.constexpr = 1,
+    MERGE_S: tl.constexpr = 64, MERGE_CHUNK: tl.constexpr = 16,
 ):
     pdl_launch_early(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
@@ -161,6 +162,49 @@ def _decode_kernel(
         pm = (b * tl.num_programs(1) * G + h) * num_splits + sp  # PartM/PartL: [B, Hq, splits] contiguous
         tl.store(PartM + pm, m_i, mask=gmask)
         tl.store(PartL + pm, l_i, mask=gmask)
+        if SELF_MERGE:  # the (row, KV head)'s last split to finish merges them all (SELF_MERGE says how)
+            tl.debug_barrier()  # every thread's partials stored before the count is released
+            cnt = Count + b * tl.num_programs(1) + hk
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+                _merge_group(PartO, PartM, PartL, VS, Out, b, row, hk, tl.num_programs(1), num_splits,
+                             s_pb, s_ph, s_ps, s_ot, s_oh, G, MERGE_G, D, BLOCK_D, MERGE_S, MERGE_CHUNK, HAS_VS)
+
+
+@triton.jit
+def _merge_group(PartO, PartM, PartL, VS, Out, b, row, hk, num_hk, num_splits, s_pb, s_ph, s_ps, s_ot, s_oh,
+                 G: tl.constexpr, MERGE_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr, HAS_VS: tl.constexpr):
+    """The merge kernel's work for one (row, KV head)'s G query heads, inside the decode kernel: the partials of
+    the other programs are read past L1 (.cg), after the acquiring count."""
+    g = tl.arange(0, MERGE_G)
+    gmask = g < G
+    h = hk * G + g
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    hrow = (b * num_hk * G + h) * num_splits  # PartM/PartL: [B, Hq, splits] contiguous
+    s_all = tl.arange(0, MERGE_S)
+    mask = gmask[:, None] & (s_all < num_splits)[None, :]
+    m = tl.load(PartM + hrow[:, None] + s_all[None, :], mask=mask, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(PartL + hrow[:, None] + s_all[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, 1)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_safe[:, None]), 0.0)
+    denom = tl.sum(w * lse, 1)
+    acc = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, MERGE_CHUNK):
+        sc = s0 + tl.arange(0, MERGE_CHUNK)
+        cmask = gmask[:, None] & (sc < num_splits)[None, :]
+        mc = tl.load(PartM + hrow[:, None] + sc[None, :], mask=cmask, other=float("-inf"), cache_modifier=".cg")
+        wc = tl.where(mc > float("-inf"), tl.exp2(mc - m_safe[:, None]), 0.0)
+        o = tl.load(PartO + b * s_pb + h[:, None, None] * s_ph + sc[None, :, None] * s_ps + d[None, None, :],
+                    mask=cmask[:, :, None] & dmask[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(o * wc[:, :, None], 1)
+    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    if HAS_VS:
+        out = out * tl.load(VS)
+    tl.store(Out + row * s_ot + h[:, None] * s_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit(do_not_specialize=VARYING_MERGE, do_not_specialize_on_alignment=["QSL", "VS"])
@@ -269,6 +313,41 @@ EARLY_V = False
 # spill (ptxas on sm_90, bf16, d=128, GQA 4). 0: as the compiler likes.
 EARLY_V_MAXNREG = 128
 
+# SELF_MERGE: a launch with several splits merges them in the decode kernel, not in a second kernel. Each program
+# stores its partials, then counts itself done on its (row, KV head)'s counter (an acquire-release atomic at GPU
+# scope, after a barrier so that every thread's stores are ordered before it); the program that counts last zeroes
+# the counter and merges the group's partials (read past L1), a chunk of splits at a time (merge_chunk). One launch a layer
+# less at the cost of the merge on the last program's path. The counters are a zeroed buffer of MERGE_COUNTERS per
+# device, allocated outside graph capture (a launch needing more takes the merge kernel). False (as shipped: not yet
+# measured): the merge kernel (an A/B: bench_steps.py --decode-self-merge). The sums run in another order than the
+# merge kernel's, so the bits differ from it by rounding.
+SELF_MERGE = False
+MERGE_ELEMS = 8192  # a chunk of partials held at once: query heads x splits x head dim (64 registers a thread at 4 warps)
+MERGE_COUNTERS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_chunk(group: int, block_d: int) -> int:
+    """Splits a chunk of SELF_MERGE's merge reads (MERGE_ELEMS a chunk; 16 at Qwen3-8B's GQA 4, head dim 128)."""
+    return max(1, min(MERGE_SPLITS, MERGE_ELEMS // (triton.next_power_of_2(group) * block_d)))
+
+
+def self_merge(fp8: bool) -> bool:
+    """Whether a launch with several splits merges them in the decode kernel: SELF_MERGE, on 16-bit pools (an fp8
+    pool's tile already holds most of the registers: ptxas spilled with a chunk beside it)."""
+    return SELF_MERGE and not fp8
+
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The device's zeroed merge counters (SELF_MERGE), or None where `n` exceed them or they would first be
+    allocated inside a graph capture."""
+    buf = _counters.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return buf if n <= buf.numel() else None
+
 
 def early_tile(block_n: int, many: bool) -> bool:
     """Whether a launch with `block_n`-key tiles (`many`: taking MANY_PROGRAMS_TILE) reads its first tile early."""
@@ -375,6 +454,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     if early is None:
         early = early_tile(block_n, many_programs(q.dtype, fp8, b * hk * splits, q.device)) and pdl_on(q)
     limits = {"maxnreg": EARLY_V_MAXNREG} if early and EARLY_V and EARLY_V_MAXNREG and q.is_cuda else {}
+    counters = merge_counters(q.device, b * hk) if self_merge(fp8) and not single else None
     if single:
         part_o = part_m = part_l = out
         s_p = (0, 0, 0)
@@ -389,6 +469,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     vs = v_scale if has_vs else seq_lens
     _decode_kernel[(b, hk, splits)](
         q, kv_layer, block_tables, seq_lens, qsl, ks, vs, out, part_o, part_m, part_l,
+        counters if counters is not None else seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0),
@@ -396,12 +477,13 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         scale, softcap or 1.0, sliding_window or 0,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d, BS=bs,
         BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
-        HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
+        HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and (single or counters is not None),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
-        PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, num_warps=warps, num_stages=stages, **limits,
-        **pdl_args(q),
+        PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, SELF_MERGE=counters is not None,
+        MERGE_G=triton.next_power_of_2(g), MERGE_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
+        MERGE_CHUNK=merge_chunk(g, block_d), num_warps=warps, num_stages=stages, **limits, **pdl_args(q),
     )
-    if not single:
+    if not single and counters is None:
         _merge_kernel[(b, hq)](
             part_o, part_m, part_l, qsl, vs, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1), splits,
