@@ -231,6 +231,17 @@ sizing_server() {
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$W/mem.txt"
   kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
 }
+# a pdserve server of dummy Qwen3-8B ($M) as the side by side starts it, on port 8200, log in $W/server.log; S is its
+# pid; returns once it answers a completion (or exited, or 200 s)
+start_8b_server() {
+  pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+    --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
+  for i in $(seq 200); do
+    curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
+    kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
+  done
+}
 case $STAGE in
   attn)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_prefill.py 2>&1 \
@@ -503,13 +514,7 @@ case $STAGE in
       tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-700 | tail -8
     save
     T0=$(date +%s.%N)
-    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
-      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
-    for i in $(seq 200); do
-      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
-        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
-      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
-    done
+    start_8b_server
     python3 -c "import time,sys; print(f'first completion answered {time.time()-float(sys.argv[1]):.1f} s after launch')" $T0 \
       | tee "$W/startup.txt"
     grep -h "warm-up\|engine ready\|KV sizing: the largest\|Error" "$W/server.log" | cut -c1-300
@@ -1137,13 +1142,7 @@ d.EARLY_V = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovid
       grep -E "^loop:[^ ]* async on|Error" "$W/loop_$1.txt" | sed "s/^/$1: /" | cut -c1-200
     }
     loop8k before; save
-    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
-      --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
-    for i in $(seq 200); do
-      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
-        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break
-      kill -0 $S 2>/dev/null || { echo "server exited"; break; }; sleep 1
-    done
+    start_8b_server
     for run in 8192x16x16 8192x256x4; do
       IFS=x read -r i o n <<< "$run"
       timeout 120 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy --tokenizer $M \

@@ -523,14 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.decode_prefetch:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
-    if args.decode_early_tile is not None:
-        decode_mod.EARLY_TILE = args.decode_early_tile
-    if args.decode_early_v is not None:
-        decode_mod.EARLY_V = args.decode_early_v
-    if args.decode_early_maxnreg is not None:
-        decode_mod.EARLY_V_MAXNREG = args.decode_early_maxnreg
-    if args.decode_self_merge is not None:
-        decode_mod.SELF_MERGE = args.decode_self_merge
+    for arg, name in (("decode_early_tile", "EARLY_TILE"), ("decode_early_v", "EARLY_V"),
+                      ("decode_early_maxnreg", "EARLY_V_MAXNREG"), ("decode_self_merge", "SELF_MERGE")):
+        if getattr(args, arg) is not None:  # an A/B of a decode.py switch; None: as shipped
+            setattr(decode_mod, name, getattr(args, arg))
     if args.few_rows_tile:
         decode_mod.DECODE_TILES[(False, False)] = tuple(int(x) for x in args.few_rows_tile.split(","))
     if args.decode_waves:

@@ -36,12 +36,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") ->
 
 
 class GridSpy:
-    """Stands in for a Triton kernel (monkeypatch it over the module's name): records each launch's grid, then
-    launches the kernel it wraps."""
+    """Stands in for a Triton kernel (monkeypatch it over the module's name): records each launch's grid and
+    keyword arguments (its constexprs), then launches the kernel it wraps."""
 
     def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
+        self.kernel, self.grids, self.kwargs = kernel, [], []
 
     def __getitem__(self, grid):
         self.grids.append(grid)
-        return self.kernel[grid]
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.kwargs.append(kwargs)
+            return launch(*args, **kwargs)
+        return run

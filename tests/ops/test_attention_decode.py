@@ -13,6 +13,7 @@ from pdserve.ops.attention.common import is_fp8
 from pdserve.ops.attention.decode import paged_decode
 from pdserve.ops.attention.torch_ref import TorchAttentionBackend
 from tests.ops.attention_helpers import assert_close, gpu, make_problem, poisoned, row_kinds
+from tests.ops.kernel_cases import GridSpy
 
 
 def _reference(p, scale, window, softcap):
@@ -95,17 +96,8 @@ def test_first_tile_read_early_in_a_mixed_batch(splits, early_v, monkeypatch):
 
 def test_first_tile_early_only_where_the_launch_takes_pdl(monkeypatch):
     p = make_problem([40, 7], [1, 1], hq=4, hk=2, d=32, bs=16, dtype=torch.float16, seed=4)
-    seen = []
-    real = D._decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                seen.append(kw["EARLY_TILE"])
-                return real[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(D, "_decode_kernel", Spy())
+    spy = GridSpy(D._decode_kernel)
+    monkeypatch.setattr(D, "_decode_kernel", spy)
     monkeypatch.setattr(D, "EARLY_TILE", True)
     _run(p, 0.2, splits=2)  # on CPU: no PDL, so no early tile
     monkeypatch.setattr(D, "pdl_on", lambda x: True)
@@ -113,7 +105,7 @@ def test_first_tile_early_only_where_the_launch_takes_pdl(monkeypatch):
     _run(p, 0.2, splits=2, tile=(128, 4, 3))  # a 128-key tile held across the wait would spill
     monkeypatch.setattr(D, "EARLY_TILE", False)  # as shipped
     _run(p, 0.2, splits=2)
-    assert seen == [False, True, False, False]
+    assert [kw["EARLY_TILE"] for kw in spy.kwargs] == [False, True, False, False]
 
 
 SPLIT_CASES = [c[:-1] + (c[-1] or 4,) for c in CPU_CASES if c[-1] != 1 and c[5] is None]  # 16-bit pools
@@ -130,22 +122,15 @@ def test_splits_merged_in_the_decode_kernel_match_the_merge_kernel(hq, hk, d, bs
                      seed=hq + d + bs + 3)
     scale = d ** -0.5
     two_kernels = _run(p, scale, window, softcap, splits=splits)
-    merges = []
-    real = D._merge_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(D, "_merge_kernel", Spy())
+    merges = GridSpy(D._merge_kernel)
+    monkeypatch.setattr(D, "_merge_kernel", merges)
     monkeypatch.setattr(D, "SELF_MERGE", True)
     for _ in range(2):  # the second launch finds the counters zeroed by the first
         one = _run(p, scale, window, softcap, splits=splits)
         assert_close(one, _reference(p, scale, window, softcap), dtype, "decode, merged in the kernel")
         assert_close(one, two_kernels, dtype, "decode, merged in the kernel against the merge kernel")
         assert D._counters[torch.device("cpu")].eq(0).all()
-    assert merges == []
+    assert merges.grids == []
 
 
 def test_splits_merged_in_the_kernel_in_a_mixed_batch_and_without_counters_enough(monkeypatch):
