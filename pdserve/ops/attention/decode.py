@@ -314,16 +314,18 @@ EARLY_V = False
 # spill (ptxas on sm_90, bf16, d=128, GQA 4). 0: as the compiler likes.
 EARLY_V_MAXNREG = 128
 
-# SELF_MERGE: a launch with several splits merges them in the decode kernel, not in a second kernel. Each program
-# stores its partials, then counts itself done on its (row, KV head)'s counter (an acquire-release atomic at GPU
-# scope, after a barrier so that every thread's stores are ordered before it); the program that counts last zeroes
-# the counter and merges the group's partials (read past L1), a chunk of splits at a time (merge_chunk). One launch a layer
-# less at the cost of the merge on the last program's path. The counters are a zeroed buffer of MERGE_COUNTERS per
-# device, allocated outside graph capture (a launch needing more takes the merge kernel). False (as shipped: not yet
-# measured): the merge kernel (an A/B: bench_steps.py --decode-self-merge). The sums run in another order than the
-# merge kernel's, so the bits differ from it by rounding.
+# SELF_MERGE: a launch with several splits merges them in the decode kernel, not in a second kernel.
+# - Each program stores its partials, then counts itself done on its (row, KV head)'s counter: an acquire-release
+#   atomic at GPU scope, after a barrier so that every thread's stores are ordered before it.
+# - The program that counts last zeroes the counter and merges the group's partials (read past L1), a chunk of
+#   splits at a time (merge_chunk).
+# - That is one launch a layer less, at the cost of the merge on the last program's path.
+# - The counters are a zeroed buffer of MERGE_COUNTERS per device, allocated outside graph capture; a launch that
+#   needs more takes the merge kernel.
+# - The sums run in another order than the merge kernel's, so the bits differ from it by rounding.
+# False (as shipped, not yet measured): the merge kernel. bench_steps.py --decode-self-merge turns it on for an A/B.
 SELF_MERGE = False
-MERGE_ELEMS = 8192  # a chunk of partials held at once: query heads x splits x head dim (64 registers a thread at 4 warps)
+MERGE_ELEMS = 8192  # a chunk of partials held at once: query heads x splits x head dim (64 registers a thread, 4 warps)
 MERGE_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
 
