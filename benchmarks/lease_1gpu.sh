@@ -231,6 +231,19 @@ sizing_server() {
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee "$W/mem.txt"
   kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"
 }
+# the batch-1 loops per arm, one process each, in order, until LIMIT s into the call, each at most PER s: dummy
+# Qwen3-8B at --max-model-len MAX_LEN, bench_steps.py's --loop LOOPS at temperature 1, with the flags the stage's
+# arm_flags function gives the arm; results in $W/loop_<i>_<arm>.json; `save` after each
+b1_arms() {  # LIMIT PER MAX_LEN LOOPS ARMS...
+  local limit=$1 per=$2 len=$3 loops=$4 arm i=0 left; shift 4
+  for arm in "$@"; do
+    i=$((i + 1)); left=$(( limit - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
+    timeout $(( left < per ? left : per )) $STEPS_8B --max-model-len $len --iters 20 --decode= $(arm_flags $arm) \
+      --loop $loops --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" > "$W/loop_${i}_$arm.txt" 2>&1
+    grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
+    save
+  done
+}
 # a pdserve server of dummy Qwen3-8B ($M) as the side by side starts it, on port 8200, log in $W/server.log; S is its
 # pid; returns once it answers a completion (or exited, or 200 s)
 start_8b_server() {
@@ -1084,18 +1097,12 @@ PY
     # at 533530a, where this ran; (64, 4, 2), 64 splits at one row), t32 (on, few-row tile (32, 4, 2)), w8 (on,
     # (64, 8, 2)), s48 (on, 3 waves: 49 splits, 392 programs, so a 157-register program (3 an SM) fits one wave)
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
-    i=0
-    for arm in off on t32 w8 s48 off on; do
-      i=$((i + 1)); left=$(( 570 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
-      e="--decode-early-tile --decode-early-v --decode-early-maxnreg 0"
-      case $arm in off) a="--no-decode-early-tile" ;; on) a="$e" ;; t32) a="$e --few-rows-tile 32,4,2" ;;
-        w8) a="$e --few-rows-tile 64,8,2" ;; s48) a="$e --decode-waves 3" ;; esac
-      timeout $(( left < 80 ? left : 80 )) $STEPS_8B --max-model-len 16384 --iters 20 --decode= $a \
-        --loop 1x8192,1x1024 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
-        > "$W/loop_${i}_$arm.txt" 2>&1
-      grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
-      save
-    done ;;
+    arm_flags() {
+      local e="--decode-early-tile --decode-early-v --decode-early-maxnreg 0"
+      case $1 in off) echo "--no-decode-early-tile" ;; on) echo "$e" ;; t32) echo "$e --few-rows-tile 32,4,2" ;;
+        w8) echo "$e --few-rows-tile 64,8,2" ;; s48) echo "$e --decode-waves 3" ;; esac
+    }
+    b1_arms 570 80 16384 1x8192,1x1024 off on t32 w8 s48 off on ;;
   s30d)  # the early tile, K alone (as shipped) against K and V and against off: GPU tests, then batch-1 loops at 8k, 32k
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
@@ -1103,31 +1110,19 @@ PY
       tests/engine/test_async_gpu.py tests/ops/test_attention_decode.py 2>&1 \
       | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-600 | tail -12
     save
-    i=0
-    for arm in off k kv off k kv; do
-      i=$((i + 1)); left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
-      case $arm in off) a="--no-decode-early-tile" ;; k) a="--decode-early-tile --no-decode-early-v" ;;
-        kv) a="--decode-early-tile --decode-early-v --decode-early-maxnreg 0" ;; esac
-      timeout $(( left < 80 ? left : 80 )) $STEPS_8B --max-model-len 40960 --iters 20 --decode= $a \
-        --loop 1x8192,1x32768 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
-        > "$W/loop_${i}_$arm.txt" 2>&1
-      grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
-      save
-    done ;;
+    arm_flags() {
+      case $1 in off) echo "--no-decode-early-tile" ;; k) echo "--decode-early-tile --no-decode-early-v" ;;
+        kv) echo "--decode-early-tile --decode-early-v --decode-early-maxnreg 0" ;; esac
+    }
+    b1_arms 560 80 40960 1x8192,1x32768 off k kv off k kv ;;
   s30e)  # the early tile with K and V held at 128 registers (decode.EARLY_V_MAXNREG: 4 programs an SM) against off,
     # batch-1 loops at 8k and 32k, in order off, kv, off, kv; then the graphs' PDL-changes-no-bit test with it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
-    i=0
-    for arm in off kv off kv; do
-      i=$((i + 1)); left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
-      case $arm in off) a="--no-decode-early-tile" ;; kv) a="--decode-early-tile --decode-early-v --decode-early-maxnreg 128" ;;
-      esac
-      timeout $(( left < 70 ? left : 70 )) $STEPS_8B --max-model-len 40960 --iters 20 --decode= $a \
-        --loop 1x8192,1x32768 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
-        > "$W/loop_${i}_$arm.txt" 2>&1
-      grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
-      save
-    done
+    arm_flags() {
+      case $1 in off) echo "--no-decode-early-tile" ;;
+        kv) echo "--decode-early-tile --decode-early-v --decode-early-maxnreg 128" ;; esac
+    }
+    b1_arms 560 70 40960 1x8192,1x32768 off kv off kv
     left=$(( ${S30E_LIMIT:-240} - ($(date +%s) - t0) ))
     [ $left -gt 30 ] && timeout $left python3 -c "import sys, pytest; from pdserve.ops.attention import decode as d
 d.EARLY_V = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rfE', '--tb=short',
@@ -1177,16 +1172,8 @@ d.EARLY_V = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovid
 d.SELF_MERGE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rfE', '--tb=short', '-x',
 'tests/ops/test_attention_decode.py', '-k', 'cuda and not lens1']))" 2>&1 | tee "$W/gpu_tests.txt" | tail -3
     save
-    i=0
-    for arm in off on off on; do
-      i=$((i + 1)); left=$(( 560 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for $arm"; break; }
-      case $arm in off) a="--no-decode-self-merge" ;; on) a="--decode-self-merge" ;; esac
-      timeout $(( left < 70 ? left : 70 )) $STEPS_8B --max-model-len 40960 --iters 20 --decode= $a \
-        --loop 1x8192,1x32768 --loop-steps 100 --loop-temperature 1.0 --out "$W/loop_${i}_$arm.json" \
-        > "$W/loop_${i}_$arm.txt" 2>&1
-      grep -E "^loop:[^ ]* async on|Error" "$W/loop_${i}_$arm.txt" | sed "s/^/$arm: /" | cut -c1-200
-      save
-    done ;;
+    arm_flags() { case $1 in off) echo "--no-decode-self-merge" ;; on) echo "--decode-self-merge" ;; esac; }
+    b1_arms 560 70 40960 1x8192,1x32768 off on off on ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
