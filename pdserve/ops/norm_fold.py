@@ -104,8 +104,7 @@ class NormedRow:
             HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PartIn=self.partials, n_part_in=p, eps=float(self.eps),
             BLOCK_P=triton.next_power_of_2(p), PREFETCH=cfg.prefetch, num_stages=cfg.num_stages,
-            num_warps=cfg.num_warps,
-            **pdl_args(self.hw))
+            num_warps=cfg.num_warps, **pdl_args(self.hw))
         return out
 
 
@@ -148,6 +147,6 @@ def produce(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_
     _skinny_sum_kernel[(grid,)](
         x, weight, weight, h, n, k, weight.stride(0), HAS_BIAS=False, EVEN_N=n % cfg.block_n == 0,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, Res=residual, NormW=norm_weight,
-        offset=float(offset), HGOut=hw, PartOut=partials, NORM_OUT=True, PREFETCH=cfg.prefetch, num_stages=cfg.num_stages,
-        num_warps=cfg.num_warps, **extra, **pdl_args(x))
+        offset=float(offset), HGOut=hw, PartOut=partials, NORM_OUT=True, PREFETCH=cfg.prefetch,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps, **extra, **pdl_args(x))
     return NormedRow(h, hw, partials, norm_weight, eps, offset)
