@@ -624,6 +624,142 @@ def session27() -> None:
         interference_table(f"{base}/{folder}")
 
 
+def session31() -> None:
+    """Session 31 (one H200, three calls): where the shipped batch-1 step's time goes under PDL (each kernel's
+    marginal time); the folded one-row products alone with PDL off; the decode kernel merging its own splits; the
+    batch-1 step in serving against the engine loop."""
+    base = "lease_s31"
+    prof_loops = [r for r in load(f"{base}/s31c/marginal.json")["loops"] if "profile" in r]
+    print("Where the batch-1 step's time goes with PDL as shipped (s31c, call 1, `bench_steps.py --profile-loop "
+          "1x8192,1x32768`: the async loop of dummy Qwen3-8B at temperature 1, 40 steps under the torch profiler). A "
+          "kernel's own span holds its wait for the kernel before it; its marginal time is how far its end pushes the "
+          "latest end of the kernels that started before it (what it adds to the step; the marginal times sum to the "
+          "GPU's busy time). Per kind, a step:\n")
+    ctx = [f"{r['mean_context'] / 1024:.0f}k" for r in prof_loops]
+    print("| kernel | launches | " + " | ".join(f"{c} us | {c} marginal us" for c in ctx) + " |\n|---|---|"
+          + "---|---|" * len(prof_loops))
+    tops = [{t["name"]: t for t in r["profile"]["top"]} for r in prof_loops]
+    named = [n for n in tops[0] if n.startswith("_")]
+    for n in named:
+        counts = dict.fromkeys(f"{t[n]['count_per_step']:.0f}" for t in tops)
+        print(f"| {n} | {' / '.join(counts)} | " + " | ".join(
+            f"{t[n]['us_per_step']:.0f} | {t[n]['marginal_us_per_step']:.0f}" for t in tops) + " |")
+    rest = [[t[n] for n in t if n not in named] for t in tops]
+    counts = dict.fromkeys(f"{sum(x['count_per_step'] for x in r):.0f}" for r in rest)
+    print(f"| other (copies, torch's index kernels) | {' / '.join(counts)} | " + " | ".join(
+        f"{sum(x['us_per_step'] for x in r):.0f} | {sum(x['marginal_us_per_step'] for x in r):.0f}" for r in rest)
+        + " |")
+    for r in prof_loops:
+        p, g = r["profile"], r["gpu"]
+        mg = sum(t["marginal_us_per_step"] for t in p["top"])
+        print(f"- {r['case']} ({r['mean_context']:.0f} tokens of context): {r['step_ms']:.2f} ms a step under the "
+              f"profiler; {p['kernels_per_step']:.0f} kernels, {p['gpu_us_per_step'] / 1e3:.2f} ms of kernel spans, "
+              f"{mg / 1e3:.2f} ms of marginal time; GPU busy {g['busy_us_per_step'] / 1e3:.2f} ms and idle "
+              f"{g['idle_us_per_step'] / 1e3:.2f} ms a step")
+    folds = {f: {r["shape"]: r for r in load(f"{base}/s31b/folds_{f}.json")["results"]} for f in ("early", "off")}
+    kinds = [("q/k/v (norm's scale in)", "qkv"), ("o (residual add, norm's parts out)", "o"),
+             ("gate_up (norm's scale in)", "gate_up"), ("down (activation in, norm's parts out)", "down"),
+             ("LM head", None)]
+
+    def by_kind(prof: dict, name: str, key: str) -> list[float]:
+        """Mean us a launch of `name` at each position in the layer (the one-row products: the kinds, then the LM
+        head), or over all its launches."""
+        sl = next(t[key] for t in prof["top"] if t["name"] == name)
+        if name != "_skinny_sum_kernel":
+            return [sum(sl) / len(sl)]
+        whole = 4 * prof["layers"]
+        return [sum(sl[i:whole:4]) / len(sl[i:whole:4]) for i in range(4)] + [sum(sl[whole:]) / len(sl[whole:])]
+    print("\nThe same loops by the kernel's position in the layer, us a launch (own span / marginal), against the "
+          "folded product alone in a CUDA graph with PDL as shipped (s31b):\n")
+    print("| kernel | " + " | ".join(f"{c} own | {c} marginal" for c in ctx)
+          + " | alone (s31b), PDL early |\n|---|" + "---|---|" * len(prof_loops) + "---|")
+    cols = [(by_kind(r["profile"], "_skinny_sum_kernel", "slots_us"),
+             by_kind(r["profile"], "_skinny_sum_kernel", "marginal_slots_us")) for r in prof_loops]
+    for i, (kind, shape) in enumerate(kinds):
+        alone = f" {folds['early'][shape]['us']:.2f} |" if shape else " |"
+        print(f"| {kind} | " + " | ".join(f"{own[i]:.2f} | {mg[i]:.2f}" for own, mg in cols) + f" |{alone}")
+    for name in ("_decode_kernel", "_merge_kernel", "_qk_norm_rope_kernel"):
+        print(f"| {name} | " + " | ".join(f"{by_kind(r['profile'], name, 'slots_us')[0]:.2f} | "
+                                          f"{by_kind(r['profile'], name, 'marginal_slots_us')[0]:.2f}"
+                                          for r in prof_loops) + " | |")
+    s29b = [r for r in load("lease_s29/s29b/slots_pdl_off.json")["loops"] if "profile" in r][0]
+    off_loop = by_kind(s29b["profile"], "_skinny_sum_kernel", "slots_us")
+    ceil = {f: load(f"{base}/s31b/folds_{f}.json")["ceilings"]["hbm_copy_gbps"] for f in ("early", "off")}
+    print(f"\nThe folded one-row products alone (s31b, call 1, `bench_linear.py --folds --shipped-only --pdl "
+          f"early|off`: the tile serving takes, in a CUDA graph over weight copies larger than L2; HBM copy "
+          f"{ceil['early']:,.0f} / {ceil['off']:,.0f} GB/s in the two runs). With PDL off each launch waits for the "
+          f"whole of the one before, so the graph times each kernel's own span. Against the same kernel in the "
+          f"batch-1 8k loop: its own span with PDL off (s29b: session 29, another H200, before the fold entries, so "
+          f"the folded kernels ran the plain products' tiles) and its marginal time with PDL as shipped (s31c), us a "
+          f"launch (of the copy rate):\n")
+    print("| projection | fold | tile | alone, PDL early | alone, PDL off | loop, PDL off (s29b) | loop, marginal "
+          "(s31c) |\n|---|---|---|---|---|---|---|")
+    mg8 = cols[0][1]
+    for i, (_, shape) in enumerate(kinds[:4]):
+        e, o = folds["early"][shape], folds["off"][shape]
+        c = e["config"]
+        print(f"| {shape} | {e['fold']} | {c['block_n']}x{c['block_k']}, {c['num_warps']}w {c['num_stages']}s"
+              f"{', prefetch' if c['prefetch'] else ''} | {e['us']:.2f} ({e['of_copy']:.0%}) | {o['us']:.2f} "
+              f"({o['of_copy']:.0%}) | {off_loop[i]:.2f} | {mg8[i]:.2f} |")
+    plain = load(f"{base}/s31b/plain_off.json")
+    s29a = load("lease_s29/s29a/linear.json")
+
+    def cell(d: dict, shape: str, impl: str, cfg: tuple | None) -> str:
+        def key(c):
+            return (c["block_n"], c["block_k"], c["num_warps"], c["num_stages"], c["kind"])
+        r = next((r for r in d["results"] if r["shape"] == shape and r["rows"] == 1 and "us" in r
+                  and r["impl"].startswith(impl) and (cfg is None or key(r["config"]) == cfg)), None)
+        return f"{r['us']:.2f}" if r else "-"
+    tiles = [("cublas", "cuBLAS", None), ("cublas_mv", "torch.mv", None),
+             ("skinny", "sum 8x1024, 4w 3s", (8, 1024, 4, 3, "sum")),
+             ("skinny", "dot 16x256, 4w 4s", (16, 256, 4, 4, "dot"))]
+    print(f"\nThe plain one-row products alone with PDL off (s31b, `bench_linear.py --rows 1 --pdl off`: cuBLAS, "
+          f"torch.mv and the skinny kernel's two default tiles; HBM copy {plain['ceilings']['hbm_copy_gbps']:,.0f} "
+          f"GB/s), against session 29's s29a (`bench_linear.py --rows 1 --sweep`, PDL as shipped, another H200), us, "
+          f"PDL off (s31b) / early (s29a):\n")
+    print("| projection | " + " | ".join(t[1] for t in tiles) + " |\n|---|" + "---|" * len(tiles))
+    for shape in dict.fromkeys(r["shape"] for r in plain["results"]):
+        print(f"| {shape} | " + " | ".join(f"{cell(plain, shape, i, c)} / {cell(s29a, shape, i, c)}"
+                                          for i, _, c in tiles) + " |")
+    print("\nThe decode kernel merging its own splits (s31d, call 2; decode.SELF_MERGE, off as shipped: the last of a "
+          "row's and KV head's splits to finish merges them, no merge kernel): its GPU tests with it on (`"
+          + _gpu_tests(f"{base}/s31d/gpu_tests.txt") + "`), then the batch-1 loops, one process an arm, in order, at "
+          "temperature 1, ms a step (of the floor):\n")
+    arms = [("off", 1), ("on", 2), ("off", 3), ("on", 4)]
+    _loop_arms(f"{base}/s31d", arms)
+    data = [{r["case"]: r["step_ms"] for r in load(f"{base}/s31d/loop_{i}_{a}.json")["loops"] if r["async"]}
+            for a, i in arms]
+
+    def mean_of(arm: str, case: str) -> float:
+        xs = [d[case] for d, (a, _) in zip(data, arms) if a == arm]
+        return sum(xs) / len(xs)
+    print("\n- on - off, the mean of each arm's two: " + ", ".join(
+        f"{case} {mean_of('on', case) - mean_of('off', case):+.3f} ms" for case in data[0]))
+    loops = {w: next(r for r in load(f"{base}/s31a/loop_{w}.json")["loops"] if r["async"])
+             for w in ("before", "after")}
+    print(f"\nThe batch-1 step in serving against the engine loop on the same GPU (s31a, call 3): the async loop at 8k "
+          f"(`bench_steps.py --loop 1x8192 --loop-steps 200 --max-model-len 40960`, temperature 1), then `pdserve "
+          f"serve` of dummy Qwen3-8B as the side by side starts it (kernels it compiled while serving: "
+          f"{_compiles(f'{base}/s31a/server.log.gz')}), driven by `pdserve bench serve` one request at a time "
+          f"(--max-concurrency 1, --ignore-eos, a warm-up request, seed 0), then the loop again. The 256-token run "
+          f"follows the 16-token run of the same length and seed, so its prompts are prefix-cache hits (its TTFT is "
+          f"not a prefill):\n")
+    for w, r in loops.items():
+        print(f"- loop {w}: {r['case']} {r['step_ms']:.2f} ms a step (floor {r['floor_ms']:.2f} ms, "
+              f"{r['fraction_of_floor']:.0%}) at {r['mean_context']:.0f} tokens of context, {r['steps']} steps")
+    step = sum(r["step_ms"] for r in loops.values()) / len(loops)
+    print("\n| run | ok | out tok/s | mean / median / p90 TTFT ms | mean / p90 TPOT ms | median ITL ms | mean E2EL "
+          "ms | mean TPOT - loop's step ms |\n|---|---|---|---|---|---|---|---|")
+    for run in ("8192x16x16", "8192x256x4"):
+        d = load(f"{base}/s31a/serve_{run}.json")
+        i, o, n = run.split("x")
+        print(f"| {i} in / {o} out x{n} | {d['completed']}/{d['completed'] + d['failed']} | "
+              f"{d['output_throughput']:.1f} | {d['mean_ttft_ms']:.1f} / {d['median_ttft_ms']:.1f} / "
+              f"{d['p90_ttft_ms']:.1f} | "
+              f"{d['mean_tpot_ms']:.2f} / {d['p90_tpot_ms']:.2f} | {d['median_itl_ms']:.2f} | "
+              f"{d['mean_e2el_ms']:.1f} | {d['mean_tpot_ms'] - step:+.2f} |")
+
+
 def session30() -> None:
     """Session 30 (four H200 machines, one after the other): the folded one-row products' tiles with a weight-tile
     prefetch; the decode kernel at one row (tiles, splits, block-table prefetch); the decode kernel's first tile read
@@ -2243,6 +2379,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session31()
+    print()
     session30()
     print()
     session29()
