@@ -155,6 +155,10 @@
 #              and 32k
 #   s31d       (written in session 30, not yet run) the decode kernel merging its own splits (decode.SELF_MERGE): its GPU
 #              tests with it on, then the batch-1 loops at 8k and 32k, in order off, on, off, on
+#   s31e       (written in session 31) the decode kernel taking the layer's QK-norm, rotary and K/V write
+#              (decode.ROPE_IN_DECODE, off as written): its kernel GPU tests, the engine's GPU tests with it on (against
+#              transformers, graphs' PDL changes no bit, a burst after the warm-up compiles nothing, async); then the
+#              loops at 1x8k, 1x32k and 64x2k, one process an arm, in order off, on, on0 (no register limit), off, on, on0
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1174,6 +1178,22 @@ d.SELF_MERGE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cachepro
     save
     arm_flags() { case $1 in off) echo "--no-decode-self-merge" ;; on) echo "--decode-self-merge" ;; esac; }
     b1_arms 560 70 40960 1x8192,1x32768 off on off on ;;
+  s31e)  # the decode kernel with the layer's QK-norm, rotary and K/V write in it (decode.ROPE_IN_DECODE): GPU tests,
+    # then loops (off, on, on without ROPE_MAXNREG, twice)
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      -k "rope" 2>&1 | tee "$W/gpu_tests_kernel.txt" | grep -v "^\.*$" | cut -c1-600 | tail -6
+    timeout 200 python3 -c "import sys, pytest; from pdserve.ops.attention import decode as d
+d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-rfE', '--tb=short',
+'tests/engine/test_vs_transformers.py', 'tests/engine/test_cuda_graphs.py::test_pdl_changes_no_bit',
+'tests/engine/test_warmup.py::test_a_burst_after_the_warm_up_compiles_nothing', 'tests/engine/test_async_gpu.py']))" \
+      2>&1 | tee "$W/gpu_tests_engine.txt" | grep -v "^\.*$" | cut -c1-600 | tail -8
+    save
+    arm_flags() {
+      case $1 in off) echo "--no-decode-rope" ;; on) echo "--decode-rope" ;;
+        on0) echo "--decode-rope --decode-rope-maxnreg 0" ;; esac
+    }
+    b1_arms 560 75 40960 1x8192,1x32768,64x2048 off on on0 off on on0 ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \

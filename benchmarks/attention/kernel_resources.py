@@ -28,6 +28,7 @@ from pdserve.ops.attention.decode import (
     EARLY_V,
     MANY_PROGRAMS_PREFETCH,
     MANY_PROGRAMS_TILE,
+    ROPE_MAXNREG,
     _decode_kernel,
     decode_tile,
     early_tile,
@@ -43,12 +44,14 @@ FP8 = ("fp8e4nv", "fp8e5")
 TORCH_DT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, aligned: list[str]) -> dict:
+def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, aligned: list[str],
+             maxnreg: int | None = None) -> dict:
     sig = {n: ("constexpr" if n in constexprs else types[n]) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
-                       options={"num_warps": num_warps, "num_stages": num_stages,
-                                "launch_pdl": bool(constexprs.get("PDL"))})
+    options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": bool(constexprs.get("PDL"))}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET, options=options)
     ptx = k.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -86,14 +89,17 @@ def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, 
 
 
 def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16, many: bool = False,
-           few: bool = False, self_merge: bool = False) -> dict:
+           few: bool = False, self_merge: bool = False, rope: bool = False) -> dict:
     """many: the many-program tile (a batch-256 step) with its block table read a tile ahead; few: the tile below 8
     rows (a batch-1 step) with its first tile read before the PDL wait (decode.EARLY_TILE, off as shipped: what an
-    A/B turns on); self_merge: its splits merged in the kernel (decode.SELF_MERGE)."""
+    A/B turns on); self_merge: its splits merged in the kernel (decode.SELF_MERGE); rope: the layer's QK-norm, rotary
+    and K/V write in the kernel (decode.ROPE_IN_DECODE: decode-only, so never mixed, and no early tile)."""
     types = dict(Q=f"*{dt}", KV=f"*{kv}", BT="*i32", SL="*i32", QSL="*i32", KS="*fp32", VS="*fp32", Out=f"*{dt}",
                  PartO="*fp32", PartM="*fp32", PartL="*fp32", Count="*i32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
                  s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_btb="i32", s_pb="i32", s_ph="i32",
-                 s_ps="i32", sm_scale="fp32", softcap="fp32", window="i32")
+                 s_ps="i32", sm_scale="fp32", softcap="fp32", window="i32", POS="*i64", COS="*fp32", SIN="*fp32",
+                 QW=f"*{dt}", KW=f"*{dt}", KNEW=f"*{dt}", VNEW=f"*{dt}", SLOTS="*i64", s_cos="i32", s_knt="i32",
+                 s_knh="i32", s_vnt="i32", s_vnh="i32", eps="fp32", offset="fp32")
     qdt = getattr(torch, TORCH_DT[dt])
     block_n, warps, stages = decode_tile(d, qdt, kv in FP8, 1 if few else 8)  # default: the many-row tile (larger)
     if many:
@@ -102,11 +108,14 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
               DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH,
-              EARLY_TILE=(few and not self_merge) or early_tile(block_n, many), EARLY_V=EARLY_V, SELF_MERGE=self_merge,
-              MERGE_G=triton.next_power_of_2(g), MERGE_S=64, MERGE_CHUNK=merge_chunk(g, triton.next_power_of_2(d)))
+              EARLY_TILE=not rope and ((few and not self_merge) or early_tile(block_n, many)), EARLY_V=EARLY_V,
+              SELF_MERGE=self_merge, MERGE_G=triton.next_power_of_2(g), MERGE_S=64,
+              MERGE_CHUNK=merge_chunk(g, triton.next_power_of_2(d)), ROPE=rope, HAS_QNORM=rope)
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
-               "s_kvh", "s_pb", "s_ph", "s_ps"]
-    return _compile(_decode_kernel, types, ce, warps, stages, aligned)
+               "s_kvh", "s_pb", "s_ph", "s_ps"] + (["COS", "SIN", "QW", "KW", "KNEW", "VNEW", "s_cos", "s_knt", "s_knh",
+                                                   "s_vnt", "s_vnh"] if rope else [])
+    maxnreg = ROPE_MAXNREG if rope and block_n <= 64 else None  # as paged_decode holds a rotary launch's tile
+    return _compile(_decode_kernel, types, ce, warps, stages, aligned, maxnreg)
 
 
 def kv_write(dt: str, kv: str, hk: int, d: int) -> dict:
@@ -151,6 +160,14 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                     cases.append((f"decode {dt}/{kv} d={d} g={g} single=False mixed=False few rows self-merge", desc,
                                   lambda dt=dt, kv=kv, d=d, g=g: decode(dt, kv, d, g, False, False, few=True,
                                                                          self_merge=True)))
+                if dt != "fp32" and kv == dt and d <= 128:  # decode.ROPE_IN_DECODE (QK-norm, d <= 128): one row
+                    for single, few in ((False, True), (True, False)):  # (several splits, held to ROPE_MAXNREG), 8+ rows
+                        desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=single, mixed=False, few=few,
+                                    rope=True)
+                        cases.append((f"decode {dt}/{kv} d={d} g={g} single={single} mixed=False"
+                                      f"{' few rows' if few else ''} rope", desc,
+                                      lambda dt=dt, kv=kv, d=d, g=g, s=single, f=few: decode(
+                                          dt, kv, d, g, s, False, few=f, rope=True)))
                 if kv == dt and dt != "fp32" and MANY_PROGRAMS_TILE is not None:  # what paged_decode picks at 256 rows
                     for mixed in (False, True):
                         desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=True, mixed=mixed, many=True)

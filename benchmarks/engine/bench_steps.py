@@ -498,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-self-merge", action=argparse.BooleanOptionalAction, default=None,
                     help="the decode kernel merges its splits itself (decode.SELF_MERGE; default: as shipped, off): "
                          "an A/B")
+    ap.add_argument("--decode-rope", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode-only steps leave the QK-norm, rotary and K/V write to the decode kernel (decode."
+                         "ROPE_IN_DECODE; default: as shipped): an A/B")
+    ap.add_argument("--decode-rope-maxnreg", type=int, default=None,
+                    help="the registers a thread of the one-row decode tile may hold with the rotary in it (decode."
+                         "ROPE_MAXNREG; 0: no limit)")
     ap.add_argument("--few-rows-tile", default=None,
                     help="the decode kernel's tile below 8 rows on a 16-bit pool (decode.DECODE_TILES[(False, "
                          "False)]): 'keys,warps,stages' (an A/B)")
@@ -524,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
     for arg, name in (("decode_early_tile", "EARLY_TILE"), ("decode_early_v", "EARLY_V"),
-                      ("decode_early_maxnreg", "EARLY_V_MAXNREG"), ("decode_self_merge", "SELF_MERGE")):
+                      ("decode_early_maxnreg", "EARLY_V_MAXNREG"), ("decode_self_merge", "SELF_MERGE"),
+                      ("decode_rope", "ROPE_IN_DECODE"), ("decode_rope_maxnreg", "ROPE_MAXNREG")):
         if getattr(args, arg) is not None:  # an A/B of a decode.py switch; None: as shipped
             setattr(decode_mod, name, getattr(args, arg))
     if args.few_rows_tile:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.ops.attention import AttentionMetadata
-from pdserve.ops.attention.common import KVTarget
+from pdserve.ops.attention.common import KVTarget, QKRope
 
 
 @dataclass
@@ -60,12 +60,27 @@ def kv_target(layer) -> KVTarget | None:
     return KVTarget(layer_view(ctx.kv_cache, layer.layer_idx), ctx.meta.slot_mapping, layer.k_scale, layer.v_scale)
 
 
-def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVTarget | None = None) -> torch.Tensor:
+def rope_in_attention(q: torch.Tensor, kv: KVTarget | None, rope: QKRope) -> bool:
+    """Whether this step's attention backend applies the layer's QK-norm and rotary and writes the K/V itself
+    (attend(rope=...)): a backend that says so for the step (`folds_rope`: the Triton backend's decode-only steps),
+    where the K/V may be written before the backend's own write (`kv`, kv_target's answer)."""
+    if kv is None:
+        return False
+    ctx = get_forward_context()
+    folds = getattr(ctx.backend, "folds_rope", None)
+    return folds is not None and folds(q, kv.kv_layer, ctx.meta, rope)
+
+
+def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVTarget | None = None,
+           rope: QKRope | None = None) -> torch.Tensor:
     """Paged attention of one layer (`layer_idx`, `scale`, `sliding_window`, `softcap`, `k_scale`, `v_scale`):
     the backend writes k/v into the layer's slice of the pool (unless `kv`, kv_target's answer: a kernel before it
-    wrote them there; its pool view is reused) and attends; then the layer hook runs."""
+    wrote them there; its pool view is reused) and attends; then the layer hook runs. With `rope` (where
+    rope_in_attention said yes), q/k/v are not yet normed and rotated and the backend does that and the write."""
     ctx = get_forward_context()
     extra = {"kv_written": True} if kv is not None else {}
+    if rope is not None:
+        extra["rope"] = rope
     kv_layer = kv.kv_layer if kv is not None else layer_view(ctx.kv_cache, layer.layer_idx)
     o = ctx.backend.forward(q, k, v, kv_layer, ctx.meta, layer.scale, layer.sliding_window, layer.softcap,
                             k_scale=layer.k_scale, v_scale=layer.v_scale, **extra)

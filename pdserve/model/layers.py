@@ -15,10 +15,11 @@ import math
 import torch
 from torch import nn
 
-from pdserve.model.forward_context import attend, kv_target
+from pdserve.model.forward_context import attend, kv_target, rope_in_attention
 from pdserve.model.merged import MergedLinearOwner, merge_linears, merged_parts
 from pdserve.model.parallel import RowParallelLinear, column_linear
 from pdserve.ops.activation import ACTIVATIONS, act_and_mul
+from pdserve.ops.attention.common import QKRope
 from pdserve.ops.linear import SKINNY_MAX_ROWS, linear
 from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm, rms_norm
 from pdserve.ops.norm_fold import NormedRow
@@ -220,11 +221,16 @@ class PagedAttention(MergedLinearOwner):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         kv = kv_target(self)  # the rotary kernel writes the new K/V into the pool where the backend allows it
         if self.q_norm is not None:
-            q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, self.q_norm.weight,
-                                self.k_norm.weight, self.q_norm.eps, self.q_norm.offset, v=v, kv=kv)
+            rope = QKRope(positions, self.rope.cos, self.rope.sin, self.q_norm.weight, self.k_norm.weight,
+                          self.q_norm.eps, self.q_norm.offset)
         else:
-            q, k = qk_norm_rope(q, k, positions, self.rope.cos, self.rope.sin, v=v, kv=kv)
-        o = attend(self, q, k, v, kv=kv).reshape(t, self.q_size)
+            rope = QKRope(positions, self.rope.cos, self.rope.sin)
+        if rope_in_attention(q, kv, rope):  # the decode kernel norms, rotates and writes them (decode.ROPE_IN_DECODE)
+            o = attend(self, q, k, v, kv=kv, rope=rope).reshape(t, self.q_size)
+        else:
+            q, k = qk_norm_rope(q, k, positions, rope.cos, rope.sin, rope.q_weight, rope.k_weight, rope.eps,
+                                rope.offset, v=v, kv=kv)
+            o = attend(self, q, k, v, kv=kv).reshape(t, self.q_size)
         if norm_after is not None:
             folded = self.o_proj.forward_norm(o, norm_after[0], norm_after[1])
             if folded is not None:

@@ -153,6 +153,41 @@ def test_kv_written_by_the_rotary_kernel_equals_the_backends_write(arch, tiny_mo
     assert torch.equal(core.runner.kv_cache, ref_core.runner.kv_cache)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "llama"])
+def test_rope_in_the_decode_kernel_gives_the_rotary_kernels_tokens(arch, tiny_model_dirs, monkeypatch):
+    """decode.ROPE_IN_DECODE in the interpreter: decode-only steps of models with a QK-norm (Qwen3; Gemma 3's 1 +
+    weight and sliding window) leave the norm, rotary and K/V write to the decode kernel, so the rotary kernel runs
+    only in the other steps; the tokens, logits and pool are those of the rotary kernel's path. Llama (no QK-norm)
+    keeps the rotary kernel (decode.rope_in_decode)."""
+    from pdserve.ops import rotary
+    from pdserve.ops.attention import decode
+
+    calls = []
+    real = rotary.qk_norm_rope_triton
+    monkeypatch.setattr(rotary, "qk_norm_rope_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    folds = []
+    real_decode = decode.paged_decode
+    monkeypatch.setattr("pdserve.ops.attention.triton_backend.paged_decode",
+                        lambda *a, **kw: folds.append(kw.get("rope") is not None) or real_decode(*a, **kw))
+    with force_fused():
+        ref_core = _core(tiny_model_dirs[arch], attention_backend="triton")
+        ref_out, ref_logits = _run(ref_core, max_tokens=5)
+        ref_calls, calls[:] = len(calls), []
+        assert not any(folds)
+        folds.clear()
+        monkeypatch.setattr(decode, "ROPE_IN_DECODE", True)
+        core = _core(tiny_model_dirs[arch], attention_backend="triton")
+        out, logits = _run(core, max_tokens=5)
+    assert out == ref_out
+    _assert_same_logits(logits, ref_logits, atol=1e-5)
+    torch.testing.assert_close(core.runner.kv_cache, ref_core.runner.kv_cache, atol=1e-5, rtol=1e-5)
+    layers = core.runner.model.config.num_hidden_layers
+    if arch == "llama":
+        assert len(calls) == ref_calls and not any(folds)
+    else:  # every decode-only step's layers: 4 steps of 3 rows after the prompts at least
+        assert sum(folds) >= 4 * layers and len(calls) == ref_calls - sum(folds), (sum(folds), len(calls), ref_calls)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_graph_data_flow_matches_eager(arch, tiny_model_dirs):
     ref_out, ref_logits = _run(_core(tiny_model_dirs[arch], enforce_eager=True), max_tokens=6)

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from pdserve.ops.attention import decode as D
-from pdserve.ops.attention.common import is_fp8
+from pdserve.ops.attention.common import KVTarget, QKRope, is_fp8
 from pdserve.ops.attention.decode import paged_decode
 from pdserve.ops.attention.torch_ref import TorchAttentionBackend
-from tests.ops.attention_helpers import assert_close, gpu, make_problem, poisoned, row_kinds
+from pdserve.ops.rotary import qk_norm_rope_triton
+from tests.ops.attention_helpers import TOL, assert_close, gpu, make_problem, poisoned, row_kinds
 from tests.ops.kernel_cases import GridSpy
 
 
@@ -266,3 +267,124 @@ def test_decode_softcap_and_mixed_cuda():
     dec, pre = row_kinds(p.meta)
     assert torch.isnan(out[pre]).all()
     assert_close(out[dec], _reference(p, 0.0625, 1024, 50.0)[dec], torch.bfloat16, "mixed softcap")
+
+
+def _rope_inputs(p, d: int, norm: bool, offset: float, seed: int):
+    """The rotary tables (float32, as RotaryEmbedding's), the rows' positions and the norm weights of a problem."""
+    g = torch.Generator().manual_seed(seed)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = torch.outer(torch.arange(max(p.meta.seq_lens) + 8, dtype=torch.float64), inv)
+    dev = p.q.device
+    positions = (p.meta.seq_lens_t.long() - 1).clamp_min(0)
+    qw = kw = None
+    if norm:
+        qw, kw = (torch.randn(d, generator=g).to(dev, p.q.dtype) for _ in range(2))
+    return QKRope(positions, freqs.cos().float().to(dev), freqs.sin().float().to(dev), qw, kw, 1e-6, offset)
+
+
+def _rope_then_decode(p, rope, scale, window=None, softcap=None, splits=None):
+    """The path without the fold: the rotary kernel (norm, rotary, K/V into the pool), then the decode kernel."""
+    layer = p.fresh_layer()
+    q, k = qk_norm_rope_triton(p.q.clone(), p.k.clone(), rope.positions, rope.cos, rope.sin, rope.q_weight,
+                               rope.k_weight, rope.eps, rope.offset, v=p.v, kv=KVTarget(layer, p.meta.slot_mapping))
+    m = p.meta
+    out = paged_decode(q, layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap,
+                       out=poisoned(p.q), num_splits=splits)
+    return out, layer
+
+
+def _decode_with_rope(p, rope, scale, window=None, softcap=None, splits=None, tile=None):
+    layer = p.fresh_layer()
+    q, k, v = p.q.clone(), p.k.clone(), p.v.clone()
+    m = p.meta
+    out = paged_decode(q, layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap,
+                       out=poisoned(p.q), num_splits=splits, tile=tile, rope=rope, k=k, v=v,
+                       slot_mapping=m.slot_mapping)
+    assert torch.equal(q, p.q) and torch.equal(k, p.k) and torch.equal(v, p.v), "q/k/v are read, not written"
+    return out, layer
+
+
+ROPE_CASES = [
+    # hq, hk, d, bs, dtype, window, softcap, splits, norm, offset
+    (8, 2, 64, 16, torch.float16, None, None, 3, True, 0.0),  # the newest key in a split's first tile
+    (8, 2, 64, 16, torch.float16, None, None, 1, True, 1.0),  # ... and in a later one; Gemma's 1 + weight
+    (4, 4, 32, 16, torch.float32, None, None, None, False, 0.0),  # no norm (Llama: the kernel can; not chosen)
+    (8, 1, 128, 32, torch.float16, 37, None, 2, True, 0.0),
+    (8, 2, 64, 16, torch.float16, None, 4.0, 2, True, 0.0),
+]
+
+
+@pytest.mark.parametrize("hq,hk,d,bs,dtype,window,softcap,splits,norm,offset", ROPE_CASES)
+def test_rope_in_the_decode_kernel_matches_the_rotary_kernel_then_decode(hq, hk, d, bs, dtype, window, softcap,
+                                                                         splits, norm, offset):
+    """ROPE_IN_DECODE's kernel path: from the q/k/v product's output (q, k, v as views of one tensor), the output and
+    the pool (the new K/V at every row's slot, nothing else) as the rotary kernel's write then the decode kernel's.
+    Rows of 1, 17, 130, 64 and 65 keys put the newest key in a split's first tile, in a later tile, at a tile's edge
+    and alone in its split (1-key rows over several splits leave splits with no keys)."""
+    p = make_problem([1, 17, 130, 64, 65], [1] * 5, hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, seed=hq + d + bs + 5)
+    rope = _rope_inputs(p, d, norm, offset, seed=d)
+    scale = d ** -0.5
+    ref, ref_layer = _rope_then_decode(p, rope, scale, window, softcap, splits)
+    out, layer = _decode_with_rope(p, rope, scale, window, softcap, splits)
+    assert_close(out, ref, dtype, "decode with the rotary in the kernel")
+    slots = torch.as_tensor(p.slots)
+    for pool in (layer, ref_layer):
+        changed = (pool != p.kv_layer).any(-1).any(-1).any(1)  # [blocks, bs]: a slot whose K or V changed
+        assert sorted(changed.nonzero()[:, 0] * bs + changed.nonzero()[:, 1]) == sorted(slots.tolist())
+    torch.testing.assert_close(layer, ref_layer, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+
+
+def test_rope_in_the_decode_kernel_with_padded_rows_and_many_rows():
+    """Padded rows (length 0, slot -1) write nothing and give zeros; a step of many rows (one split)."""
+    p = make_problem([40, 3], [1, 1], hq=4, hk=2, d=32, bs=16, pad={"num_tokens": 4, "num_seqs": 4})
+    rope = _rope_inputs(p, 32, True, 0.0, seed=1)
+    out, layer = _decode_with_rope(p, rope, 0.2, splits=2)
+    ref, ref_layer = _rope_then_decode(p, rope, 0.2, splits=2)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert_close(out[:2], ref[:2], torch.float32, "padded batch with the rotary in the kernel")
+    torch.testing.assert_close(layer, ref_layer, atol=1e-5, rtol=1e-5)
+    lens = [1 + (i * 37) % 300 for i in range(40)]
+    p = make_problem(lens, [1] * 40, hq=8, hk=2, d=64, bs=16, dtype=torch.float16, seed=9)
+    rope = _rope_inputs(p, 64, True, 0.0, seed=2)
+    out, layer = _decode_with_rope(p, rope, 0.125, splits=1)
+    ref, ref_layer = _rope_then_decode(p, rope, 0.125, splits=1)
+    assert_close(out, ref, torch.float16, "many rows, the rotary in the kernel")
+    torch.testing.assert_close(layer, ref_layer, atol=1e-2, rtol=1e-2)
+
+
+def test_rope_in_decode_only_where_it_can(monkeypatch):
+    p = make_problem([33, 70], [1, 20], hq=4, hk=2, d=32, bs=16, dtype=torch.float16, seed=3)
+    rope = _rope_inputs(p, 32, True, 0.0, seed=3)
+    m = p.meta
+    with pytest.raises(ValueError, match="decode-only"):  # a mixed launch: its prefill rows need the rotary kernel
+        paged_decode(p.q, p.kv_layer, m.block_tables, m.seq_lens_t, m.max_seq_len, 0.2, rope=rope, k=p.k, v=p.v,
+                     slot_mapping=m.slot_mapping, query_start_loc=m.query_start_loc_t)
+    monkeypatch.setattr(D, "ROPE_IN_DECODE", True)
+    fp8_pool = torch.zeros((4, 2, 16, 2, 32), dtype=torch.float8_e4m3fn)
+    assert D.rope_in_decode(p.q, p.kv_layer, rope)
+    assert not D.rope_in_decode(p.q, fp8_pool, rope)
+    assert not D.rope_in_decode(p.q, p.kv_layer, QKRope(rope.positions, rope.cos, rope.sin))  # no QK-norm (Llama)
+    wide = torch.zeros((1, 2, 256))
+    assert not D.rope_in_decode(wide, torch.zeros((4, 2, 16, 2, 256)), rope)  # head dim 256 (Gemma 3)
+    assert not D.rope_in_decode(p.q[..., :24], p.kv_layer[..., :24], rope)  # 24: not a power of two
+    monkeypatch.setattr(D, "num_sms", lambda device: 8)  # as on CPU, also for the fp16 case's device check
+    assert not D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8)  # a batch-256-like launch
+    assert D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8 - 1)
+    monkeypatch.setattr(D, "ROPE_IN_DECODE", False)  # as shipped
+    assert not D.rope_in_decode(p.q, p.kv_layer, rope)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [[8192], [1, 17, 1000, 4097, 300], [32768, 20000], [777] * 64])
+def test_rope_in_the_decode_kernel_cuda(dtype, lens):
+    """Qwen3-8B's attention shape (32 query heads, 8 KV heads, d=128): the decode kernel's rotary and K/V write
+    (held to ROPE_MAXNREG registers at the one-row tile) against the rotary kernel then the decode kernel, at one row
+    of 8k (64 splits), ragged rows, long rows and 64 rows (the 128-key tile)."""
+    p = make_problem(lens, [1] * len(lens), hq=32, hk=8, d=128, bs=16, dtype=dtype, seed=len(lens) + 7)
+    rope = _rope_inputs(p, 128, True, 0.0, seed=11)
+    ref, ref_layer = _rope_then_decode(p, rope, 128 ** -0.5)
+    out, layer = _decode_with_rope(p, rope, 128 ** -0.5)
+    assert_close(out, ref, dtype, "decode with the rotary in the kernel")
+    torch.testing.assert_close(layer, ref_layer, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    assert (layer != ref_layer).sum() <= (layer != p.kv_layer).sum() // 100, "nearly every new key bit for bit"

@@ -1,5 +1,6 @@
 """Small facts shared by the attention modules: which pool dtypes are fp8 and how far they reach; where a step's new
-K/V go (KVTarget) when a kernel before attention writes them."""
+K/V go (KVTarget) when a kernel before attention writes them; the QK-norm and rotary a decode launch may apply
+itself (QKRope)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,21 @@ class KVTarget:
     slot_mapping: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class QKRope:
+    """The per-head RMS norm (weights None: none, Llama) and neox rotary that a layer applies to q and k before
+    attention (pdserve.ops.rotary.qk_norm_rope's arguments): the step's positions `[T]`, the float32 cos/sin caches
+    `[max_positions, head_dim / 2]`, the norm's weights, eps and offset (1: Gemma's 1 + weight)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+    offset: float = 0.0
 
 
 def check_kv_args(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

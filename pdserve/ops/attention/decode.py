@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops.attention.common import is_fp8
+from pdserve.ops.attention.common import QKRope, is_fp8
 from pdserve.ops.attention.tl_math import tanh
 from pdserve.ops.pdl import pdl_args, pdl_enter, pdl_launch_early, pdl_on, pdl_wait
 
@@ -29,7 +29,7 @@ VARYING_MERGE = ["num_splits"]
 # Step metadata (block tables, lengths, query offsets, the fp8 scales or their stand-ins): read an int at a time, so
 # a 16-byte-aligned address buys nothing, and a specialization on it is one more compile whenever a caller's
 # regions land otherwise (pdserve.engine.step_inputs aligns its regions; other callers need not).
-METADATA_PTRS = ["BT", "SL", "QSL", "KS", "VS", "Count"]
+METADATA_PTRS = ["BT", "SL", "QSL", "KS", "VS", "Count", "POS", "SLOTS"]
 # The merge reads up to MERGE_SPLITS partials per (row, head) in one tile whatever the step's split count (a
 # BLOCK_S that followed the split count made each power of two another compile: 2..64, times mixed or not; the
 # masked lanes load nothing).
@@ -52,10 +52,27 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: 
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_one(qk, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """One key into the online softmax, as _attend_tile would take it: its dot with each query (qk [BLOCK_G]) and its
+    value (v [D] in the queries' dtype); none where not `valid`."""
+    s = qk * qk_scale
+    if HAS_SOFTCAP:
+        s = softcap * tanh(s / softcap)
+    s = tl.where(valid, s * 1.4426950408889634, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    l_i = l_i * alpha + p
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=VARYING_DECODE, do_not_specialize_on_alignment=METADATA_PTRS)
 def _decode_kernel(
-    Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL, Count,
-    s_qt, s_qh, s_ot, s_oh,
+    Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL, Count, POS, COS, SIN, QW, KW, KNEW, VNEW, SLOTS,
+    s_qt, s_qh, s_ot, s_oh, s_cos, s_knt, s_knh, s_vnt, s_vnh, eps, offset,
     s_kvb, s_kvkv, s_kvt, s_kvh,
     s_btb,
     s_pb, s_ph, s_ps,
@@ -65,7 +82,8 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
     EARLY_V: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, MERGE_G: tl.constexpr = 1,
-    MERGE_S: tl.constexpr = 64, MERGE_CHUNK: tl.constexpr = 16,
+    MERGE_S: tl.constexpr = 64, MERGE_CHUNK: tl.constexpr = 16, ROPE: tl.constexpr = False,
+    HAS_QNORM: tl.constexpr = False,
 ):
     pdl_launch_early(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
@@ -88,6 +106,9 @@ def _decode_kernel(
     tps = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + sp * tps
     end = tl.minimum(start + tps, seq_len)
+    if ROPE:  # the newest key is not in the pool yet: its split's tiles stop before it, and it is attended after them
+        has_new = (seq_len - 1 >= start) & (seq_len - 1 < end)
+        end = tl.minimum(end, seq_len - 1)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -109,6 +130,19 @@ def _decode_kernel(
     if PREFETCH_BT:  # the block table a tile ahead (MANY_PROGRAMS_PREFETCH says why)
         n_next = n + BLOCK_N
         pg = tl.load(BT + b * s_btb + n_next // BS, mask=(n_next < end) & one_new, other=0)
+    if ROPE:  # the rotary tables, norm weights and the row's position and slot: none written by this step's kernels
+        dh = d % (D // 2)
+        part = (d + D // 2) % D  # the other half's element: x * cos - x[part] * (sin, then -sin)
+        pos = tl.load(POS + row).to(tl.int64)
+        r_cos = tl.load(COS + pos * s_cos + dh, mask=dmask, other=0.0)
+        r_sin = tl.load(SIN + pos * s_cos + dh, mask=dmask, other=0.0)
+        r_sin = tl.where(d < D // 2, r_sin, -r_sin)
+        if HAS_QNORM:
+            wq = tl.load(QW + d, mask=dmask, other=0.0).to(tl.float32) + offset
+            wq_part = tl.load(QW + part, mask=dmask, other=0.0).to(tl.float32) + offset
+            wk = tl.load(KW + d, mask=dmask, other=0.0).to(tl.float32) + offset
+            wk_part = tl.load(KW + part, mask=dmask, other=0.0).to(tl.float32) + offset
+        slot = tl.load(SLOTS + row)
     pdl_wait(PDL)
     if not one_new:  # a prefill row of a mixed step: the prefill kernel's
         return
@@ -125,7 +159,30 @@ def _decode_kernel(
     else:
         k_first = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    q = tl.load(Q + row * s_qt + h[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if ROPE:  # q normed and rotated here; the split holding the newest key makes it and writes it (ROPE_IN_DECODE)
+        qm = gmask[:, None] & dmask[None, :]
+        pq = Q + row * s_qt + h[:, None] * s_qh
+        xq = tl.load(pq + d[None, :], mask=qm, other=0.0).to(tl.float32)
+        xq_part = tl.load(pq + part[None, :], mask=qm, other=0.0).to(tl.float32)
+        if HAS_QNORM:
+            rq = tl.rsqrt(tl.sum(xq * xq, 1) / D + eps)
+            xq = xq * rq[:, None] * wq[None, :]
+            xq_part = xq_part * rq[:, None] * wq_part[None, :]
+        q = (xq * r_cos[None, :] - xq_part * r_sin[None, :]).to(Q.dtype.element_ty)
+        km = dmask & has_new
+        pk = KNEW + row * s_knt + hk * s_knh
+        xk = tl.load(pk + d, mask=km, other=0.0).to(tl.float32)
+        xk_part = tl.load(pk + part, mask=km, other=0.0).to(tl.float32)
+        if HAS_QNORM:
+            rk = tl.rsqrt(tl.sum(xk * xk, 0) / D + eps)
+            xk = xk * rk * wk
+            xk_part = xk_part * rk * wk_part
+        k_new = (xk * r_cos - xk_part * r_sin).to(Q.dtype.element_ty).to(KV.dtype.element_ty)
+        v_new = tl.load(VNEW + row * s_vnt + hk * s_vnh + d, mask=km, other=0.0).to(KV.dtype.element_ty)
+        qk_new = tl.sum(q.to(tl.float32) * k_new.to(Q.dtype.element_ty).to(tl.float32)[None, :], 1)
+    else:
+        q = tl.load(Q + row * s_qt + h[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                    other=0.0)
     if DOT_F16:  # fp8 pool: e4m3 widens to fp16 in one instruction per pair (to bf16 it takes three)
         q = q.to(tl.float16)
     qk_scale = sm_scale
@@ -151,6 +208,12 @@ def _decode_kernel(
         k = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP, PRECISION)
+    if ROPE:  # the newest key, then the step's K/V into the pool (after every tile load of the split)
+        m_i, l_i, acc = _attend_one(qk_new, v_new.to(Q.dtype.element_ty), has_new, m_i, l_i, acc, qk_scale, softcap,
+                                    HAS_SOFTCAP)
+        dst = KV + (tl.maximum(slot, 0) // BS) * s_kvb + (tl.maximum(slot, 0) % BS) * s_kvt + hk * s_kvh + d
+        tl.store(dst, k_new, mask=km & (slot >= 0))
+        tl.store(dst + s_kvkv, v_new, mask=km & (slot >= 0))
     if SINGLE:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if HAS_VS:
@@ -352,6 +415,34 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return buf if n <= buf.numel() else None
 
 
+# ROPE_IN_DECODE: a decode-only launch applies the layer's QK-norm and rotary itself, from the q/k/v product's output,
+# and writes the step's new K/V, in place of the rotary kernel before it (one launch a layer less: in the batch-1
+# loops that kernel added 1.9 us a layer to the step, lease_s31/s31c).
+# - Each program norms and rotates its GQA group's queries after the PDL wait (the rotary tables, the norm weights,
+#   the row's position and slot before it), while its first K/V tile is in flight.
+# - The split whose keys end at the row's newest stops its tiles before that key (not yet in the pool), makes the key
+#   and takes it into its softmax after them (_attend_one), then stores it and the value at the row's slot.
+# - No other program of the step reads that slot: each row's newest key lies in one split, and a decode-only step has
+#   no prefill rows.
+# Where (rope_in_decode), from ptxas on sm_90 (bf16, GQA 4, benchmarks/attention/kernel_resources.py):
+# - models with a QK-norm (Qwen3) and head dims up to 128, on pools of the queries' dtype. The one-row tile (64, 4, 2)
+#   takes 145 registers with it (114 without: 4 programs an SM to 3), so its launches are held to ROPE_MAXNREG, where
+#   it spills nothing. Without a norm (Llama) the same kernel took 216 and spilled 306 bytes at 128; at head dim 256
+#   (Gemma 3) 255 and a spill unlimited. Those, fp8 pools and mixed steps keep the rotary kernel;
+# - not launches of MANY_PROGRAM_WAVES waves (a batch-256 step: 144 registers against 122, a spill at 128): the
+#   backend runs the rotary kernel before them.
+ROPE_IN_DECODE = False
+ROPE_MAXNREG = 128
+
+
+def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_programs: int = 0) -> bool:
+    """Whether a decode-only launch of `num_programs` programs (0: not yet known) over `kv_layer` takes the layer's
+    QK-norm and rotary (ROPE_IN_DECODE says where)."""
+    d = q.shape[-1]
+    return (ROPE_IN_DECODE and kv_layer.dtype == q.dtype and rope.q_weight is not None and 2 <= d <= 128
+            and d & (d - 1) == 0 and not many_programs(q.dtype, False, num_programs, q.device))
+
+
 def early_tile(block_n: int, many: bool) -> bool:
     """Whether a launch with `block_n`-key tiles (`many`: taking MANY_PROGRAMS_TILE) reads its first tile early."""
     return EARLY_TILE and block_n <= EARLY_TILE_KEYS and not many
@@ -425,7 +516,9 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  query_start_loc: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  num_splits: int | None = None, tile: tuple[int, int, int] | None = None,
-                 prefetch: bool | None = None, early: bool | None = None) -> torch.Tensor:
+                 prefetch: bool | None = None, early: bool | None = None, rope: QKRope | None = None,
+                 k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of rows with one new token.
 
     q [T, Hq, D]; kv_layer [num_blocks, 2, block_size, Hk, D] (any strides, D contiguous); block_tables [B, W] and
@@ -435,6 +528,11 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     (keys per step, warps, stages) overrides decode_tile's choice (benchmarks/attention/sweep_decode.py), `prefetch`
     the block table read a tile ahead (None: with MANY_PROGRAMS_TILE, as MANY_PROGRAMS_PREFETCH says), `early` each
     split's first tile of older keys read before the PDL wait (None: as early_tile says, where the launch takes PDL).
+
+    With `rope` (a decode-only launch: no `query_start_loc`), q, `k` and `v` [B, H, D] are the q/k/v product's
+    output: the kernel norms and rotates q and each row's new key itself and writes that key and `v` into the pool
+    at `slot_mapping` ([B] or longer; < 0: no write), as qk_norm_rope(kv=...) would before a launch without it
+    (ROPE_IN_DECODE says how).
     """
     b = seq_lens.shape[0]
     if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
@@ -447,6 +545,12 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     if b == 0:
         return out
     fp8 = is_fp8(kv_layer.dtype)
+    if rope is not None:
+        if query_start_loc is not None or kv_layer.dtype != q.dtype or d & (d - 1) or d < 2 or k is None or v is None \
+                or slot_mapping is None or slot_mapping.shape[0] < b or k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("the decode kernel's rotary needs a decode-only launch, a pool of q's dtype, a power-of-two "
+                             "head dim, k and v with a contiguous head dim and a slot for every row")
+        early = False
     has_ks, has_vs = fp8 and k_scale is not None, fp8 and v_scale is not None
     splits = num_splits or decode_splits(b, hk, max_seq_len, sliding_window, q.device)
     single = splits == 1
@@ -457,6 +561,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     if early is None:
         early = early_tile(block_n, many_programs(q.dtype, fp8, b * hk * splits, q.device)) and pdl_on(q)
     limits = {"maxnreg": EARLY_V_MAXNREG} if early and EARLY_V and EARLY_V_MAXNREG and q.is_cuda else {}
+    if rope is not None and block_n <= 64 and ROPE_MAXNREG and q.is_cuda:
+        limits = {"maxnreg": ROPE_MAXNREG}
     counters = merge_counters(q.device, b * hk) if self_merge(fp8) and not single else None
     if single:
         part_o = part_m = part_l = out
@@ -470,10 +576,20 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     qsl = query_start_loc if mixed else seq_lens
     ks = k_scale if has_ks else seq_lens
     vs = v_scale if has_vs else seq_lens
+    if rope is not None:
+        has_qnorm = rope.q_weight is not None
+        r_args = (rope.positions, rope.cos, rope.sin, rope.q_weight if has_qnorm else rope.cos,
+                  rope.k_weight if has_qnorm else rope.cos, k, v, slot_mapping)
+        r_strides = (rope.cos.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.eps,
+                     float(rope.offset))
+    else:  # never read
+        has_qnorm = False
+        r_args = (seq_lens,) + (q,) * 6 + (seq_lens,)  # as aligned as the real ones: no other specialization
+        r_strides = (0, 0, 0, 0, 0, 0.0, 0.0)
     _decode_kernel[(b, hk, splits)](
         q, kv_layer, block_tables, seq_lens, qsl, ks, vs, out, part_o, part_m, part_l,
-        counters if counters is not None else seq_lens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        counters if counters is not None else seq_lens, *r_args,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *r_strides,
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0),
         *s_p,
@@ -484,7 +600,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
         PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, SELF_MERGE=counters is not None,
         MERGE_G=triton.next_power_of_2(g), MERGE_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
-        MERGE_CHUNK=merge_chunk(g, block_d), num_warps=warps, num_stages=stages, **limits, **pdl_args(q),
+        MERGE_CHUNK=merge_chunk(g, block_d), ROPE=rope is not None, HAS_QNORM=has_qnorm, num_warps=warps,
+        num_stages=stages, **limits, **pdl_args(q),
     )
     if not single and counters is None:
         _merge_kernel[(b, hq)](

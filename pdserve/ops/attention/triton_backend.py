@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.ops.attention.decode import paged_decode
+from pdserve.ops.attention.common import KVTarget, QKRope
+from pdserve.ops.attention.decode import decode_splits, paged_decode, rope_in_decode
 from pdserve.ops.attention.kv_write import write_kv
 from pdserve.ops.attention.library_prefill import library_prefill, library_rows
 from pdserve.ops.attention.metadata import AttentionMetadata
 from pdserve.ops.attention.prefill import PrefillConfig, paged_prefill
+from pdserve.ops.rotary import qk_norm_rope
 
 
 class TritonAttentionBackend:
@@ -48,12 +50,33 @@ class TritonAttentionBackend:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         kv_written: bool = False,
+        rope: QKRope | None = None,
     ) -> torch.Tensor:
+        """With `rope` (only where folds_rope said yes), q/k/v are the q/k/v product's output: the decode kernel
+        applies the QK-norm and rotary and writes the K/V itself, or, for a launch it does not take them in
+        (decode.rope_in_decode), the rotary kernel does before it."""
         meta.ensure_device(q.device)
+        if rope is not None:
+            b = meta.seq_lens_t.shape[0]
+            hk = kv_layer.shape[3]
+            splits = decode_splits(b, hk, meta.max_seq_len, sliding_window, q.device)
+            if rope_in_decode(q, kv_layer, rope, b * hk * splits):
+                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                return paged_decode(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.max_seq_len, scale,
+                                    sliding_window=sliding_window, softcap=softcap, out=out, num_splits=splits,
+                                    rope=rope, k=k, v=v, slot_mapping=meta.slot_mapping)
+            q, k = qk_norm_rope(q, k, rope.positions, rope.cos, rope.sin, rope.q_weight, rope.k_weight, rope.eps,
+                                rope.offset, v=v, kv=KVTarget(kv_layer, meta.slot_mapping, k_scale, v_scale))
+            kv_written = True
         if not kv_written:
             write_kv(kv_layer, k, v, meta.slot_mapping, k_scale, v_scale)
         new = (k, v) if self.read_new_kv else (None, None)
         return self.attend(q, kv_layer, meta, scale, sliding_window, softcap, k_scale, v_scale, *new)
+
+    def folds_rope(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, rope: QKRope) -> bool:
+        """Whether forward() takes this step's QK-norm and rotary (`rope`): a decode-only step of a layer whose
+        decode kernel can do them (decode.ROPE_IN_DECODE)."""
+        return meta.decode_only and rope_in_decode(q, kv_layer, rope)
 
     def attend(self, q, kv_layer, meta: AttentionMetadata, scale, sliding_window=None, softcap=None, k_scale=None,
                v_scale=None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
