@@ -133,8 +133,10 @@ def test_kv_written_by_the_rotary_kernel_equals_the_backends_write(arch, tiny_mo
     """The Triton attention backend in the interpreter: with `writes_kv_early` the rotary kernel writes each layer's
     new K/V and the backend's write_kv never runs; the pool, the logits and the tokens are those of the backend's
     own write (the same bytes: the kernel stores the keys it returns)."""
+    from pdserve.ops.attention import decode
     from pdserve.ops.attention import triton_backend as tb
 
+    monkeypatch.setattr(decode, "ROPE_IN_DECODE", False)  # the rotary kernel's write in every step (as Llama's)
     writes = []
     real = tb.write_kv
     monkeypatch.setattr(tb, "write_kv", lambda *a, **kw: writes.append(1) or real(*a, **kw))
@@ -155,7 +157,7 @@ def test_kv_written_by_the_rotary_kernel_equals_the_backends_write(arch, tiny_mo
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3", "llama"])
 def test_rope_in_the_decode_kernel_gives_the_rotary_kernels_tokens(arch, tiny_model_dirs, monkeypatch):
-    """decode.ROPE_IN_DECODE in the interpreter: decode-only steps of models with a QK-norm (Qwen3; Gemma 3's 1 +
+    """decode.ROPE_IN_DECODE (as shipped, on) in the interpreter, against it off: decode-only steps of models with a QK-norm (Qwen3; Gemma 3's 1 +
     weight and sliding window) leave the norm, rotary and K/V write to the decode kernel, so the rotary kernel runs
     only in the other steps; the tokens, logits and pool are those of the rotary kernel's path. Llama (no QK-norm)
     keeps the rotary kernel (decode.rope_in_decode)."""
@@ -169,6 +171,7 @@ def test_rope_in_the_decode_kernel_gives_the_rotary_kernels_tokens(arch, tiny_mo
     real_decode = decode.paged_decode
     monkeypatch.setattr("pdserve.ops.attention.triton_backend.paged_decode",
                         lambda *a, **kw: folds.append(kw.get("rope") is not None) or real_decode(*a, **kw))
+    monkeypatch.setattr(decode, "ROPE_IN_DECODE", False)
     with force_fused():
         ref_core = _core(tiny_model_dirs[arch], attention_backend="triton")
         ref_out, ref_logits = _run(ref_core, max_tokens=5)

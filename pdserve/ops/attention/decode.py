@@ -431,7 +431,10 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
 #   (Gemma 3) 255 and a spill unlimited. Those, fp8 pools and mixed steps keep the rotary kernel;
 # - not launches of MANY_PROGRAM_WAVES waves (a batch-256 step: 144 registers against 122, a spill at 128): the
 #   backend runs the rotary kernel before them.
-ROPE_IN_DECODE = False
+# On (dummy Qwen3-8B, batch-1 loops at temperature 1 on an H200, one process an arm, in the order off, on, on without
+# ROPE_MAXNREG, twice; benchmarks/lease_s31/s31e): 8k 4.45/4.44 ms a step against 4.46/4.46 off, 32k 5.25/5.25
+# against 5.27/5.27, 64 rows at 2k 9.69/9.68 against 9.68/9.68. Without the register limit, 32k took 5.64/5.64.
+ROPE_IN_DECODE = True
 ROPE_MAXNREG = 128
 
 
