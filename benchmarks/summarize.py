@@ -625,9 +625,11 @@ def session27() -> None:
 
 
 def session31() -> None:
-    """Session 31 (one H200, three calls): where the shipped batch-1 step's time goes under PDL (each kernel's
-    marginal time); the folded one-row products alone with PDL off; the decode kernel merging its own splits; the
-    batch-1 step in serving against the engine loop."""
+    """Session 31 (machine 1, an H200, three calls; machine 2, another H200; machine 4, a 2xH200, after machine 3
+    failed its staging): where the shipped batch-1 step's time goes under PDL (each kernel's marginal time); the
+    folded one-row products alone with PDL off; the decode kernel merging its own splits; the batch-1 step in serving
+    against the engine loop; the decode kernel taking the layer's QK-norm, rotary and K/V write; the side by side with
+    vLLM at the shipped code."""
     base = "lease_s31"
     prof_loops = [r for r in load(f"{base}/s31c/marginal.json")["loops"] if "profile" in r]
     print("Where the batch-1 step's time goes with PDL as shipped (s31c, call 1, `bench_steps.py --profile-loop "
@@ -727,14 +729,9 @@ def session31() -> None:
           "temperature 1, ms a step (of the floor):\n")
     arms = [("off", 1), ("on", 2), ("off", 3), ("on", 4)]
     _loop_arms(f"{base}/s31d", arms)
-    data = [{r["case"]: r["step_ms"] for r in load(f"{base}/s31d/loop_{i}_{a}.json")["loops"] if r["async"]}
-            for a, i in arms]
-
-    def mean_of(arm: str, case: str) -> float:
-        xs = [d[case] for d, (a, _) in zip(data, arms) if a == arm]
-        return sum(xs) / len(xs)
+    means = _arm_means(f"{base}/s31d", arms)
     print("\n- on - off, the mean of each arm's two: " + ", ".join(
-        f"{case} {mean_of('on', case) - mean_of('off', case):+.3f} ms" for case in data[0]))
+        f"{case} {m['on'] - m['off']:+.3f} ms" for case, m in means.items()))
     loops = {w: next(r for r in load(f"{base}/s31a/loop_{w}.json")["loops"] if r["async"])
              for w in ("before", "after")}
     print(f"\nThe batch-1 step in serving against the engine loop on the same GPU (s31a, call 3): the async loop at 8k "
@@ -758,6 +755,77 @@ def session31() -> None:
               f"{d['p90_ttft_ms']:.1f} | "
               f"{d['mean_tpot_ms']:.2f} / {d['p90_tpot_ms']:.2f} | {d['median_itl_ms']:.2f} | "
               f"{d['mean_e2el_ms']:.1f} | {d['mean_tpot_ms'] - step:+.2f} |")
+    print("\nThe decode kernel taking the layer's QK-norm, rotary and new K/V write (s31e, machine 2, another H200, one "
+          "call; decode.ROPE_IN_DECODE, off in the tree that ran and on as shipped since: decode-only steps leave the "
+          "rotary kernel out, one launch a layer less): the decode kernel's rope GPU tests (`"
+          + _gpu_tests(f"{base}/s31e/gpu_tests_kernel.txt") + "`), the engine's GPU tests with it on (against "
+          "transformers, the CUDA graphs' PDL changes no bit, a burst after the warm-up compiles nothing, async: `"
+          + _gpu_tests(f"{base}/s31e/gpu_tests_engine.txt") + "`), then the loops, one process an arm, in order, at "
+          "temperature 1, ms a step (of the floor). on: `bench_steps.py --decode-rope` (the newest key's one-row tile "
+          "held to 128 registers, decode.ROPE_MAXNREG); on0: on without that limit (`--decode-rope-maxnreg 0`):\n")
+    arms = [("off", 1), ("on", 2), ("on0", 3), ("off", 4), ("on", 5), ("on0", 6)]
+    _loop_arms(f"{base}/s31e", arms)
+    means = _arm_means(f"{base}/s31e", arms)
+    print()
+    for arm in ("on", "on0"):
+        print(f"- {arm} - off, the mean of each arm's two: " + ", ".join(
+            f"{case} {m[arm] - m['off']:+.3f} ms" for case, m in means.items()))
+    sbs, c256 = f"{base}/sbs", f"{base}/sbs_c256"
+    print(f"\nThe side by side with vLLM at the shipped code (machine 4, a 2xH200: vLLM 0.22 on GPU 0 and pdserve on "
+          f"GPU 1 at once, dummy Qwen3-8B bf16, vLLM's `bench serve` client for both; tree b5e9d24 with "
+          f"decode.ROPE_IN_DECODE on, the engine code of 40b7787; the \"commit\" in comparison.json, "
+          f"{load(f'{sbs}/comparison.json')['commit'][:7]}, is the device copy's stale HEAD, not the tree that ran). "
+          f"sbs/: `SBS_WORKLOADS=\"8192:16:16:1 32768:16:4:1\" SBS_ROUNDS=1 SBS_CLIENTS=vllm lease_2xh200.sh sbs`, one "
+          f"request at a time; the first request of each run re-sends the warm-up prompt, a prefix-cache hit on both "
+          f"servers. Kernels pdserve compiled while serving: {_compiles(f'{sbs}/pdserve.log.gz')}:\n")
+    _sbs_table(sbs)
+    print(f"\nsbs_c256/: the next call on the same machine, `SBS_WORKLOADS=\"1024:1024:512:256\"`, the same otherwise "
+          f"(kernels pdserve compiled while serving: {_compiles(f'{c256}/pdserve.log.gz')}). Both servers started "
+          f"again, with the compile caches the first call had filled, so this call's start-up is not a cold one:\n")
+    _sbs_table(c256)
+    comp = {w["workload"]: w for f in (sbs, c256) for w in load(f"{f}/comparison.json")["workloads"]}
+    burst = _compare_module().BURST_S * 1e3
+    print(f"\nHow the tokens arrived (compare.py's \"stream\" fields, from the one-at-a-time runs' per-request records; "
+          f"the c256 runs kept none). vLLM's server sends several tokens in its first chunk: its TTFT waits for them, "
+          f"and its client TPOT, (E2EL - TTFT) / (tokens - 1), is below its gap between tokens. First-chunk tokens are "
+          f"an upper bound (exact when every later chunk carries one token); the steady gap is the median gap between "
+          f"chunks longer than {burst:.1f} ms; the steady TPOT is (E2EL - TTFT) over those gaps:\n")
+    print("| workload | chunks a request vLLM / pdserve | first-chunk tokens vLLM / pdserve | steady gap vLLM / pdserve "
+          "ms | ratio | steady TPOT vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|")
+    for name in sorted(w for w in comp if comp[w]["vllm"].get("stream")):
+        v, p = comp[name]["vllm"]["stream"], comp[name]["pdserve"]["stream"]
+        print(f"| {name} | {v['chunks_per_request']:.2f} / {p['chunks_per_request']:.2f} | "
+              f"{v['first_chunk_tokens']:.2f} / {p['first_chunk_tokens']:.2f} | {v['steady_gap_ms']:.2f} / "
+              f"{p['steady_gap_ms']:.2f} | {p['steady_gap_ms'] / v['steady_gap_ms']:.3f} | "
+              f"{v['tpot_steady_ms']:.2f} / {p['tpot_steady_ms']:.2f} | "
+              f"{p['tpot_steady_ms'] / v['tpot_steady_ms']:.3f} |")
+
+    def ratio(name: str, key: str) -> float:
+        return comp[name]["pdserve"][key] / comp[name]["vllm"][key]
+
+    def check(x: float, bound: float, below: bool = True, digits: int = 3) -> str:
+        met = x <= bound if below else x >= bound
+        return f"{x:.{digits}f} ({'<=' if below else '>='} {bound}: {'met' if met else 'not met'})"
+    print("\nAgainst issue 10's criteria, pdserve / vLLM as vLLM's client measured them:\n")
+    for name, n in (("8192x16_c1", "8192/16"), ("32768x16_c1", "32768/16")):
+        v, p = (_misses(load(f"{sbs}/{s}_single_{name}.json")) for s in ("vllm", "pdserve"))
+        st = comp[name]["vllm"]["stream"]
+        print(f"- {n} one at a time: mean TTFT {check(ratio(name, 'mean_ttft_ms'), 1)}; mean TPOT "
+              f"{check(ratio(name, 'mean_tpot_ms'), 1.1)}; vLLM's {comp[name]['vllm']['mean_tpot_ms']:.2f} ms client "
+              f"TPOT came from {st['chunks_per_request']:.2f} chunks a request. The requests after the first, vLLM / "
+              f"pdserve: mean TTFT {v[0]:.1f} / {p[0]:.1f} ms ({p[0] / v[0]:.3f}), mean E2EL {v[1]:.1f} / {p[1]:.1f} "
+              f"ms ({p[1] / v[1]:.3f})")
+    name = "1024x1024_c256"
+    print(f"- 1024/1024 c256: output tok/s {check(ratio(name, 'output_throughput'), 1.0, below=False)}, aim 1.15: "
+          f"{'met' if ratio(name, 'output_throughput') >= 1.15 else 'not met'}; mean TPOT "
+          f"{check(ratio(name, 'mean_tpot_ms'), 1)}; mean TTFT {check(ratio(name, 'mean_ttft_ms'), 1)}")
+    srv = {f: {n: load(f"{f}/{n}_single_server.json") for n in ("vllm", "pdserve")} for f in (sbs, c256)}
+    print("- KV tokens: " + "; ".join(
+        f"{f.split('/')[-1]}/ {check(x['pdserve']['kv_tokens'] / x['vllm']['kv_tokens'], 1, False, 4)}"
+        for f, x in srv.items()))
+    print("- start-up (launch to first completion): " + "; ".join(
+        f"{f.split('/')[-1]}/ {check(x['pdserve']['startup_s'] / x['vllm']['startup_s'], 1)}" for f, x in srv.items())
+        + " (sbs_c256/ after the first call had filled both servers' compile caches)")
 
 
 def session30() -> None:
@@ -842,6 +910,18 @@ def _loop_arms(folder: str, arms: list[tuple[str, int]]) -> None:
     for case in data[0]:
         print(f"| {case} | " + " | ".join(f"{d[case]['step_ms']:.2f} ({d[case]['fraction_of_floor']:.0%})"
                                           for d in data) + " |")
+
+
+def _arm_means(folder: str, arms: list[tuple[str, int]]) -> dict[str, dict[str, float]]:
+    """The async loops of _loop_arms' runs: per loop case, each arm's mean step ms over its runs."""
+    data = [{r["case"]: r["step_ms"] for r in load(f"{folder}/loop_{i}_{a}.json")["loops"] if r["async"]}
+            for a, i in arms]
+    out: dict[str, dict[str, float]] = {}
+    for case in data[0]:
+        for arm in dict.fromkeys(a for a, _ in arms):
+            xs = [d[case] for d, (a, _) in zip(data, arms) if a == arm]
+            out.setdefault(case, {})[arm] = sum(xs) / len(xs)
+    return out
 
 
 def session29() -> None:
