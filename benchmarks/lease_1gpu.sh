@@ -159,6 +159,11 @@
 #              (decode.ROPE_IN_DECODE, off as written): its kernel GPU tests, the engine's GPU tests with it on (against
 #              transformers, graphs' PDL changes no bit, a burst after the warm-up compiles nothing, async); then the
 #              loops at 1x8k, 1x32k and 64x2k, one process an arm, in order off, on, on0 (no register limit), off, on, on0
+#   s32a       (written in session 31, not yet run) the rotary in the many-program decode launch of a batch-256 step
+#              (decode.ROPE_MANY_PROGRAMS, off as shipped): loops at 256x1k and 1x8k, one process an arm, in order off,
+#              many (held to ROPE_MAXNREG: ptxas on sm_90 spills 18 bytes), many0 (no limit, 144 registers: 3 programs
+#              an SM; the one-row tile unlimited too), twice; then the batch-256 loop's kernels with their marginal
+#              times (as s31c at one row)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1194,6 +1199,20 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
         on0) echo "--decode-rope --decode-rope-maxnreg 0" ;; esac
     }
     b1_arms 560 75 40960 1x8192,1x32768,64x2048 off on on0 off on on0 ;;
+  s32a)  # the rotary in the many-program decode launch (decode.ROPE_MANY_PROGRAMS): loops per arm, then the
+    # batch-256 loop's kernels with their marginal times
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    arm_flags() {
+      case $1 in off) echo "--no-decode-rope-many" ;; many) echo "--decode-rope-many" ;;
+        many0) echo "--decode-rope-many --decode-rope-maxnreg 0" ;; esac
+    }
+    b1_arms 440 80 16384 256x1024,1x8192 off many many0 off many many0
+    left=$(( 570 - ($(date +%s) - t0) ))
+    [ $left -gt 60 ] && timeout $left $STEPS_8B --max-model-len 16384 --iters 20 --top 14 --decode= --loop= \
+      --profile-loop 256x1024 --loop-steps 20 --loop-temperature 1.0 --out "$W/marginal256.json" \
+      > "$W/marginal256.txt" 2>&1
+    grep -v " INFO " "$W/marginal256.txt" 2>/dev/null | grep -E "^loop[^ ]*:|^\||^profile|marginal" | cut -c1-300 | head -30
+    save ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \

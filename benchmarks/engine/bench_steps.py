@@ -501,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-rope", action=argparse.BooleanOptionalAction, default=None,
                     help="decode-only steps leave the QK-norm, rotary and K/V write to the decode kernel (decode."
                          "ROPE_IN_DECODE; default: as shipped): an A/B")
+    ap.add_argument("--decode-rope-many", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --decode-rope, launches of many programs (a batch-256 step) take it too (decode."
+                         "ROPE_MANY_PROGRAMS; default: as shipped, off): an A/B")
     ap.add_argument("--decode-rope-maxnreg", type=int, default=None,
                     help="the registers a thread of the one-row decode tile may hold with the rotary in it (decode."
                          "ROPE_MAXNREG; 0: no limit)")
@@ -531,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
     for arg, name in (("decode_early_tile", "EARLY_TILE"), ("decode_early_v", "EARLY_V"),
                       ("decode_early_maxnreg", "EARLY_V_MAXNREG"), ("decode_self_merge", "SELF_MERGE"),
-                      ("decode_rope", "ROPE_IN_DECODE"), ("decode_rope_maxnreg", "ROPE_MAXNREG")):
+                      ("decode_rope", "ROPE_IN_DECODE"), ("decode_rope_maxnreg", "ROPE_MAXNREG"),
+                      ("decode_rope_many", "ROPE_MANY_PROGRAMS")):
         if getattr(args, arg) is not None:  # an A/B of a decode.py switch; None: as shipped
             setattr(decode_mod, name, getattr(args, arg))
     if args.few_rows_tile:

@@ -370,6 +370,8 @@ def test_rope_in_decode_only_where_it_can(monkeypatch):
     monkeypatch.setattr(D, "num_sms", lambda device: 8)  # as on CPU, also for the fp16 case's device check
     assert not D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8)  # a batch-256-like launch
     assert D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8 - 1)
+    monkeypatch.setattr(D, "ROPE_MANY_PROGRAMS", True)  # an A/B
+    assert D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8)
     monkeypatch.setattr(D, "ROPE_IN_DECODE", False)
     assert not D.rope_in_decode(p.q, p.kv_layer, rope)
 

@@ -436,6 +436,8 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
 # against 5.27/5.27, 64 rows at 2k 9.69/9.68 against 9.68/9.68. Without the register limit, 32k took 5.64/5.64.
 ROPE_IN_DECODE = True
 ROPE_MAXNREG = 128
+# ... and in launches of MANY_PROGRAM_WAVES waves too (an A/B: bench_steps.py --decode-rope-many; not yet measured).
+ROPE_MANY_PROGRAMS = False
 
 
 def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_programs: int = 0) -> bool:
@@ -443,7 +445,7 @@ def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_pr
     QK-norm and rotary (ROPE_IN_DECODE says where)."""
     d = q.shape[-1]
     return (ROPE_IN_DECODE and kv_layer.dtype == q.dtype and rope.q_weight is not None and 2 <= d <= 128
-            and d & (d - 1) == 0 and not many_programs(q.dtype, False, num_programs, q.device))
+            and d & (d - 1) == 0 and (ROPE_MANY_PROGRAMS or not many_programs(q.dtype, False, num_programs, q.device)))
 
 
 def early_tile(block_n: int, many: bool) -> bool:
