@@ -412,6 +412,21 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
     return out
 
 
+# decode.py's switches an A/B turns from the command line: (flag, name in decode.py, bool or int, what it does)
+DECODE_SWITCHES = [
+    ("decode-early-tile", "EARLY_TILE", bool, "each decode split reads its first tile of older keys before its PDL wait"),
+    ("decode-early-v", "EARLY_V", bool, "with the early tile, V's first tile before the wait too"),
+    ("decode-early-maxnreg", "EARLY_V_MAXNREG", int, "with V early, the registers a thread may hold (0: no limit)"),
+    ("decode-self-merge", "SELF_MERGE", bool, "the decode kernel merges its splits itself"),
+    ("decode-rope", "ROPE_IN_DECODE", bool,
+     "decode-only steps leave the QK-norm, rotary and K/V write to the decode kernel"),
+    ("decode-rope-many", "ROPE_MANY_PROGRAMS", bool,
+     "with --decode-rope, launches of many programs (a batch-256 step) take it too"),
+    ("decode-rope-maxnreg", "ROPE_MAXNREG", int,
+     "the registers a thread of the one-row decode tile may hold with the rotary in it (0: no limit)"),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b")
@@ -487,26 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-prefetch", action=argparse.BooleanOptionalAction, default=True,
                     help="the many-program decode tile reads the block table a tile ahead (decode.MANY_PROGRAMS_"
                          "PREFETCH, tile (64, 4, 2)); --no-decode-prefetch: session 22's (64, 4, 3) without (an A/B)")
-    ap.add_argument("--decode-early-tile", action=argparse.BooleanOptionalAction, default=None,
-                    help="each decode split reads its first tile of older keys before its PDL wait (decode."
-                         "EARLY_TILE; default: as shipped, off): an A/B")
-    ap.add_argument("--decode-early-v", action=argparse.BooleanOptionalAction, default=None,
-                    help="with the early tile, V's first tile before the wait too (decode.EARLY_V; default: as "
-                         "shipped): an A/B")
-    ap.add_argument("--decode-early-maxnreg", type=int, default=None,
-                    help="with V early, the registers a thread may hold (decode.EARLY_V_MAXNREG; 0: no limit)")
-    ap.add_argument("--decode-self-merge", action=argparse.BooleanOptionalAction, default=None,
-                    help="the decode kernel merges its splits itself (decode.SELF_MERGE; default: as shipped, off): "
-                         "an A/B")
-    ap.add_argument("--decode-rope", action=argparse.BooleanOptionalAction, default=None,
-                    help="decode-only steps leave the QK-norm, rotary and K/V write to the decode kernel (decode."
-                         "ROPE_IN_DECODE; default: as shipped): an A/B")
-    ap.add_argument("--decode-rope-many", action=argparse.BooleanOptionalAction, default=None,
-                    help="with --decode-rope, launches of many programs (a batch-256 step) take it too (decode."
-                         "ROPE_MANY_PROGRAMS; default: as shipped, off): an A/B")
-    ap.add_argument("--decode-rope-maxnreg", type=int, default=None,
-                    help="the registers a thread of the one-row decode tile may hold with the rotary in it (decode."
-                         "ROPE_MAXNREG; 0: no limit)")
+    for flag, name, kind, what in DECODE_SWITCHES:
+        ap.add_argument(f"--{flag}", default=None, help=f"{what} (decode.{name}; default: as shipped): an A/B",
+                        **({"type": int} if kind is int else {"action": argparse.BooleanOptionalAction}))
     ap.add_argument("--few-rows-tile", default=None,
                     help="the decode kernel's tile below 8 rows on a 16-bit pool (decode.DECODE_TILES[(False, "
                          "False)]): 'keys,warps,stages' (an A/B)")
@@ -532,12 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.decode_prefetch:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
-    for arg, name in (("decode_early_tile", "EARLY_TILE"), ("decode_early_v", "EARLY_V"),
-                      ("decode_early_maxnreg", "EARLY_V_MAXNREG"), ("decode_self_merge", "SELF_MERGE"),
-                      ("decode_rope", "ROPE_IN_DECODE"), ("decode_rope_maxnreg", "ROPE_MAXNREG"),
-                      ("decode_rope_many", "ROPE_MANY_PROGRAMS")):
-        if getattr(args, arg) is not None:  # an A/B of a decode.py switch; None: as shipped
-            setattr(decode_mod, name, getattr(args, arg))
+    for flag, name, _, _ in DECODE_SWITCHES:
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:  # an A/B of a decode.py switch; None: as shipped
+            setattr(decode_mod, name, value)
     if args.few_rows_tile:
         decode_mod.DECODE_TILES[(False, False)] = tuple(int(x) for x in args.few_rows_tile.split(","))
     if args.decode_waves:
