@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.model.layers import RotaryEmbedding
 from pdserve.ops.attention import decode as D
 from pdserve.ops.attention.common import KVTarget, QKRope, is_fp8
 from pdserve.ops.attention.decode import paged_decode
@@ -272,14 +273,13 @@ def test_decode_softcap_and_mixed_cuda():
 def _rope_inputs(p, d: int, norm: bool, offset: float, seed: int):
     """The rotary tables (float32, as RotaryEmbedding's), the rows' positions and the norm weights of a problem."""
     g = torch.Generator().manual_seed(seed)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    freqs = torch.outer(torch.arange(max(p.meta.seq_lens) + 8, dtype=torch.float64), inv)
+    tables = RotaryEmbedding(d, 10000.0, max(p.meta.seq_lens) + 8)
     dev = p.q.device
     positions = (p.meta.seq_lens_t.long() - 1).clamp_min(0)
     qw = kw = None
     if norm:
         qw, kw = (torch.randn(d, generator=g).to(dev, p.q.dtype) for _ in range(2))
-    return QKRope(positions, freqs.cos().float().to(dev), freqs.sin().float().to(dev), qw, kw, 1e-6, offset)
+    return QKRope(positions, tables.cos.to(dev), tables.sin.to(dev), qw, kw, 1e-6, offset)
 
 
 def _rope_then_decode(p, rope, scale, window=None, softcap=None, splits=None):
