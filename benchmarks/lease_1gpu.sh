@@ -164,6 +164,9 @@
 #              many (held to ROPE_MAXNREG: ptxas on sm_90 spills 18 bytes), many0 (no limit, 144 registers: 3 programs
 #              an SM; the one-row tile unlimited too), twice; then the batch-256 loop's kernels with their marginal
 #              times (as s31c at one row)
+#   s32b       what the KV sizing probe's peak is made of, and what the engine holds before it beyond the weights
+#              (probe_memory.py with the allocator's history from the start: session 31's pool was 109.32 GiB against
+#              vLLM's 109.35 on a warm start)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1213,6 +1216,10 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
       > "$W/marginal256.txt" 2>&1
     grep -v " INFO " "$W/marginal256.txt" 2>/dev/null | grep -E "^loop[^ ]*:|^\||^profile|marginal" | cut -c1-300 | head -30
     save ;;
+  s32b)  # the KV sizing probe's peak by allocation site
+    timeout 200 python3 benchmarks/engine/probe_memory.py --out "$W/probe.json" > "$W/probe.txt" 2>&1
+    grep -v " INFO " "$W/probe.txt" | cut -c1-300 | head -60
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
