@@ -167,6 +167,9 @@
 #   s32b       what the KV sizing probe's peak is made of, and what the engine holds before it beyond the weights
 #              (probe_memory.py with the allocator's history from the start: session 31's pool was 109.32 GiB against
 #              vLLM's 109.35 on a warm start)
+#   s32c       the KV sizing's second probe (a prompt of the model's length alone, its last chunk on the longest
+#              prefix, measured in place of library_reserve's bound): probe_memory.py, the KV sizing and warm-up GPU
+#              tests, one server's sizing lines, KV blocks and start-up
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1220,6 +1223,16 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
     timeout 200 python3 benchmarks/engine/probe_memory.py --out "$W/probe.json" > "$W/probe.txt" 2>&1
     grep -v " INFO " "$W/probe.txt" | cut -c1-300 | head -60
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s32c)  # the KV sizing's second probe: the probe, the GPU tests, a server
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 200 python3 benchmarks/engine/probe_memory.py --out "$W/probe.json" > "$W/probe.txt" 2>&1
+    grep -v " INFO " "$W/probe.txt" | cut -c1-300 | head -24; grep "KV sizing" "$W/probe.txt" | cut -c1-400
+    save
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_memory_profile.py \
+      tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
+    save
+    sizing_server qwen3-8b
+    save ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \

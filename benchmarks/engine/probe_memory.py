@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         seen["probe_peak"] = peak_breakdown(trace[start:] if len(trace) < 400_000 else trace)
         seen["probe_peak"]["trace_wrapped"] = len(trace) >= 400_000
         seen["measured_peak_bytes"] = out.peak_bytes
+        seen["step_peak"] = {k: getattr(out, k) for k in ("tokens", "seqs", "peak_bytes", "long_prefix",
+                                                          "long_peak_bytes", "bound_bytes") if hasattr(out, k)}
         seen["after_probe"] = pinned_segments(snap)
         seen["after_probe"]["memory_reserved"] = torch.cuda.memory_reserved()
         seen["after_probe"]["memory_allocated"] = torch.cuda.memory_allocated()
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"before the probe: {b['memory_allocated'] / 2**30:.3f} GiB allocated; by site:")
     for row in b["by_site"][:12]:
         print(f"  {row['bytes'] / 2**20:9.1f} MiB in {row['blocks']:5d} blocks: {row['site']}")
+    print("StepPeak: " + ", ".join(f"{k} {v / 2**30:.3f} GiB" if k.endswith("bytes") else f"{k} {v}"
+                                   for k, v in seen["step_peak"].items()))
     p = seen["probe_peak"]
     print(f"the probe step: engine's measured peak {seen['measured_peak_bytes'] / 2**30:.3f} GiB; replayed: "
           f"{p['allocated_peak_bytes'] / 2**30:.3f} GiB allocated at most (event {p['peak_event']} of "

@@ -164,7 +164,7 @@ class EngineCore:
         cfg = self.config
         self.step_peak = measure_step_peak(self.executor, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                            self.max_model_len, cfg.block_size, cfg.attention_backend, kv_dtype,
-                                           self.hf_config.vocab_size, self.eos_token_ids)
+                                           self.hf_config.vocab_size, self.eos_token_ids, block_bytes=bb)
         ranks = self.executor.pool_memory()
         budget = min(pool_budget(total, free, cfg.gpu_memory_utilization, self.step_peak.peak_bytes, base)
                      for free, total, _, base, _ in ranks)

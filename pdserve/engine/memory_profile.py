@@ -11,6 +11,14 @@ outside PyTorch (cuBLAS workspaces, NCCL buffers: `mem_get_info` sees them), the
 the allocator's rounding. As in vLLM, the share is of what the engine allocates after it opened the device: the
 CUDA context, and other processes' memory, were there before (pool_budget).
 
+Where prefill rows may go through the library attention (pdserve.ops.attention.library_prefill: a chunk's prefix
+gathered out of the pool, cuDNN's calls on padded inputs), a second probe measures that: one prompt of
+max_model_len - 1 tokens alone, whose last chunk is a whole step's budget on the longest prefix such a chunk can
+have. Until session 32 a bound of those transients (library_reserve: transient_bytes at the step's budget and
+the model's length) was added to the first probe's peak whole, though they live during one layer's attention and
+the first probe's peak is its MLP's (benchmarks/lease_s32, probe_memory.py); the bound stays where the second
+probe cannot run.
+
 An estimate from the model's shapes (what pdserve did before) has to cover every path and so reserved 4.2 GiB for
 dummy Qwen3-8B at 8192 batched tokens, where vLLM, which profiles the same way, reserved 1.5 GiB in all: pdserve's
 pool held 0.96x vLLM's KV tokens on the same H200 (benchmarks/lease_s5/tp_sbs).
@@ -19,6 +27,7 @@ pool held 0.96x vLLM's KV tokens on the same H200 (benchmarks/lease_s5/tp_sbs).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,45 +77,108 @@ class StepPeak:
     tokens: int  # scheduled in the probe step
     seqs: int
     peak_bytes: int  # the most any rank allocated during the step above what it held before it
+    long_prefix: int = 0  # the long-prompt probe's last chunk: the prefix it read (0: that probe did not run)
+    long_peak_bytes: int = 0  # that probe's peak (the library attention's gathered prefix and its calls)
+    bound_bytes: int = 0  # library_reserve's bound added instead, where the long-prompt probe could not run
 
 
 def probe_blocks(lens: list[int], block_size: int) -> int:
     return sum(-(-n // block_size) for n in lens)
 
 
+def long_prompt_chunks(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """The long-prompt probe's chunks: a prompt of max_model_len - 1 tokens (the longest one a request may have),
+    whose first chunk takes the remainder so that its last one is a whole step's budget on the longest prefix a
+    chunk of that size can have."""
+    n = max(1, max_model_len - 1)
+    full, rest = divmod(n, max_num_batched_tokens)
+    return ([rest] if rest else []) + [max_num_batched_tokens] * full
+
+
+def _run(executor: Executor, scheduler: Scheduler) -> tuple[object, int]:
+    """Schedule and execute one step, waited for; (the batch, the most any rank's step took: Worker.memory_peak)."""
+    batch = scheduler.schedule()
+    executor.collective_rpc("mark_memory")
+    reqs, result = executor.execute(batch)
+    peak = max(executor.collective_rpc("memory_peak"))
+    scheduler.update(batch, reqs, result.token_ids if result else [], result.logprobs if result else [],
+                     time.time())
+    return batch, peak
+
+
 def measure_step_peak(executor: Executor, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                       block_size: int, attention_backend: str, kv_dtype: torch.dtype, vocab_size: int,
-                      eos_token_ids: frozenset[int] = frozenset()) -> StepPeak:
-    """Run the probe step on every rank over a probe pool, then free the pool and the runners again."""
+                      eos_token_ids: frozenset[int] = frozenset(), block_bytes: int = 0,
+                      long_probe: bool | None = None) -> StepPeak:
+    """Run the probe step on every rank over a probe pool, then free the pool and the runners again.
+
+    Where a step's prefill rows may go through the library attention (library_reserve > 0 on a rank), or where
+    `long_probe` says so, a second probe follows: one prompt of max_model_len - 1 tokens, alone, its chunks
+    (long_prompt_chunks) each measured; its last chunk is a whole budget on the longest prefix, so the layer's
+    gathered prefix and cuDNN calls are in what it measures. The peak is the larger of the two probes'. Where the
+    GPU cannot hold that prompt's pool beside what the first probe took (`block_bytes` per rank), or its chunks are
+    too short for the library (MIN_CHUNK), library_reserve's bound is added to the first probe's peak instead."""
     lens = probe_prompt_lens(max_num_batched_tokens, max_num_seqs, max_model_len)
     num_blocks = probe_blocks(lens, block_size)
+    params = probe_params()
     try:
         executor.init_runner(num_blocks, block_size, attention_backend, kv_dtype, probe=True)
         scheduler = Scheduler(KVCacheManager(num_blocks, block_size, enable_prefix_caching=False), len(lens),
                               max_num_batched_tokens, max_model_len)
-        params = probe_params()
         for i, n in enumerate(lens):  # distinct tokens: no prompt is another's prefix
             ids = [(i * 7919 + j) % vocab_size for j in range(n)]
             scheduler.add(Request(f"pdserve-probe-{i}", ids, params, eos_token_ids))
-        batch = scheduler.schedule()
-        executor.collective_rpc("mark_memory")
-        executor.execute(batch)
-        peak = max(executor.collective_rpc("memory_peak"))
+        batch, peak = _run(executor, scheduler)
+        bound = 0
         if attention_backend in ("auto", "triton"):
-            peak += max(executor.collective_rpc(library_reserve, max_num_batched_tokens, max_model_len, kv_dtype))
+            bound = max(executor.collective_rpc(library_reserve, max_num_batched_tokens, max_model_len, kv_dtype))
     finally:
         executor.release_runner()
     out = StepPeak(batch.total_tokens, len(batch.requests), peak)
+    chunks = long_prompt_chunks(max_num_batched_tokens, max_model_len)
+    if long_probe is None:
+        long_probe = bound > 0
+    long_blocks = -(-max_model_len // block_size)
+    if long_probe and bound:
+        from pdserve.ops.attention import library_prefill as lib
+
+        room = min(free for free, *_ in executor.pool_memory()) - AFTER_POOL_RESERVE_BYTES - peak - bound
+        if chunks[-1] < lib.MIN_CHUNK or long_blocks * block_bytes > room:
+            long_probe = False  # the library may take chunks this probe cannot run, or it does not fit: the bound
+    if long_probe:
+        long_peak = 0
+        try:
+            executor.init_runner(long_blocks, block_size, attention_backend, kv_dtype, probe=True)
+            scheduler = Scheduler(KVCacheManager(long_blocks, block_size, enable_prefix_caching=False), 1,
+                                  max_num_batched_tokens, max_model_len)
+            scheduler.add(Request("pdserve-probe-long", [(j * 7919 + 13) % vocab_size for j in range(sum(chunks))],
+                                  params, eos_token_ids))
+            prefix = 0
+            for n in chunks:
+                scheduler.max_num_batched_tokens = n  # the first chunk takes the remainder (long_prompt_chunks)
+                batch, p = _run(executor, scheduler)
+                if batch.num_new_tokens != [n]:
+                    raise RuntimeError(f"the long-prompt KV sizing probe scheduled {batch.num_new_tokens}, not [{n}]")
+                long_peak = max(long_peak, p)
+                last_prefix, prefix = prefix, prefix + n
+        finally:
+            executor.release_runner()
+        out = StepPeak(out.tokens, out.seqs, max(peak, long_peak), last_prefix, long_peak)
+        log.info("KV sizing: a prompt of %d tokens alone, in chunks of %s, peaked at %.2f GiB above the weights "
+                 "(its last chunk on a prefix of %d tokens)", sum(chunks), chunks, long_peak / 2**30, last_prefix)
+    elif bound:
+        out = StepPeak(out.tokens, out.seqs, peak + bound, bound_bytes=bound)
     log.info("KV sizing: the largest step (%d tokens, %d sequences, all sampled) peaked at %.2f GiB above the "
-             "weights", out.tokens, out.seqs, peak / 2**30)
+             "weights%s", out.tokens, out.seqs, peak / 2**30,
+             f"; with the library attention's bound, {out.peak_bytes / 2**30:.2f} GiB" if out.bound_bytes else "")
     return out
 
 
 def library_reserve(worker, max_tokens: int, max_model_len: int, kv_dtype: torch.dtype) -> int:
     """On a rank (Worker): what a step's prefill rows may hold in one layer's library attention
-    (pdserve.ops.attention.library_prefill: a chunk's prefix gathered out of the pool, two partial outputs), which
-    the probe's fresh rows do not show; 0 where that path is off. Added to the measured peak whole, an upper bound:
-    it is held during attention, while the peak the probe measured is mostly the MLP's."""
+    (pdserve.ops.attention.library_prefill: a chunk's prefix gathered out of the pool, two partial outputs); 0
+    where that path is off. An upper bound, added to the first probe's peak only where the long-prompt probe
+    (which measures it) cannot run."""
     from pdserve.model.shapes import head_dim
     from pdserve.ops.attention import library_prefill as lib
     from pdserve.parallel.ranges import local_kv_heads

@@ -17,6 +17,7 @@ from pdserve.engine.executor import Executor
 from pdserve.engine.memory_profile import (
     AFTER_POOL_RESERVE_BYTES,
     POOL_MARGIN_BYTES,
+    long_prompt_chunks,
     measure_step_peak,
     pool_budget,
     probe_blocks,
@@ -24,6 +25,7 @@ from pdserve.engine.memory_profile import (
 )
 from pdserve.engine.runner import kv_cache_torch_dtype
 from pdserve.model.loader import load_config, resolve_model
+from pdserve.ops.attention import library_prefill as lib
 from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
@@ -108,6 +110,44 @@ def test_probe_step_runs_on_every_rank_and_leaves_nothing(tiny_model_dirs, tp):
         ex.close()
 
 
+@pytest.mark.parametrize("budget,max_len", [(8192, 40960), (8192, 8193), (8192, 16385), (8192, 4096), (16, 60),
+                                            (4, 2)])
+def test_long_prompt_chunks_end_with_a_whole_budget_on_the_longest_prefix(budget, max_len):
+    chunks = long_prompt_chunks(budget, max_len)
+    assert sum(chunks) == max(1, max_len - 1)  # the longest prompt a request may have
+    assert all(1 <= n <= budget for n in chunks)
+    # the last chunk is a whole budget where the prompt has one, so its prefix is the longest such a chunk can have
+    assert chunks[-1] == min(budget, max(1, max_len - 1))
+    assert chunks[1:] == [budget] * (len(chunks) - 1)
+
+
+def test_long_prompt_probe_runs_its_chunks_alone_and_leaves_nothing(tiny_model_dirs):
+    """The second probe (CUDA: where the library attention may take prefill rows) on CPU, asked for: a prompt of
+    max_model_len - 1 tokens alone, its first chunk the remainder and the rest whole budgets, on a pool that holds
+    it; then no runner or pool is left."""
+    ex, hf, cfg = _executor(tiny_model_dirs["qwen3"], 1)
+    try:
+        steps: list[tuple[list[int], list[int], int]] = []
+        execute = ex.execute
+
+        def recording(batch, after_layer=None):
+            steps.append((list(batch.num_new_tokens), [r.num_computed_tokens for r in batch.requests],
+                          ex.runner.kv_cache.shape[0] - 1))
+            return execute(batch, after_layer)
+
+        ex.execute = recording
+        peak = measure_step_peak(ex, 16, 6, 60, 4, "auto", torch.float32, hf.vocab_size, long_probe=True)
+        ex.execute = execute
+        long = steps[1:]  # after the first probe's one step
+        assert [s[0] for s in long] == [[n] for n in long_prompt_chunks(16, 60)] == [[11], [16], [16], [16]]
+        assert [s[1] for s in long] == [[0], [11], [27], [43]]  # one request, each chunk on what came before
+        assert peak.long_prefix == 43 and peak.long_peak_bytes == 0 == peak.bound_bytes  # CUDA statistics
+        assert {s[2] for s in long} == {15}  # a pool for the whole prompt (60 tokens of 4-token blocks)
+        assert ex.runner is None and ex.collective_rpc(_no_runner) == [True]
+    finally:
+        ex.close()
+
+
 def test_engine_after_a_probe_answers_as_before(tiny_model_dirs, monkeypatch):
     """An engine whose executor ran the probe step before its pool was made gives the same greedy tokens as one
     whose executor did not (the probe's pool and KV leave no trace)."""
@@ -142,10 +182,11 @@ def test_engine_after_a_probe_answers_as_before(tiny_model_dirs, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("util", [0.3, 0.6])
 def test_the_largest_step_fits_beside_the_sized_pool(util):
-    """On CUDA: the pool sized from the measured step leaves room for that step. After the engine is made, the
-    probe's step (every token of the budget, every sequence sampled) runs on the full pool, and the GPU's memory in
-    use (caching allocator included), less what was in use when the engine opened the GPU, stays within
-    gpu_memory_utilization of it."""
+    """On CUDA: the pool sized from the measured steps leaves room for them. After the engine is made, the probe's
+    step (every token of the budget, every sequence sampled) runs on the full pool, then a prompt of the model's
+    length alone (the second probe's, whose last chunk reads the longest prefix through the library attention), and
+    the GPU's memory in use (caching allocator included), less what was in use when the engine opened the GPU,
+    stays within gpu_memory_utilization of it after each step."""
     used, allowed, blocks, parts = _largest_step_within(util)
     assert blocks > 0 and used <= allowed, (f"{used / 2**30:.2f} GiB in use, {allowed / 2**30:.2f} GiB allowed; "
                                             + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in parts.items()))
@@ -157,6 +198,9 @@ def _largest_step_within(util: float) -> tuple[int, int, int]:
                                    max_model_len=8192, enforce_eager=True, warmup=False))
     try:
         assert core.step_peak is not None and core.step_peak.peak_bytes > 0
+        if lib.enabled(torch.device("cuda")):  # the second probe ran and measured, no bound was added
+            assert core.step_peak.long_peak_bytes > 0 and core.step_peak.bound_bytes == 0
+            assert core.step_peak.long_prefix == core.max_model_len - 1 - 4096
         lens = probe_prompt_lens(4096, 128, core.max_model_len)
         g = torch.Generator().manual_seed(0)
         for i, n in enumerate(lens):
@@ -177,9 +221,22 @@ def _largest_step_within(util: float) -> tuple[int, int, int]:
                  "reserved before the step": before[1],
                  "the step's allocated peak": torch.cuda.max_memory_allocated() - before[0],
                  "the step's reserved peak": torch.cuda.max_memory_reserved() - before[1]}
+        used = total - free - baseline
         while core.has_work():
             core.step()
+        # the second probe's shape (where the library attention may take prefill rows): a prompt of the model's
+        # length alone, chunk by chunk; what is in use after each step (the allocator keeps what it reserved)
+        core.add_request("long", torch.randint(0, 151000, (core.max_model_len - 1,), generator=g).tolist(),
+                         SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=50, logprobs=20,
+                                        ignore_eos=True))
+        while core.has_work():
+            core.step()
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            used = max(used, total - free - baseline)
+        parts["the long prompt's steps: most in use"] = used
+        parts["long probe peak"] = core.step_peak.long_peak_bytes
         core.check_whole()
-        return total - free - baseline, int(total * util), core.kv.pool.num_blocks, parts
+        return used, int(total * util), core.kv.pool.num_blocks, parts
     finally:
         core.close()

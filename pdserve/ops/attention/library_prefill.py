@@ -32,8 +32,8 @@ bf16/fp16, an unquantized pool, head dim <= 128, no sliding window or softcappin
 device of compute capability 9.0 or later with cuDNN. `PDSERVE_PREFILL_LIBRARY=none` turns it off.
 
 Memory: the gathered prefix, the padded inputs, the partial outputs and their log-sum-exps live for one layer's
-attention; `transient_bytes` bounds them, and the KV sizing probe (whose rows are fresh prompts: no prefix to
-gather) adds that bound to the step peak it measured.
+attention. The KV sizing probe measures them with a prompt of the model's length whose last chunk is a whole step
+on the longest prefix (pdserve.engine.memory_profile); `transient_bytes` bounds them where that probe cannot run.
 """
 
 from __future__ import annotations
