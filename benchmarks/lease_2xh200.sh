@@ -29,6 +29,7 @@
 #   interfere  decoders' TPOT alone and under a stream of 32k prompts, vLLM and pdserve arms of --max-long-prefill-tokens
 #              (INTERF_ARMS="pd-vllm pd-pdserve": 1P1D deployments of both on both GPUs)
 #   unpack     the staging tar (.stage/c0..c9, one part carried per call) joined into .vllm-stage; vLLM installed
+#   mem_tests  the KV sizing GPU tests, on GPU 0
 #   lib_tests  the GPU tests of the library prefill and of the start-up warm-up, on GPU 0
 #   pd_one     PD_MODE=pd-pdserve or pd-vllm: one 1P1D deployment, 1024/1024 c256 and 8192/16, vLLM's client
 #   pd_policy  1P1D with the router's local-prefill fallback as shipped and off (always remote), pdserve's client;
@@ -222,6 +223,11 @@ PY
     CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
       tests/ops/test_library_prefill.py tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" \
       | cut -c1-900 | tail -8 ;;
+  mem_tests)
+    # the KV sizing GPU tests (the largest steps beside the sized pool), on GPU 0
+    CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+      tests/engine/test_memory_profile.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | cut -c1-900 | tail -8
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   unpack)
     # the staging tar, carried in parts one per call (.stage/cNN/partNN, names that sort in order; session 25: the
     # tree left ~40 MB a call, session 31: ~33 MB, so eleven parts of 31 MB, c00..c10, without the NIXL wheels that

@@ -43,9 +43,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POOL_MARGIN_BYTES = 0  # left free beyond the measured peak (allocated bytes, as vLLM's profile counts them): none,
-# as in vLLM; at gpu_memory_utilization < 1 the rest of the GPU absorbs the caching allocator's rounding, and on a
-# crowded GPU AFTER_POOL_RESERVE_BYTES stays free
+POOL_MARGIN_BYTES = 32 << 20  # left free beyond the measured peak: what the engine allocates after the probe (its
+# runner's buffers) and the allocator's rounding beside the real pool. With none (as in vLLM), the largest step beside
+# a pool sized at 0.6 of an H200 overran the share by 0.007 GiB: 0.002 more reserved than the probe measured, the rest
+# made after it (test_memory_profile, benchmarks/lease_s32/s32c1); until session 32 the library attention's bound,
+# added whole, had hidden it. On a crowded GPU AFTER_POOL_RESERVE_BYTES stays free
 AFTER_POOL_RESERVE_BYTES = 1 << 30  # kept free on a crowded GPU for what comes after the pool: CUDA graphs (vLLM's
 # took 1.00 GiB for Qwen3-8B on an H200, benchmarks/lease_s8/sbs/vllm.log.gz), cuBLAS workspaces of the capture
 
