@@ -170,6 +170,9 @@
 #   s32c       the KV sizing's second probe (a prompt of the model's length alone, its last chunk on the longest
 #              prefix, measured in place of library_reserve's bound): probe_memory.py, the KV sizing and warm-up GPU
 #              tests, one server's sizing lines, KV blocks and start-up
+#   s32d       the engine microbenchmark at the session's tree: bench_steps.py's default cases (decode at 1 and 256
+#              rows of ~1k, 1 and 32 of ~8k, the 8k prefill against the matmul ceiling, a mixed step) and its steady
+#              loops at temperature 1, dummy Qwen3-8B
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1233,6 +1236,12 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
     save
     sizing_server qwen3-8b
     save ;;
+  s32d)  # bench_steps.py's default cases and loops
+    timeout 260 python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 \
+      --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 --loop-temperature 1.0 \
+      --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(decode|prefill|mixed|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s30c)  # the early tile's GPU tests, then the decode sweep at 1-4 rows with and without it
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
