@@ -35,8 +35,10 @@ def test_kill_decode_prefill_and_router_lose_nothing_and_leave_pools_whole(tmp_p
     kt = _kill_table()
     model = write_tiny_model("gemma3", tmp_path / "gemma3")
     tok = wordlevel_tokenizer_dir(load_config(resolve_model(str(model)))[0], tmp_path)
+    # --kv-lease 10: a reservation whose prefill peer was killed mid-order is quarantined until its lease ends; at
+    # the default 30 s the pool check after the prefill kill waited ~23 s for it (pools whole the same, sooner)
     instance = ["--model", str(model), "--tokenizer", str(tok), "--max-model-len", "256", "--num-gpu-blocks", "64",
-                "--block-size", "4", "--dtype", "float32"]
+                "--block-size", "4", "--dtype", "float32", "--kv-lease", "10"]
     router = [*kt.ROUTER_ARGS, "--breaker-cooldown", "1"]  # probe a restarted instance sooner: a shorter test
     args = kt.parse_args(["--reps", "1", "--concurrency", "2", "--warmup", "0.5", "--settle", "0.5",
                           "--deadline", "30", "--recovery-timeout", "90", "--pool-timeout", "45", "--startup-timeout",
