@@ -624,6 +624,170 @@ def session27() -> None:
         interference_table(f"{base}/{folder}")
 
 
+def session32() -> None:
+    """Session 32 (machine 1, an H200, two calls; machines 2 and 3, an H200 each, one call; machine 4, a 2xH200):
+    the rotary in the decode kernel's many-program launch; where the batch-256 step's time goes; what the KV sizing
+    probe's peak was made of; the second probe that measures the library attention's transients in place of their
+    bound; the side by side at 1024/1024 c256, twice."""
+    base = "lease_s32"
+    print("The layer's QK-norm, rotary and new K/V write in the decode kernel's many-program launch too (s32a, machine "
+          "1, call 1; decode.ROPE_MANY_PROGRAMS, off as shipped: a batch-256 step runs the rotary kernel before its "
+          "decode launch). The loops of dummy Qwen3-8B, one process an arm, in order, async at temperature 1, ms a "
+          "step (of the floor). off: as shipped; many: `bench_steps.py --decode-rope-many` (held to "
+          "decode.ROPE_MAXNREG registers); many0: many without that limit (`--decode-rope-maxnreg 0`), which lifts "
+          "it from the batch-1 launch too:\n")
+    arms = [("off", 1), ("many", 2), ("many0", 3), ("off", 4), ("many", 5), ("many0", 6)]
+    _loop_arms(f"{base}/s32a", arms)
+    means = _arm_means(f"{base}/s32a", arms)
+    print()
+    for arm in ("many", "many0"):
+        print(f"- {arm} - off, the mean of each arm's two: " + ", ".join(
+            f"{case} {m[arm] - m['off']:+.3f} ms" for case, m in means.items()))
+    print("- not shipped: decode.ROPE_MANY_PROGRAMS stays False (a batch-256 step keeps the rotary kernel)")
+    m = load(f"{base}/s32a/marginal256.json")
+    r = next(r for r in m["loops"] if "profile" in r)
+    p, g, e, c = r["profile"], r["gpu"], m["engine"], m["ceilings"]
+    print(f"\nWhere the batch-256 step's time goes as shipped (s32a, the same call, `bench_steps.py --profile-loop "
+          f"256x1024 --loop-steps {p['steps']}`: the async loop at temperature 1 under the torch profiler; marginal "
+          f"time as in session 31's s31c: how far a kernel's end pushes the latest end of the kernels before it). Per "
+          f"kernel, a step (nvjet: cuBLAS's products, four a layer and the LM head):\n")
+    print("| kernel | launches | us | share | marginal us | marginal us a launch |\n|---|---|---|---|---|---|")
+    named = [t for t in p["top"] if t["name"].startswith(("_", "nvjet"))]
+    rest = [t for t in p["top"] if t not in named]
+    for t in named:
+        print(f"| {t['name']} | {t['count_per_step']:.0f} | {t['us_per_step']:.0f} | {t['share']:.1%} | "
+              f"{t['marginal_us_per_step']:.0f} | {t['marginal_us_per_step'] / t['count_per_step']:.2f} |")
+    print(f"| other (copies, torch's index kernels) | {sum(t['count_per_step'] for t in rest):.0f} | "
+          f"{sum(t['us_per_step'] for t in rest):.0f} | {sum(t['share'] for t in rest):.1%} | "
+          f"{sum(t['marginal_us_per_step'] for t in rest):.0f} | |")
+    mg = sum(t["marginal_us_per_step"] for t in p["top"]) / 1e3
+    print(f"- {r['case']} ({r['rows_per_step']:.0f} rows at {r['mean_context']:.0f} tokens of context): "
+          f"{r['step_ms']:.2f} ms a step under the profiler; {p['kernels_per_step']:.0f} kernels, "
+          f"{p['gpu_us_per_step'] / 1e3:.2f} ms of kernel spans, {mg:.2f} ms of marginal time; GPU busy "
+          f"{g['busy_us_per_step'] / 1e3:.2f} ms and idle {g['idle_us_per_step'] / 1e3:.2f} ms a step")
+    rows, ctx, rate = r["rows_per_step"], round(r["mean_context"]), c["hbm_copy_gbps"] * 1e6
+    kv_ms = rows * (ctx + 1) * e["kv_bytes_per_token"] / rate
+    w_ms = e["weight_bytes_read"] / rate
+    mm_ms = 2 * rows * (e["linear_params"] + e["lm_head_params"]) / (c["bf16_matmul_tflops"] * 1e9)
+    dec = sum(t["marginal_us_per_step"] for t in p["top"] if t["name"] == "_decode_kernel") / 1e3
+    mm = sum(t["marginal_us_per_step"] for t in p["top"] if t["name"].startswith("nvjet")) / 1e3
+    print(f"- the floor's two parts at the same run's copy rate ({c['hbm_copy_gbps']:,.0f} GB/s): the KV read "
+          f"{kv_ms:.2f} ms, against _decode_kernel's {dec:.2f} ms of marginal time ({kv_ms / dec:.0%}); the weights' "
+          f"read {w_ms:.2f} ms, against the products' {mm:.2f} ms ({w_ms / mm:.0%}). The products' FLOPs at "
+          f"{rows:.0f} rows take {mm_ms:.2f} ms at the same run's bf16 matmul rate ({c['bf16_matmul_tflops']:.0f} "
+          f"TFLOP/s; {mm_ms / mm:.0%} of their marginal time); the step's floor is its bytes' time, its FLOPs' being "
+          f"less as a whole")
+
+    def mib_sites(peak: dict) -> str:
+        """The live blocks at a replayed peak by site, the probe pool (runner.py's) left out, MiB."""
+        return ", ".join(f"{s['site'].split('pdserve/')[-1]} {s['bytes'] / 2**20:.0f}" for s in peak["at_peak"]
+                         if "engine/runner.py" not in s["site"])
+
+    def pool_bytes(peak: dict) -> int:
+        return sum(s["bytes"] for s in peak["at_peak"] if "engine/runner.py" in s["site"])
+    pb, pc = load(f"{base}/s32b/probe.json"), load(f"{base}/s32c1/probe.json")
+    log = {f: _srv_line(f"{base}/{f}/server.log.gz", "largest step") for f in ("s32c1", "s32c2")}
+    fresh = {f: float(re.search(r"peaked at ([0-9.]+) GiB", ln).group(1)) for f, ln in log.items()}
+    model_b = sum(x["bytes"] for x in pb["before_probe"]["by_site"] if "pdserve/model/" in x["site"])
+    attn_b = sum("pdserve/ops/attention/" in x["site"] for x in pb["probe_peak"]["at_peak"]) or "none"
+    bb = e["block_bytes"]
+    bt = bb // e["kv_bytes_per_token"]
+    print(f"\nThe KV sizing probe (`probe_memory.py`: the engine built as `pdserve serve` builds dummy Qwen3-8B at "
+          f"--max-model-len 40960 and --gpu-memory-utilization 0.9, the allocator's history replayed). Before it, "
+          f"{pb['before_probe']['memory_allocated'] / 2**30:.3f} GiB allocated, {model_b / 2**30:.3f} of it at "
+          f"pdserve/model/ sites (the weights). s32b (machine 1, call 2, as sized until then): the engine's measured peak "
+          f"{pb['measured_peak_bytes'] / 2**30:.3f} GiB, the probe step's own peak plus library_reserve's bound of "
+          f"the library (cuDNN) attention's transients, added whole; replayed, the step's live blocks at its "
+          f"allocated peak came to {(pb['probe_peak']['allocated_peak_bytes'] - pool_bytes(pb['probe_peak'])) / 2**30:.3f} "
+          f"GiB beside the probe pool (MiB: {mib_sites(pb['probe_peak'])}), {attn_b} of them in pdserve/ops/attention/. s32c1 (machine "
+          f"2, the second probe: a prompt of 40959 tokens alone, its last chunk a whole 8192-token budget on the "
+          f"longest prefix, measured in place of the bound); s32c2 (machine 3, the same with an empty_cache at the end "
+          f"of engine start, reverted). Peaks, GiB above the weights; pool at 0.9 (blocks of {bt} tokens, "
+          f"{bb / 2**20:.2f} MiB each):\n")
+    print("| run | fresh rows' step | long prompt's last chunk | bound added | sizing peak | pool blocks | pool GiB | "
+          "KV tokens |\n|---|---|---|---|---|---|---|---|")
+    print(f"| s32b | not recorded apart | not run | added whole | {pb['measured_peak_bytes'] / 2**30:.3f} | {pb['num_blocks']:,} | "
+          f"{pb['num_blocks'] * bb / 2**30:.2f} | {pb['num_blocks'] * bt:,} |")
+    for f in ("s32c1", "s32c2"):
+        d = load(f"{base}/{f}/probe.json")
+        s = d["step_peak"]
+        print(f"| {f} | {fresh[f]:.2f} (the server's log) | {s['long_peak_bytes'] / 2**30:.3f} (prefix "
+              f"{s['long_prefix']}) | {s['bound_bytes'] / 2**30:.3f} | {s['peak_bytes'] / 2**30:.3f} | "
+              f"{d['num_blocks']:,} | {d['num_blocks'] * bb / 2**30:.2f} | {d['num_blocks'] * bt:,} |")
+    print(f"\n- s32b's measured {pb['measured_peak_bytes'] / 2**30:.3f} GiB less s32c1's fresh-rows step "
+          f"({fresh['s32c1']:.2f} GiB, the same step): {pb['measured_peak_bytes'] / 2**30 - fresh['s32c1']:.2f} GiB, "
+          f"the bound s32c no longer adds")
+    print(f"- s32c1's replayed peak (the long prompt's chunk): "
+          f"{(pc['probe_peak']['allocated_peak_bytes'] - pool_bytes(pc['probe_peak'])) / 2**30:.3f} GiB beside its "
+          f"pool (MiB: {mib_sites(pc['probe_peak'])})")
+    smi = {}
+    for f in ("s32c1", "s32c2"):
+        startup = (B / base / f / "startup.txt").read_text().strip()
+        used, total = (int(x) for x in re.findall(r"(\d+) MiB", (B / base / f / "mem.txt").read_text()))
+        smi[f] = used
+        print(f"- {f}, `pdserve serve` at 0.9: {startup}; nvidia-smi then: {used:,} of {total:,} MiB in use"
+              + (f" ({used - smi['s32c1']:+,} MiB against s32c1; this tree ends engine start with empty_cache)"
+                 if f == "s32c2" else ""))
+    print("\nThe KV sizing and warm-up GPU tests with the second probe and no margin (s32c1 at 2f2601a, s32c2 at "
+          "6b8940a; tests/engine/test_memory_profile.py and test_warmup.py, `-m gpu`):\n")
+    for f in ("s32c1", "s32c2"):
+        txt = (B / base / f / "gpu_tests.txt").read_text()
+        err = next(ln for ln in txt.splitlines() if "AssertionError" in ln).split("AssertionError: ", 1)[1]
+        used, allowed = (int(x) for x in re.search(r"and (\d+) <= (\d+)\)", txt).groups())
+        failed = next(ln for ln in txt.splitlines() if ln.startswith("FAILED")).split("::")[-1]
+        print(f"- {f}: `{_gpu_tests(f'{base}/{f}/gpu_tests.txt')}`; {failed}: {err} (over the share by "
+              f"{(used - allowed) / 2**20:.1f} MiB)")
+    print(f"- mem_tests (machine 4, GPU 0, at 872ff57, POOL_MARGIN_BYTES = 32 MiB; test_memory_profile.py's GPU tests, "
+          f"the largest steps beside pools sized at 0.3 and 0.6): `{_gpu_tests(f'{base}/mem_tests/gpu_tests.txt')}`")
+    print("- shipped: the second probe (2f2601a) and POOL_MARGIN_BYTES = 32 MiB (872ff57); the empty_cache at the end of "
+          "engine start (Worker.release_cached, 6b8940a) was reverted (f99a48a): s32c2's test failed as s32c1's")
+    f1, f2 = f"{base}/sbs_c256_1", f"{base}/sbs_c256_2"
+    print(f"\nThe side by side at 872ff57 (machine 4, a 2xH200: vLLM 0.22 on GPU 0 and pdserve on GPU 1 at once, dummy "
+          f"Qwen3-8B bf16, vLLM's `bench serve` client for both; the \"commit\" in comparison.json, "
+          f"{load(f'{f1}/comparison.json')['commit'][:7]}, is the device copy's stale HEAD). sbs_c256_1/: "
+          f"`SBS_WORKLOADS=\"1024:1024:512:256\" SBS_ROUNDS=1 SBS_CLIENTS=vllm lease_2xh200.sh sbs`, both servers' "
+          f"first start on the machine (kernels pdserve compiled while serving: {_compiles(f'{f1}/pdserve.log.gz')}):"
+          f"\n")
+    _sbs_table(f1)
+    print(f"\nsbs_c256_2/: the same, after mem_tests, with the compile caches the first call had filled (kernels "
+          f"pdserve compiled while serving: {_compiles(f'{f2}/pdserve.log.gz')}):\n")
+    _sbs_table(f2)
+    print()
+    for f in (f1, f2):
+        v = [_srv_line(f"{f}/vllm.log.gz", k) for k in ("torch.compile took", "Available KV cache memory")]
+        pool = re.search(r"the pool gets ([0-9.]+ GiB)", _srv_line(f"{f}/pdserve.log.gz", "the pool gets")).group(1)
+        ready = re.search(r"(\d+) KV blocks", _srv_line(f"{f}/pdserve.log.gz", "engine ready")).group(1)
+        vs = [re.search(r"(torch.compile took [0-9.]+ s|Available KV cache memory: [0-9.]+ GiB)", ln).group(1)
+              for ln in v]
+        print(f"- {f.split('/')[-1]}: vLLM's log: {vs[0]}, {vs[1]}; pdserve's: the pool gets {pool}, {ready} blocks")
+    comp = {f: load(f"{f}/comparison.json")["workloads"][0] for f in (f1, f2)}
+    srv = {f: {n: load(f"{f}/{n}_single_server.json") for n in ("vllm", "pdserve")} for f in (f1, f2)}
+
+    def check(x: float, bound: float, below: bool = True, digits: int = 3) -> str:
+        met = x <= bound if below else x >= bound
+        return f"{x:.{digits}f} ({'<=' if below else '>='} {bound}: {'met' if met else 'not met'})"
+
+    def ratios(key: str, below: bool = True, bound: float = 1) -> str:
+        return "; ".join(f"{f.split('/')[-1]}/ {check(w['pdserve'][key] / w['vllm'][key], bound, below)}"
+                         for f, w in comp.items())
+    print("\nAgainst issue 10's criteria, pdserve / vLLM as vLLM's client measured them:\n")
+    print("- KV tokens at --gpu-memory-utilization 0.9: " + "; ".join(
+        f"{f.split('/')[-1]}/ {x['pdserve']['kv_tokens']:,} / {x['vllm']['kv_tokens']:,} = "
+        f"{check(x['pdserve']['kv_tokens'] / x['vllm']['kv_tokens'], 1, False, 4)}" for f, x in srv.items()))
+    out = [w["pdserve"]["output_throughput"] / w["vllm"]["output_throughput"] for w in comp.values()]
+    print(f"- 1024/1024 c256 output tok/s: {ratios('output_throughput', False, 1.0)}; aim 1.15: "
+          f"{'met' if min(out) >= 1.15 else 'not met'}")
+    print(f"- mean TPOT: {ratios('mean_tpot_ms')}")
+    print(f"- mean TTFT: {ratios('mean_ttft_ms')}")
+    print("- start-up (launch to first completion): " + "; ".join(
+        f"{f.split('/')[-1]}/ {x['pdserve']['startup_s']:.1f} / {x['vllm']['startup_s']:.1f} s = "
+        f"{check(x['pdserve']['startup_s'] / x['vllm']['startup_s'], 1)}" for f, x in srv.items()))
+    offs = [next(lp for lp in load(f"{base}/s32a/loop_{i}_off.json")["loops"] if lp["async"]
+                 and lp["case"] == "loop:256x1024") for i in (1, 4)]
+    print("- steady decode at batch 256, of its floor (s32a's off arms): " + "; ".join(
+        f"{lp['step_ms']:.2f} ms, {check(lp['fraction_of_floor'], 0.8, False)}" for lp in offs))
+
+
 def session31() -> None:
     """Session 31 (machine 1, an H200, three calls; machine 2, another H200; machine 4, a 2xH200, after machine 3
     failed its staging): where the shipped batch-1 step's time goes under PDL (each kernel's marginal time); the
@@ -2459,6 +2623,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session32()
+    print()
     session31()
     print()
     session30()
