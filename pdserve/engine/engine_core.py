@@ -151,6 +151,7 @@ class EngineCore:
         if (self.device.type == "cuda") if config.warmup is None else config.warmup:
             with self.executor.closing_on_error():
                 self.warmup = warm_up(self)
+        self.executor.collective_rpc("release_cached")  # steps reserve from what is allocated, as the probe measured
         self.executor.collective_rpc("arm_watchers")  # kernels compiled, cuDNN plans built from here on: logged, counted
         log.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB each), role %s",
                  time.time() - t0, config.model, self.device, self.dtype, num_blocks, config.block_size, bb / 2**20,

@@ -170,6 +170,15 @@ class Worker:
         torch.cuda.empty_cache()  # what loading left cached but unused (temporaries of the weights' init) is free
         return torch.cuda.mem_get_info(self.device)
 
+    def release_cached(self) -> None:
+        """Give the allocator's free cached blocks back to the device (CUDA; nothing on CPU): at the end of the
+        engine's start, so that its steps reserve from what is allocated, as the KV sizing probe measured them
+        (mark_memory). Left cached, blocks the start had freed stayed reserved beside the largest step's own (0.03
+        GiB, test_memory_profile on an H200, benchmarks/lease_s32)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     def arm_watchers(self) -> None:
         """Count and log the kernels Triton compiles (pdserve.ops.jit_watch) and the cuDNN attention plans torch builds
         (pdserve.ops.attention.plan_watch) from now on in this rank's process."""
