@@ -72,10 +72,10 @@ def _start(cmd: list[str], pattern: str, timeout: float) -> tuple[subprocess.Pop
         raise RuntimeError(f"{cmd} did not start:\n{''.join(seen[-30:])}") from None
 
 
-def start_instance(role: str) -> tuple[subprocess.Popen, str]:
+def start_instance(role: str, *extra: str) -> tuple[subprocess.Popen, str]:
     # PDSERVE_TEST_INSTANCE_CMD: run these tests against another instance command (e.g. a wrapper under test)
     base = os.environ.get("PDSERVE_TEST_INSTANCE_CMD", f"{sys.executable} -m pdserve.server").split()
-    cmd = [*base, "--role", role, "--port", "0", "--cpu-kv-cache-gb", "0.25", "--log-level", "warning"]
+    cmd = [*base, "--role", role, "--port", "0", "--cpu-kv-cache-gb", "0.25", "--log-level", "warning", *extra]
     return _start(cmd, r"serving .* on (http://\S+)", timeout=300)
 
 
@@ -120,8 +120,10 @@ def cluster():
         roles = {"ref": "both"}
         if DISAGG_READY:
             roles.update({"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"})
+        # a decode instance holds the blocks it reserved for a dead prefill peer 10 s (the kill test waits that out)
+        lease = ("--kv-lease", "10")
         with concurrent.futures.ThreadPoolExecutor(len(roles)) as pool:
-            for name, started in zip(roles, pool.map(start_instance, roles.values())):
+            for name, started in zip(roles, pool.map(lambda role: start_instance(role, *lease), roles.values())):
                 c.add(name, started)
         if DISAGG_READY:
             c.pd_wired = run(_serves_pd_route(c.urls["p0"]))
@@ -392,7 +394,8 @@ def test_killed_prefill_leads_to_retry_or_local_prefill(cluster, expected):
                 assert await complete(s, url, f"{i} " + p, stream=bool(i % 2)) is not None
             for p in PROMPTS:
                 assert await complete(s, url, p, stream=False) == expected[p]
-            # a reservation whose prefill peer died mid-order is quarantined until its lease (30 s) runs out
+            # a reservation whose prefill peer died mid-order is quarantined until its lease (10 s: the cluster's
+            # --kv-lease) runs out
             await assert_pools_whole(s, [cluster.urls[n] for n in ("p1", "d0")], timeout=45)
 
     run(main())
