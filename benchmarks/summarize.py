@@ -625,7 +625,8 @@ def session27() -> None:
 
 
 def session32() -> None:
-    """Session 32 (machine 1, an H200, two calls; machines 2 and 3, an H200 each, one call; machine 4, a 2xH200):
+    """Session 32 (machine 1, an H200, two calls; machines 2 and 3, an H200 each, one call; machine 4, a 2xH200;
+    machine 5, an H200, one call):
     the rotary in the decode kernel's many-program launch; where the batch-256 step's time goes; what the KV sizing
     probe's peak was made of; the second probe that measures the library attention's transients in place of their
     bound; the side by side at 1024/1024 c256, twice."""
@@ -636,13 +637,8 @@ def session32() -> None:
           "step (of the floor). off: as shipped; many: `bench_steps.py --decode-rope-many` (held to "
           "decode.ROPE_MAXNREG registers); many0: many without that limit (`--decode-rope-maxnreg 0`), which lifts "
           "it from the batch-1 launch too:\n")
-    arms = [("off", 1), ("many", 2), ("many0", 3), ("off", 4), ("many", 5), ("many0", 6)]
-    _loop_arms(f"{base}/s32a", arms)
-    means = _arm_means(f"{base}/s32a", arms)
-    print()
-    for arm in ("many", "many0"):
-        print(f"- {arm} - off, the mean of each arm's two: " + ", ".join(
-            f"{case} {m[arm] - m['off']:+.3f} ms" for case, m in means.items()))
+    _arm_ab(f"{base}/s32a", [("off", 1), ("many", 2), ("many0", 3), ("off", 4), ("many", 5), ("many0", 6)],
+            ("many", "many0"))
     print("- not shipped: decode.ROPE_MANY_PROGRAMS stays False (a batch-256 step keeps the rotary kernel)")
     m = load(f"{base}/s32a/marginal256.json")
     r = next(r for r in m["loops"] if "profile" in r)
@@ -702,7 +698,7 @@ def session32() -> None:
           f"GiB beside the probe pool (MiB: {mib_sites(pb['probe_peak'])}), {attn_b} of them in pdserve/ops/attention/. s32c1 (machine "
           f"2, the second probe: a prompt of 40959 tokens alone, its last chunk a whole 8192-token budget on the "
           f"longest prefix, measured in place of the bound); s32c2 (machine 3, the same with an empty_cache at the end "
-          f"of engine start, reverted). Peaks, GiB above the weights; pool at 0.9 (blocks of {bt} tokens, "
+          f"of engine start, Worker.release_cached). Peaks, GiB above the weights; pool at 0.9 (blocks of {bt} tokens, "
           f"{bb / 2**20:.2f} MiB each):\n")
     print("| run | fresh rows' step | long prompt's last chunk | bound added | sizing peak | pool blocks | pool GiB | "
           "KV tokens |\n|---|---|---|---|---|---|---|---|")
@@ -739,8 +735,10 @@ def session32() -> None:
               f"{(used - allowed) / 2**20:.1f} MiB)")
     print(f"- mem_tests (machine 4, GPU 0, at 872ff57, POOL_MARGIN_BYTES = 32 MiB; test_memory_profile.py's GPU tests, "
           f"the largest steps beside pools sized at 0.3 and 0.6): `{_gpu_tests(f'{base}/mem_tests/gpu_tests.txt')}`")
-    print("- shipped: the second probe (2f2601a) and POOL_MARGIN_BYTES = 32 MiB (872ff57); the empty_cache at the end of "
-          "engine start (Worker.release_cached, 6b8940a) was reverted (f99a48a): s32c2's test failed as s32c1's")
+    print("- shipped: the second probe (2f2601a) and POOL_MARGIN_BYTES = 32 MiB (872ff57). The empty_cache at the end of "
+          "engine start (Worker.release_cached, 6b8940a) changed nothing the test read (it runs no warm-up) and was "
+          "reverted (f99a48a), then re-landed (3f26370) for what nvidia-smi read after a server's start and first "
+          "completion (above: two machines); the side by side below ran at 872ff57, without it")
     f1, f2 = f"{base}/sbs_c256_1", f"{base}/sbs_c256_2"
     print(f"\nThe side by side at 872ff57 (machine 4, a 2xH200: vLLM 0.22 on GPU 0 and pdserve on GPU 1 at once, dummy "
           f"Qwen3-8B bf16, vLLM's `bench serve` client for both; the \"commit\" in comparison.json, "
@@ -786,6 +784,24 @@ def session32() -> None:
                  and lp["case"] == "loop:256x1024") for i in (1, 4)]
     print("- steady decode at batch 256, of its floor (s32a's off arms): " + "; ".join(
         f"{lp['step_ms']:.2f} ms, {check(lp['fraction_of_floor'], 0.8, False)}" for lp in offs))
+    d = load(f"{base}/s32d/steps.json")
+    c = d["ceilings"]
+    print(f"\nThe engine microbenchmark at 85a6c75 (the engine code of 872ff57; s32d, machine 5, an H200, "
+          f"`lease_1gpu.sh s32d`: bench_steps.py's default cases, dummy Qwen3-8B, --iters {d['args']['iters']}, loops "
+          f"of {d['args']['loop_steps']} steps at temperature {d['args']['loop_temperature']}; same run: HBM copy "
+          f"{c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s):\n")
+    print("| step | path | floor ms (bound) | ms | of floor |\n|---|---|---|---|---|")
+    for r in d["results"]:
+        print(f"| {r['case']} | {r['path']} | {r['floor_ms']:.2f} ({r['bound']}) | {r['step_ms_median']:.2f} | "
+              f"{r['fraction_of_floor']:.0%} |")
+    for lp in d["loops"]:
+        if lp["async"]:
+            print(f"| {lp['case']} steady, async ({lp['rows_per_step']:.0f} rows at {lp['mean_context']:.0f}) | "
+                  f"engine loop | {lp['floor_ms']:.2f} (memory) | {lp['step_ms']:.2f} | {lp['fraction_of_floor']:.0%} |")
+    pf = next(r for r in d["results"] if r["case"] == "prefill:8192")
+    b256 = next(lp for lp in d["loops"] if lp["async"] and lp["case"] == "loop:256x1024")
+    print(f"\n- prefill of 8k tokens, of the matmul ceiling: {check(pf['fraction_of_floor'], 0.75, False)}")
+    print(f"- steady decode at batch 256, of its floor: {check(b256['fraction_of_floor'], 0.8, False)}")
 
 
 def session31() -> None:
@@ -927,13 +943,7 @@ def session31() -> None:
           + _gpu_tests(f"{base}/s31e/gpu_tests_engine.txt") + "`), then the loops, one process an arm, in order, at "
           "temperature 1, ms a step (of the floor). on: `bench_steps.py --decode-rope` (the newest key's one-row tile "
           "held to 128 registers, decode.ROPE_MAXNREG); on0: on without that limit (`--decode-rope-maxnreg 0`):\n")
-    arms = [("off", 1), ("on", 2), ("on0", 3), ("off", 4), ("on", 5), ("on0", 6)]
-    _loop_arms(f"{base}/s31e", arms)
-    means = _arm_means(f"{base}/s31e", arms)
-    print()
-    for arm in ("on", "on0"):
-        print(f"- {arm} - off, the mean of each arm's two: " + ", ".join(
-            f"{case} {m[arm] - m['off']:+.3f} ms" for case, m in means.items()))
+    _arm_ab(f"{base}/s31e", [("off", 1), ("on", 2), ("on0", 3), ("off", 4), ("on", 5), ("on0", 6)], ("on", "on0"))
     sbs, c256 = f"{base}/sbs", f"{base}/sbs_c256"
     print(f"\nThe side by side with vLLM at the shipped code (machine 4, a 2xH200: vLLM 0.22 on GPU 0 and pdserve on "
           f"GPU 1 at once, dummy Qwen3-8B bf16, vLLM's `bench serve` client for both; tree b5e9d24 with "
@@ -1074,6 +1084,16 @@ def _loop_arms(folder: str, arms: list[tuple[str, int]]) -> None:
     for case in data[0]:
         print(f"| {case} | " + " | ".join(f"{d[case]['step_ms']:.2f} ({d[case]['fraction_of_floor']:.0%})"
                                           for d in data) + " |")
+
+
+def _arm_ab(folder: str, arms: list[tuple[str, int]], tried: tuple[str, ...]) -> None:
+    """_loop_arms' table, then each tried arm's mean step less the off arms' mean, per loop case."""
+    _loop_arms(folder, arms)
+    means = _arm_means(folder, arms)
+    print()
+    for arm in tried:
+        print(f"- {arm} - off, the mean of each arm's two: " + ", ".join(
+            f"{case} {m[arm] - m['off']:+.3f} ms" for case, m in means.items()))
 
 
 def _arm_means(folder: str, arms: list[tuple[str, int]]) -> dict[str, dict[str, float]]:
