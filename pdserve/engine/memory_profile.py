@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 
 POOL_MARGIN_BYTES = 32 << 20  # left free beyond the measured peak: what the engine allocates after the probe (its
 # runner's buffers) and the allocator's rounding beside the real pool. With none (as in vLLM), the largest step beside
-# a pool sized at 0.6 of an H200 overran the share by 0.007 GiB: 0.002 more reserved than the probe measured, the rest
-# made after it (test_memory_profile, benchmarks/lease_s32/s32c1); until session 32 the library attention's bound,
+# a pool sized at 0.6 of an H200 overran the share by 0.007 GiB, of which the step reserved 0.002 more than the probe
+# had measured (test_memory_profile, benchmarks/lease_s32/s32c1); until session 32 the library attention's bound,
 # added whole, had hidden it. On a crowded GPU AFTER_POOL_RESERVE_BYTES stays free
 AFTER_POOL_RESERVE_BYTES = 1 << 30  # kept free on a crowded GPU for what comes after the pool: CUDA graphs (vLLM's
 # took 1.00 GiB for Qwen3-8B on an H200, benchmarks/lease_s8/sbs/vllm.log.gz), cuBLAS workspaces of the capture
@@ -118,8 +118,9 @@ def measure_step_peak(executor: Executor, max_num_batched_tokens: int, max_num_s
     `long_probe` says so, a second probe follows: one prompt of max_model_len - 1 tokens, alone, its chunks
     (long_prompt_chunks) each measured; its last chunk is a whole budget on the longest prefix, so the layer's
     gathered prefix and cuDNN calls are in what it measures. The peak is the larger of the two probes'. Where the
-    GPU cannot hold that prompt's pool beside what the first probe took (`block_bytes` per rank), or its chunks are
-    too short for the library (MIN_CHUNK), library_reserve's bound is added to the first probe's peak instead."""
+    GPU cannot hold that prompt's pool beside what the first probe took (`block_bytes` per rank), or its last chunk
+    is too short for the library (MIN_FRESH alone, MIN_CHUNK on a prefix), library_reserve's bound is added to the
+    first probe's peak instead."""
     lens = probe_prompt_lens(max_num_batched_tokens, max_num_seqs, max_model_len)
     num_blocks = probe_blocks(lens, block_size)
     params = probe_params()
@@ -145,8 +146,9 @@ def measure_step_peak(executor: Executor, max_num_batched_tokens: int, max_num_s
         from pdserve.ops.attention import library_prefill as lib
 
         room = min(free for free, *_ in executor.pool_memory()) - AFTER_POOL_RESERVE_BYTES - peak - bound
-        if chunks[-1] < lib.MIN_CHUNK or long_blocks * block_bytes > room:
-            long_probe = False  # the library may take chunks this probe cannot run, or it does not fit: the bound
+        takes_last = chunks[-1] >= (lib.MIN_FRESH if len(chunks) == 1 else lib.MIN_CHUNK)
+        if not takes_last or long_blocks * block_bytes > room:
+            long_probe = False  # the library would not take the last chunk, or its pool does not fit: the bound
     if long_probe:
         long_peak = 0
         try:

@@ -148,6 +148,29 @@ def test_long_prompt_probe_runs_its_chunks_alone_and_leaves_nothing(tiny_model_d
         ex.close()
 
 
+@pytest.mark.parametrize("case", ["fits", "no room", "short chunk"])
+def test_long_prompt_probe_or_the_bound(tiny_model_dirs, monkeypatch, case):
+    """Where a rank says the library attention may take prefill rows (library_reserve > 0), the second probe runs if
+    its pool fits beside the first probe's peak and the bound, and the library would take its last chunk; else the
+    bound is added to the first probe's peak, as before the second probe existed."""
+    import pdserve.engine.memory_profile as mp
+
+    ex, hf, cfg = _executor(tiny_model_dirs["qwen3"], 1)
+    try:
+        monkeypatch.setattr(mp, "library_reserve", lambda worker, *a: 12345)
+        monkeypatch.setattr(lib, "MIN_CHUNK", 16 if case != "short chunk" else 17)  # the last chunk is 16 tokens
+        free = 1 << 40 if case != "no room" else mp.AFTER_POOL_RESERVE_BYTES + 12345 + 15 * 1000 - 1
+        monkeypatch.setattr(ex, "pool_memory", lambda: [(free, 1 << 40, 0, 0, 0)])
+        peak = measure_step_peak(ex, 16, 6, 60, 4, "auto", torch.float32, hf.vocab_size, block_bytes=1000)
+        if case == "fits":  # 15 blocks of 1000 bytes fit: measured (0 on CPU), no bound
+            assert (peak.long_prefix, peak.bound_bytes, peak.peak_bytes) == (43, 0, 0)
+        else:
+            assert (peak.long_prefix, peak.bound_bytes, peak.peak_bytes) == (0, 12345, 12345)
+        assert ex.runner is None
+    finally:
+        ex.close()
+
+
 def test_engine_after_a_probe_answers_as_before(tiny_model_dirs, monkeypatch):
     """An engine whose executor ran the probe step before its pool was made gives the same greedy tokens as one
     whose executor did not (the probe's pool and KV leave no trace)."""
