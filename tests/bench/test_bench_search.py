@@ -77,8 +77,10 @@ def test_trial_size():
 # machine it reached 95 ms; in one full run (session 29) two of a trial's 11 requests came more than 188 ms late, so
 # the time scale is twice what it was then: the test checks the search against what was measured, and against the
 # model only where noise cannot decide (a trial the model fails never passes; one at least NOISE under the limit
-# passes).
-C, L, N = 0.0028, 0.6, 11
+# passes). N = 6 requests a trial (it was 11): the model and every check hold for any N; the search still takes five
+# trials a length, with passes and failures and both model checks along the way (asserted below), each trial about
+# half as long (the test 39 s -> ~23 s on a 2-core CPU).
+C, L, N = 0.0028, 0.6, 6
 NOISE = 0.3
 LENS = (80, 160)
 SEARCH = dict(start_rate=16.0, growth=2.0, tolerance=0.25, min_rate=0.5, max_rate=400.0)
