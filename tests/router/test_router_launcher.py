@@ -110,7 +110,9 @@ def test_launcher_accepts_the_namespace_of_pdserve_serve():
 
 
 def test_launcher_restarts_an_instance_that_died(tmp_path):
-    proc = _launch(tmp_path, "--decode", "1")
+    # the router probes an instance it took out after 1 s instead of 5 (the default): the restarted instance is
+    # routed to again sooner, by the same probe
+    proc = _launch(tmp_path, "--decode", "1", "--breaker-cooldown", "1")
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
     seen: list[str] = []
