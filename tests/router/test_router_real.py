@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 DISAGG_READY = importlib.util.find_spec("pdserve.disagg.export_side") is not None
 PD_ROUTE = "/internal/pd/prefill"  # served by instances that run the handover (pdserve.disagg.routes)
-MAX_TOKENS = 8
+MAX_TOKENS = 6  # as test_pd_transports: the first token from the prefill side, five decoded over the handed-over KV
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, and never invent facts. " * 3
 PROMPTS = [
     "The capital of France is",
@@ -359,7 +359,9 @@ def test_killed_decode_errors_promptly_and_survivor_serves(cluster, expected):
 
     async def main():
         url = cluster.urls["r_2p2d"]
-        body = {"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        # 30 tokens: both streams are still running at the kill, which comes after their first chunk (~3 s of
+        # tokens are left on a 2-core CPU)
+        body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}
         async with aiohttp.ClientSession() as s:
             # two streams at once: the router's round robin puts one on each decode instance
             streams = [await s.post(url + "/v1/completions", json=body) for _ in range(2)]
