@@ -7,14 +7,13 @@ signed handover; every answer must equal the decode instance's own answer to the
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import time
 import urllib.request
 
 import pytest
 
-from tests.router.test_router_real import DISAGG_READY, PD_ROUTE, start_instance, start_router, stop
+from tests.router.test_router_real import DISAGG_READY, PD_ROUTE, start_router, stop
 
 openai = pytest.importorskip("openai")
 
@@ -41,17 +40,15 @@ def wait_for_engine_stats(url: str, timeout_s: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def deployment():
+def deployment(real_instances):
+    """A prefill and a decode instance of the router package's (tests/router/conftest.py: started at once, model
+    loading dominates) behind this module's router."""
     if not DISAGG_READY:
         pytest.skip("pdserve.disagg is not available")
     procs = []
     try:
-        # both instances start at once (loading the model dominates); every started one is stopped on any error
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futs = [pool.submit(start_instance, role) for role in ("prefill", "decode")]
-            concurrent.futures.wait(futs)
-        procs.extend(f.result()[0] for f in futs if f.exception() is None)
-        p, d = (f.result() for f in futs)
+        started = real_instances.get("p0", "d0")
+        p, d = started["p0"], started["d0"]
         for url in (p[1], d[1]):
             wait_for_engine_stats(url)
         status = 0

@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.router.test_router_real import start_instance, start_router, stop
+from tests.router.test_router_real import start_router, stop
 from tests.server.fuzz import Case, fuzz_during, generate_cases
 from tests.server.test_fuzz import STREAM_PROMPTS
 
@@ -24,17 +24,15 @@ KEY = "router-fuzz-key"
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    inst = start_instance("both")
-    router = None
+def deployment(real_instances):
+    """The router package's colocated instance (tests/router/conftest.py) behind this module's router."""
+    _, url = real_instances.get("ref")["ref"]
+    router = start_router("--both", url, "--api-key", KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                          "--body-read-timeout", "2")
     try:
-        router = start_router("--both", inst[1], "--api-key", KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                              "--body-read-timeout", "2")
-        yield inst[1], router[1]
+        yield url, router[1]
     finally:
-        if router is not None:
-            stop(router[0])
-        stop(inst[0])
+        stop(router[0])
 
 
 async def greedy_stream(session: aiohttp.ClientSession, url: str, prompt: str) -> str:

@@ -5,8 +5,9 @@ streaming and not, including prompts whose prefix the decode instance already ca
 and mid-handover must leave every KV pool whole; a killed decode instance gives its client an error and later
 requests go to the survivor; a killed prefill instance leads to retry or local prefill, not failures.
 
-Module-scoped: one set of instances serves every test (model loading dominates the cost). The kill tests come
-last in the file because they take instances down.
+The instances are the router package's (tests/router/conftest.py: started once, shared with test_router_api_live and
+test_router_fuzz, which run before this module; model loading dominates the cost); the routers are this module's.
+The kill tests come last in the file because they take instances down.
 """
 
 from __future__ import annotations
@@ -99,32 +100,30 @@ class Cluster:
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
+        self.own: list[subprocess.Popen] = []  # what close() stops: the routers (the instances are the package's)
         self.pd_wired = False
 
     def require_pd(self) -> None:
         if not self.pd_wired:
             pytest.skip("the instances do not serve the PD routes yet (pdserve.disagg not wired into the server)")
 
-    def add(self, name: str, started: tuple[subprocess.Popen, str]) -> None:
+    def add(self, name: str, started: tuple[subprocess.Popen, str], own: bool = False) -> None:
         self.procs[name], self.urls[name] = started
+        if own:
+            self.own.append(started[0])
 
     def close(self) -> None:
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.procs))) as pool:  # all at once
-            list(pool.map(stop, self.procs.values()))
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.own))) as pool:  # all at once
+            list(pool.map(stop, self.own))
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(real_instances):
     c = Cluster()
     try:
-        roles = {"ref": "both"}
-        if DISAGG_READY:
-            roles.update({"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"})
-        # a decode instance holds the blocks it reserved for a dead prefill peer 10 s (the kill test waits that out)
-        lease = ("--kv-lease", "10")
-        with concurrent.futures.ThreadPoolExecutor(len(roles)) as pool:
-            for name, started in zip(roles, pool.map(lambda role: start_instance(role, *lease), roles.values())):
-                c.add(name, started)
+        names = ["ref", *(("p0", "p1", "d0", "d1") if DISAGG_READY else ())]
+        for name, started in real_instances.get(*names).items():
+            c.add(name, started)
         if DISAGG_READY:
             c.pd_wired = run(_serves_pd_route(c.urls["p0"]))
         routers = {"r_colo": ("--both", c.urls["ref"])}
@@ -137,7 +136,7 @@ def cluster():
             concurrent.futures.wait(futs.values())
         for name, fut in futs.items():  # every started one is added (and stopped by close) before any error
             if fut.exception() is None:
-                c.add(name, fut.result())
+                c.add(name, fut.result(), own=True)
         for fut in futs.values():
             fut.result()
         yield c
@@ -396,8 +395,8 @@ def test_killed_prefill_leads_to_retry_or_local_prefill(cluster, expected):
                 assert await complete(s, url, f"{i} " + p, stream=bool(i % 2)) is not None
             for p in PROMPTS:
                 assert await complete(s, url, p, stream=False) == expected[p]
-            # a reservation whose prefill peer died mid-order is quarantined until its lease (10 s: the cluster's
-            # --kv-lease) runs out
+            # a reservation whose prefill peer died mid-order is quarantined until its lease (10 s: the instances'
+            # --kv-lease, tests/router/conftest.py) runs out
             await assert_pools_whole(s, [cluster.urls[n] for n in ("p1", "d0")], timeout=45)
 
     run(main())
