@@ -175,7 +175,7 @@ def test_prompt_longer_than_the_context_can_hold_is_refused_untokenized():
 
 def test_tokenization_that_does_not_finish_in_time_gets_503():
     async def t(s, url, llm):
-        llm.tokenizer.delay_s = 3.0
+        llm.tokenizer.delay_s = 1.0  # past the 0.3 s timeout (the run then waits for it, as asyncio.run ends)
         async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
             assert (await expect_error(r, 503))["code"] == "timeout"
             assert r.headers["Retry-After"] == "1"
