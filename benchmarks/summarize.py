@@ -527,6 +527,11 @@ def _ab_steps(runs: list[tuple[str, dict]]) -> None:
                 f"{x['loops'][i]['step_ms']:.2f} ({x['loops'][i]['fraction_of_floor']:.0%})" for _, x in runs) + " |")
 
 
+def _ceilings(c: dict) -> str:
+    """A run's measured ceilings (bench JSON "ceilings") as the tables' captions quote them."""
+    return f"HBM copy {c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s"
+
+
 def _gpu_tests(rel: str) -> str:
     """The pytest summary line of a stage's GPU tests."""
     return next(ln for ln in reversed((B / rel).read_text().splitlines()) if " passed" in ln).strip()
@@ -575,11 +580,10 @@ def session27() -> None:
     the single-GPU side by side with 32k and 256-token outputs; decoders under a stream of long prompts."""
     base = "lease_s27"
     lt = load(f"{base}/s27a/lt_algos.json")
-    c = lt["ceilings"]
     print(f"cuBLASLt's candidate algorithms for Qwen3-8B's products (s27a, an H200, `probe_lt_algos.py`: up to 32 asked, "
           f"8 returned a shape; each timed in a CUDA graph over weight copies larger than L2 and checked against "
-          f"torch.mm; same run: HBM copy {c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} "
-          f"TFLOP/s), the best candidate against torch's own pick (the first answer), us:\n")
+          f"torch.mm; same run: {_ceilings(lt['ceilings'])}), the best candidate against torch's own pick (the first "
+          f"answer), us:\n")
     rows = sorted({r["rows"] for r in lt["results"]})
     print("| projection | " + " | ".join(f"{m} rows: torch / best" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
@@ -785,11 +789,10 @@ def session32() -> None:
     print("- steady decode at batch 256, of its floor (s32a's off arms): " + "; ".join(
         f"{lp['step_ms']:.2f} ms, {check(lp['fraction_of_floor'], 0.8, False)}" for lp in offs))
     d = load(f"{base}/s32d/steps.json")
-    c = d["ceilings"]
     print(f"\nThe engine microbenchmark at 85a6c75 (the engine code of 872ff57; s32d, machine 5, an H200, "
           f"`lease_1gpu.sh s32d`: bench_steps.py's default cases, dummy Qwen3-8B, --iters {d['args']['iters']}, loops "
-          f"of {d['args']['loop_steps']} steps at temperature {d['args']['loop_temperature']}; same run: HBM copy "
-          f"{c['hbm_copy_gbps']:,.0f} GB/s, bf16 matmul {c['bf16_matmul_tflops']:.0f} TFLOP/s):\n")
+          f"of {d['args']['loop_steps']} steps at temperature {d['args']['loop_temperature']}; same run: "
+          f"{_ceilings(d['ceilings'])}):\n")
     print("| step | path | floor ms (bound) | ms | of floor |\n|---|---|---|---|---|")
     for r in d["results"]:
         print(f"| {r['case']} | {r['path']} | {r['floor_ms']:.2f} ({r['bound']}) | {r['step_ms_median']:.2f} | "
