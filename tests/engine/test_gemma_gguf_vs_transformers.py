@@ -28,11 +28,22 @@ def test_default_gguf_greedy_matches_transformers(monkeypatch):
     import functools
 
     import gguf
+    import numpy as np
     from transformers import AutoModelForCausalLM
+
+    class Reader(gguf.GGUFReader):
+        """gguf's own reader, over a plain ndarray view of its memory map: numpy runs Python code for every slice
+        of an np.memmap, and the reader takes ~800k slices of Gemma's 262k-token vocabulary (9.6 s -> 3.4 s; the
+        same fields and tensors, byte for byte)."""
+
+        def _get(self, *args, **kwargs):
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)  # the same memory (the view keeps the map alive)
+            return super()._get(*args, **kwargs)
 
     # transformers parses the file twice (config, then tensors); parsing Gemma's 262k-token vocabulary is most of
     # a minute each time. The second parse reads the same file: reuse the first reader.
-    monkeypatch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=2)(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=2)(Reader))
 
     from pdserve import LLM, SamplingParams
     from pdserve.model.default_model import resolve_model_path
