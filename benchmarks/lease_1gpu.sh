@@ -173,6 +173,10 @@
 #   s32d       the engine microbenchmark at the session's tree: bench_steps.py's default cases (decode at 1 and 256
 #              rows of ~1k, 1 and 32 of ~8k, the 8k prefill against the matmul ceiling, a mixed step) and its steady
 #              loops at temperature 1, dummy Qwen3-8B
+#   s33a       the decode kernel's grid heads first (decode.HEAD_FIRST, off as shipped): the KV read probe (quick: the
+#              paged read's best tiles and the decode kernel, both grid orders) at 12 and 36 layers a block (0.79 and
+#              2.36 MB blocks) with random pages and at 36 with each row's pages in order; the heads-first GPU tests;
+#              then loops at 256x1k and 1x8k, one process an arm, in order off, hf, off, hf
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1221,6 +1225,20 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
       --profile-loop 256x1024 --loop-steps 20 --loop-temperature 1.0 --out "$W/marginal256.json" \
       > "$W/marginal256.txt" 2>&1
     grep -v " INFO " "$W/marginal256.txt" 2>/dev/null | grep -E "^loop[^ ]*:|^\||^profile|marginal" | cut -c1-300 | head -30
+    save ;;
+  s33a)  # the decode kernel's grid heads first (decode.HEAD_FIRST): probes, tests, then the loops per arm
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    for v in "12 random" "36 random" "36 seq"; do
+      set -- $v
+      timeout 90 python3 benchmarks/attention/probe_kv_read.py --quick --layers $1 --pages $2 \
+        --out "$W/kv_read_$1_$2.json" > "$W/kv_read_$1_$2.txt" 2>&1
+      grep -E "GB a layer|paged|decode|Error" "$W/kv_read_$1_$2.txt" | cut -c1-200
+    done
+    timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      -k heads_first 2>&1 | tee "$W/gpu_tests.txt" | tail -3
+    save
+    arm_flags() { case $1 in off) echo "--no-decode-head-first" ;; hf) echo "--decode-head-first" ;; esac; }
+    b1_arms 580 95 16384 256x1024,1x8192 off hf off hf
     save ;;
   s32b)  # the KV sizing probe's peak by allocation site
     timeout 200 python3 benchmarks/engine/probe_memory.py --out "$W/probe.json" > "$W/probe.txt" 2>&1

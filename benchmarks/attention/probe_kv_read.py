@@ -33,9 +33,15 @@ from pdserve.ops.attention.decode import decode_tile, paged_decode
 @triton.jit
 def _paged_read_kernel(KV, BT, Out, s_kvb, s_kvkv, s_kvt, s_kvh, s_btb, seq_len,
                        D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       EVICT: tl.constexpr):
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
+                       EVICT: tl.constexpr, HEAD_FIRST: tl.constexpr = False):
+    if HEAD_FIRST:  # grid (KV heads, rows): a row's heads side by side, as decode.HEAD_FIRST
+        b = tl.program_id(1)
+        hk = tl.program_id(0)
+        num_hk = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        hk = tl.program_id(1)
+        num_hk = tl.num_programs(1)
     d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     for n0 in tl.range(0, seq_len, BLOCK_N, num_stages=STAGES):
@@ -46,7 +52,7 @@ def _paged_read_kernel(KV, BT, Out, s_kvb, s_kvkv, s_kvt, s_kvh, s_btb, seq_len,
         k = tl.load(KV + base[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT)
         v = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT)
         acc += k.to(tl.float32) + v.to(tl.float32)
-    tl.store(Out + (b * tl.num_programs(1) + hk) * D + d, tl.sum(acc, 0))
+    tl.store(Out + (b * num_hk + hk) * D + d, tl.sum(acc, 0))
 
 
 @triton.jit
@@ -69,6 +75,8 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--pages", choices=("random", "seq"), default="random",
+                    help="the block table: random pages, or each row's pages one after the other (a fresh pool)")
 
 
 def step_pool(args, dev: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, int]:
@@ -80,7 +88,8 @@ def step_pool(args, dev: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]
     pool = torch.randn((nb, hk, nl, 2, bs, d), dtype=torch.bfloat16, device=dev)
     layers = [pool[:, :, i].permute(0, 2, 3, 1, 4) for i in range(nl)]
     rng = np.random.default_rng(0)
-    bt = torch.tensor(rng.permutation(nb)[: b * width].reshape(b, width).astype(np.int32), device=dev)
+    ids = rng.permutation(nb) if getattr(args, "pages", "random") == "random" else np.arange(nb)
+    bt = torch.tensor(ids[: b * width].reshape(b, width).astype(np.int32), device=dev)
     return pool, layers, bt, b * ctx * hk * d * 2 * 2
 
 
@@ -100,6 +109,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_step_args(ap)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="only the paged read's best settings of session 22 (64 keys, 4 warps, 2 and 3 stages), no flat "
+                         "stream, the decode kernel at the engine's tile; each in both grid orders")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     hbm = hbm_copy_gbps(dev)
@@ -113,24 +125,29 @@ def main(argv=None) -> int:
     report = reporter(rec, kv_bytes, hbm, 8, 45)
 
     print(f"{torch.cuda.get_device_name(dev)}: HBM copy {hbm:.0f} GB/s; {b} rows x {ctx} keys x {hk} KV heads: "
-          f"{kv_bytes / 1e9:.2f} GB a layer", flush=True)
-    for block_n, warps, stages, evict in itertools.product((16, 32, 64, 128), (4, 8), (2, 3, 4),
-                                                           ("", "evict_first")):
-        def run(lay, block_n=block_n, warps=warps, stages=stages, evict=evict):
-            _paged_read_kernel[(b, hk)](lay, bt, out, lay.stride(0), lay.stride(1), lay.stride(2), lay.stride(3),
-                                        bt.stride(0), ctx, D=d, BS=bs, BLOCK_N=block_n, STAGES=stages, EVICT=evict,
-                                        num_warps=warps)
+          f"{kv_bytes / 1e9:.2f} GB a layer; {nl} layers, a block {pool[0].numel() * pool.element_size() / 2**20:.2f} "
+          f"MiB; {args.pages} pages", flush=True)
+    if args.quick:
+        settings = list(itertools.product((64,), (4,), (2, 3), ("",), (False, True)))
+    else:
+        settings = list(itertools.product((16, 32, 64, 128), (4, 8), (2, 3, 4), ("", "evict_first"), (False,)))
+    for block_n, warps, stages, evict, head_first in settings:
+        def run(lay, block_n=block_n, warps=warps, stages=stages, evict=evict, head_first=head_first):
+            _paged_read_kernel[(hk, b) if head_first else (b, hk)](
+                lay, bt, out, lay.stride(0), lay.stride(1), lay.stride(2), lay.stride(3), bt.stride(0), ctx, D=d,
+                BS=bs, BLOCK_N=block_n, STAGES=stages, EVICT=evict, HEAD_FIRST=head_first, num_warps=warps)
         try:
             us = graph_us([functools.partial(run, lay) for lay in layers])
         except Exception as e:  # out of resources
             print(f"paged {block_n} {warps} {stages} {evict}: {str(e)[:120]}")
             continue
-        report("paged", us, keys=block_n, warps=warps, stages=stages, evict=evict or "default")
+        report("paged", us, keys=block_n, warps=warps, stages=stages, evict=evict or "default",
+               order="head" if head_first else "row")
     flat = pool.view(-1)
     per_layer = kv_bytes // 2  # elements of one layer's share
     progs = b * hk
     n_per = per_layer // progs
-    for block, stages, warps in itertools.product((1024, 4096), (2, 4), (4, 8)):
+    for block, stages, warps in [] if args.quick else itertools.product((1024, 4096), (2, 4), (4, 8)):
         views = [flat[i * per_layer:(i + 1) * per_layer] for i in range(min(nl, flat.numel() // per_layer))]
         us = graph_us([functools.partial(_flat_read_kernel[(progs,)], v, out, n_per, BLOCK=block, STAGES=stages,
                                          num_warps=warps) for v in views])
@@ -138,9 +155,13 @@ def main(argv=None) -> int:
     q = torch.randn((b, args.hq, d), dtype=torch.bfloat16, device=dev)
     sl = torch.full((b,), ctx, dtype=torch.int32, device=dev)
     eng = decode_tile(d, torch.bfloat16, False, b, b * hk, dev)
-    for tile in {eng, (64, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 4), (32, 4, 4)}:
-        us = graph_us([functools.partial(paged_decode, q, lay, bt, sl, ctx, d ** -0.5, tile=tile) for lay in layers])
-        report("decode", us, tile=tile, engine=tile == eng)
+    tiles = [eng] if args.quick else sorted({eng, (64, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 4), (32, 4, 4)})
+    for tile, head_first in itertools.product(tiles, (False, True) if args.quick else (False,)):
+        # tile=None: the engine's own choice (its tile and the page ids read a tile ahead)
+        us = graph_us([functools.partial(paged_decode, q, lay, bt, sl, ctx, d ** -0.5,
+                                         tile=None if tile == eng else tile, head_first=head_first)
+                       for lay in layers])
+        report("decode", us, tile=tile, engine=tile == eng, order="head" if head_first else "row")
     if args.out:
         save_json(rec, args.out)
     return 0

@@ -390,3 +390,48 @@ def test_rope_in_the_decode_kernel_cuda(dtype, lens):
     assert_close(out, ref, dtype, "decode with the rotary in the kernel")
     torch.testing.assert_close(layer, ref_layer, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
     assert (layer != ref_layer).sum() <= (layer != p.kv_layer).sum() // 100, "nearly every new key bit for bit"
+
+
+@pytest.mark.parametrize("mixed,splits,self_merge", [(False, 1, False), (False, 3, False), (True, 2, False),
+                                                     (False, 3, True)])
+def test_heads_first_grid_gives_the_same_bits(mixed, splits, self_merge, monkeypatch):
+    """HEAD_FIRST only reorders the grid ((KV heads, rows, splits) for (rows, KV heads, splits)): every program
+    computes what it did, so the output is the same bit for bit, with one split and several (partials and the merge
+    kernel, or merged in the kernel), decode-only and mixed."""
+    monkeypatch.setattr(D, "SELF_MERGE", self_merge)
+    q_lens = [1, 1, 20, 1, 1] if mixed else [1] * 5
+    p = make_problem([1, 17, 130, 64, 45], q_lens, hq=8, hk=2, d=64, bs=16, dtype=torch.float16, seed=21)
+    spy = GridSpy(D._decode_kernel)
+    monkeypatch.setattr(D, "_decode_kernel", spy)
+    row = _run(p, 0.125, mixed=mixed, splits=splits)
+    monkeypatch.setattr(D, "HEAD_FIRST", True)
+    head = _run(p, 0.125, mixed=mixed, splits=splits)
+    assert spy.grids == [(5, 2, splits), (2, 5, splits)]
+    assert [kw["HEAD_FIRST"] for kw in spy.kwargs] == [False, True]
+    assert torch.equal(row.isnan(), head.isnan())
+    assert torch.equal(row.nan_to_num(), head.nan_to_num())
+    dec = row_kinds(p.meta)[0] if mixed else slice(None)
+    assert_close(head[dec], _reference(p, 0.125, None, None)[dec], torch.float16, "decode, heads first")
+
+
+def test_heads_first_with_the_rotary_in_the_kernel(monkeypatch):
+    """The rotary and new K/V write (ROPE_IN_DECODE) launched heads first: the same output and pool."""
+    p = make_problem([1, 17, 130, 64, 65], [1] * 5, hq=8, hk=2, d=64, bs=16, dtype=torch.float16, seed=22)
+    rope = _rope_inputs(p, 64, True, 0.0, seed=4)
+    out, layer = _decode_with_rope(p, rope, 0.125, splits=3)
+    monkeypatch.setattr(D, "HEAD_FIRST", True)
+    out2, layer2 = _decode_with_rope(p, rope, 0.125, splits=3)
+    assert torch.equal(out, out2) and torch.equal(layer, layer2)
+
+
+@gpu
+@pytest.mark.parametrize("lens", [[777] * 256, [300, 1500] * 40, [8192]])
+def test_heads_first_grid_cuda(lens, monkeypatch):
+    """Qwen3-8B's attention shape on the GPU: heads first against rows first, bit for bit (a batch-256 step takes the
+    many-program tile, one split; 80 rows and one row take splits)."""
+    p = make_problem(lens, [1] * len(lens), hq=32, hk=8, d=128, bs=16, dtype=torch.bfloat16, seed=len(lens) + 3)
+    row = _run(p, 128 ** -0.5)
+    monkeypatch.setattr(D, "HEAD_FIRST", True)
+    head = _run(p, 128 ** -0.5)
+    assert torch.equal(row, head)
+    assert_close(head, _reference(p, 128 ** -0.5, None, None), torch.bfloat16, "decode, heads first")
