@@ -177,6 +177,8 @@
 #              paged read's best tiles and the decode kernel, both grid orders) at 12 and 36 layers a block (0.79 and
 #              2.36 MB blocks) with random pages and at 36 with each row's pages in order; the heads-first GPU tests;
 #              then loops at 256x1k and 1x8k, one process an arm, in order off, hf, off, hf
+#   s33b       a Triton GEMM with TMA loads (bench_tma_linear.py: rows- and weight-major tiles, one program a tile or
+#              persistent) against cuBLAS at 256 rows over dummy Qwen3-8B's qkv, o, gate_up and down
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1240,6 +1242,10 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
     arm_flags() { case $1 in off) echo "--no-decode-head-first" ;; hf) echo "--decode-head-first" ;; esac; }
     b1_arms 580 95 16384 256x1024,1x8192 off hf off hf
     save ;;
+  s33b)  # a TMA GEMM against cuBLAS at 256 rows
+    timeout 560 python3 benchmarks/engine/bench_tma_linear.py --rows 256 --out "$W/tma.json" > "$W/tma.txt" 2>&1
+    grep -E "^ceilings|^precompiled|rows|Error" "$W/tma.txt" | cut -c1-400
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s32b)  # the KV sizing probe's peak by allocation site
     timeout 200 python3 benchmarks/engine/probe_memory.py --out "$W/probe.json" > "$W/probe.txt" 2>&1
     grep -v " INFO " "$W/probe.txt" | cut -c1-300 | head -60
