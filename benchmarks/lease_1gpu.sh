@@ -173,10 +173,11 @@
 #   s32d       the engine microbenchmark at the session's tree: bench_steps.py's default cases (decode at 1 and 256
 #              rows of ~1k, 1 and 32 of ~8k, the 8k prefill against the matmul ceiling, a mixed step) and its steady
 #              loops at temperature 1, dummy Qwen3-8B
-#   s33a       the decode kernel's grid heads first (decode.HEAD_FIRST, off as shipped): the KV read probe (quick: the
-#              paged read's best tiles and the decode kernel, both grid orders) at 12 and 36 layers a block (0.79 and
-#              2.36 MB blocks) with random pages and at 36 with each row's pages in order; the heads-first GPU tests;
-#              then loops at 256x1k and 1x8k, one process an arm, in order off, hf, off, hf
+#   s33a       (run at 0efacc0, whose decode.HEAD_FIRST and its tests and bench_steps.py switch were taken out after it)
+#              the decode kernel's grid heads first: the KV read probe (quick: the paged read's best tiles and the
+#              decode kernel, both grid orders) at 12 and 36 layers a block (0.79 and 2.36 MB blocks) with random pages
+#              and at 36 with each row's pages in order; the heads-first GPU tests; then loops at 256x1k and 1x8k, one
+#              process an arm, in order off, hf, off, hf
 #   s33b       a Triton GEMM with TMA loads (bench_tma_linear.py: rows- and weight-major tiles, one program a tile or
 #              persistent) against cuBLAS at 256 rows over dummy Qwen3-8B's qkv, o, gate_up and down
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers

@@ -424,7 +424,6 @@ DECODE_SWITCHES = [
      "with --decode-rope, launches of many programs (a batch-256 step) take it too"),
     ("decode-rope-maxnreg", "ROPE_MAXNREG", int,
      "the registers a thread of the one-row decode tile may hold with the rotary in it (0: no limit)"),
-    ("decode-head-first", "HEAD_FIRST", bool, "the decode kernel's grid launches a row's KV heads side by side"),
 ]
 
 

@@ -83,17 +83,11 @@ def _decode_kernel(
     DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
     EARLY_V: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, MERGE_G: tl.constexpr = 1,
     MERGE_S: tl.constexpr = 64, MERGE_CHUNK: tl.constexpr = 16, ROPE: tl.constexpr = False,
-    HAS_QNORM: tl.constexpr = False, HEAD_FIRST: tl.constexpr = False,
+    HAS_QNORM: tl.constexpr = False,
 ):
     pdl_launch_early(PDL)  # pdserve.ops.pdl
-    if HEAD_FIRST:  # grid (KV heads, rows, splits): a row's heads launch side by side (HEAD_FIRST says why)
-        b = tl.program_id(1)
-        hk = tl.program_id(0)
-        num_hk = tl.num_programs(0)
-    else:
-        b = tl.program_id(0)
-        hk = tl.program_id(1)
-        num_hk = tl.num_programs(1)
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
     sp = tl.program_id(2)
     num_splits = tl.num_programs(2)
     # Step metadata is written before the step's first kernel (a copy or a torch kernel, never launched early), so it
@@ -229,15 +223,15 @@ def _decode_kernel(
     else:
         po = PartO + b * s_pb + h[:, None] * s_ph + sp * s_ps + d[None, :]
         tl.store(po, acc, mask=gmask[:, None] & dmask[None, :])
-        pm = (b * num_hk * G + h) * num_splits + sp  # PartM/PartL: [B, Hq, splits] contiguous
+        pm = (b * tl.num_programs(1) * G + h) * num_splits + sp  # PartM/PartL: [B, Hq, splits] contiguous
         tl.store(PartM + pm, m_i, mask=gmask)
         tl.store(PartL + pm, l_i, mask=gmask)
         if SELF_MERGE:  # the (row, KV head)'s last split to finish merges them all (SELF_MERGE says how)
             tl.debug_barrier()  # every thread's partials stored before the count is released
-            cnt = Count + b * num_hk + hk
+            cnt = Count + b * tl.num_programs(1) + hk
             if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                _merge_group(PartO, PartM, PartL, VS, Out, b, row, hk, num_hk, num_splits,
+                _merge_group(PartO, PartM, PartL, VS, Out, b, row, hk, tl.num_programs(1), num_splits,
                              s_pb, s_ph, s_ps, s_ot, s_oh, G, MERGE_G, D, BLOCK_D, MERGE_S, MERGE_CHUNK, HAS_VS)
 
 
@@ -446,16 +440,6 @@ ROPE_MAXNREG = 128
 ROPE_MANY_PROGRAMS = False
 
 
-# HEAD_FIRST: the grid is (KV heads, rows, splits) instead of (rows, KV heads, splits), so the programs the GPU holds
-# at once are every KV head of fewer rows instead of one or two heads of every row. The pool is block-major ([blocks,
-# KV heads, layers, 2, block size, head dim]): a block of dummy Qwen3-8B is 2.36 MB, so one layer's pass over a
-# batch-256 step's KV touches about one 2 MB page per (row, block), 8 KB of each per head. Launched head first, a
-# block's 8 heads are read at about the same time and share its page-table entries; row first, the 8 heads of a row
-# come in four rounds of the grid, over the whole step's pages each round. An A/B (bench_steps.py
-# --decode-head-first; benchmarks/attention/probe_kv_read.py times both orders); not yet measured.
-HEAD_FIRST = False
-
-
 def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_programs: int = 0) -> bool:
     """Whether a decode-only launch of `num_programs` programs (0: not yet known) over `kv_layer` takes the layer's
     QK-norm and rotary (ROPE_IN_DECODE says where)."""
@@ -539,7 +523,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
                  num_splits: int | None = None, tile: tuple[int, int, int] | None = None,
                  prefetch: bool | None = None, early: bool | None = None, rope: QKRope | None = None,
                  k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None, head_first: bool | None = None) -> torch.Tensor:
+                 slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of rows with one new token.
 
     q [T, Hq, D]; kv_layer [num_blocks, 2, block_size, Hk, D] (any strides, D contiguous); block_tables [B, W] and
@@ -553,7 +537,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     With `rope` (a decode-only launch: no `query_start_loc`), q, `k` and `v` [B, H, D] are the q/k/v product's
     output: the kernel norms and rotates q and each row's new key itself and writes that key and `v` into the pool
     at `slot_mapping` ([B] or longer; < 0: no write), as qk_norm_rope(kv=...) would before a launch without it
-    (ROPE_IN_DECODE says how). `head_first` launches a row's KV heads side by side (None: HEAD_FIRST).
+    (ROPE_IN_DECODE says how).
     """
     b = seq_lens.shape[0]
     if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
@@ -607,8 +591,9 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         has_qnorm = False
         r_args = (seq_lens,) + (q,) * 6 + (seq_lens,)  # as aligned as the real ones: no other specialization
         r_strides = (0, 0, 0, 0, 0, 0.0, 0.0)
-    head_first = HEAD_FIRST if head_first is None else head_first
-    _decode_kernel[(hk, b, splits) if head_first else (b, hk, splits)](
+    # Rows first in the grid. KV heads first (a row's heads, which share each block of the pool, side by side) read
+    # no faster at 256 rows, nor did blocks of 2.25 MiB against 0.75 (benchmarks/lease_s33/s33a).
+    _decode_kernel[(b, hk, splits)](
         q, kv_layer, block_tables, seq_lens, qsl, ks, vs, out, part_o, part_m, part_l,
         counters if counters is not None else seq_lens, *r_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *r_strides,
@@ -622,8 +607,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
         PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, SELF_MERGE=counters is not None,
         MERGE_G=triton.next_power_of_2(g), MERGE_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
-        MERGE_CHUNK=merge_chunk(g, block_d), ROPE=rope is not None, HAS_QNORM=has_qnorm, HEAD_FIRST=head_first,
-        num_warps=warps,
+        MERGE_CHUNK=merge_chunk(g, block_d), ROPE=rope is not None, HAS_QNORM=has_qnorm, num_warps=warps,
         num_stages=stages, **limits, **pdl_args(q),
     )
     if not single and counters is None:
