@@ -231,7 +231,8 @@ PY
   unpack)
     # the staging tar, carried in parts one per call (.stage/cNN/partNN, names that sort in order; session 25: the
     # tree left ~40 MB a call, session 31: ~33 MB, so eleven parts of 31 MB, c00..c10, without the NIXL wheels that
-    # only the PD stages need), joined and unpacked into .vllm-stage; vLLM installed into /tmp/site (kept while warm)
+    # only the PD stages need; session 33: twelve of 31.2 MB, c00..c11, with them), joined and unpacked into
+    # .vllm-stage; vLLM installed into /tmp/site (kept while warm)
     cat .stage/c*/part* | tar x && rm -rf .stage && du -sh .vllm-stage/*
     OUT=/tmp/sbs_install STAGE=.vllm-stage bash $SBS 2>&1 | tail -3
     PYTHONPATH=/tmp/site python3 -c "import vllm, nixl; print('vllm', vllm.__version__)" 2>&1 | tail -1 ;;
