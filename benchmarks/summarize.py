@@ -628,6 +628,128 @@ def session27() -> None:
         interference_table(f"{base}/{folder}")
 
 
+def session33() -> None:
+    """Session 33 (machine 1, an H200: the decode kernel's grid order; machine 2, an H200: a TMA GEMM against cuBLAS;
+    machine 3, a 2xH200: 1P1D against vLLM's 1P1D twice, then the single-GPU side by side)."""
+    base = "lease_s33"
+    print("Reading a batch-256 decode step's KV (s33a, machine 1, `probe_kv_read.py --quick`: 256 rows x 1088 keys x 8 KV "
+          "heads x 128, bf16, the engine's head-major pool; the paged read's best settings of session 22 and the decode "
+          "kernel at the engine's tile, layers cycled), by the pool's blocks (12 layers a block: 0.75 MiB; 36, dummy "
+          "Qwen3-8B's: 2.25 MiB), the block table (random pages, or each row's in order) and the grid's order (rows "
+          "first, as the decode kernel; KV heads first: a row's heads, which share each block, side by side), us a layer "
+          "(of the same run's HBM copy rate):\n")
+    runs = [("12", "random"), ("36", "random"), ("36", "seq")]
+    data = {r: load(f"{base}/s33a/kv_read_{r[0]}_{r[1]}.json") for r in runs}
+    print("| probe | order | " + " | ".join(f"{n} layers, {pg} pages" for n, pg in runs) + " |\n|---|---|"
+          + "---|" * len(runs))
+    first = data[runs[0]]["rows"]
+    for i, row in enumerate(first):
+        label = (f"paged, {row['keys']} keys, {row['warps']} warps, {row['stages']} stages" if row["probe"] == "paged"
+                 else f"decode, tile {tuple(row['tile'])}")
+        print(f"| {label} | {row.get('order', 'row')} | " + " | ".join(
+            f"{data[r]['rows'][i]['us']:.1f} ({data[r]['rows'][i]['of_copy']:.1%})" for r in runs) + " |")
+    print("\n- HBM copy rates of the three runs: " + ", ".join(
+        f"{data[r]['ceilings']['hbm_copy_gbps']:,.0f} GB/s" for r in runs))
+    print(f"- the decode kernel heads first against rows first, bit for bit (test_heads_first_grid_cuda at 0efacc0): "
+          f"`{_gpu_tests(f'{base}/s33a/gpu_tests.txt')}`")
+    print("\nThe loops with the decode kernel's grid heads first (`bench_steps.py --decode-head-first`, decode.HEAD_FIRST "
+          "at 0efacc0) and rows first (off, as shipped), one process an arm, in order, async at temperature 1, ms a step "
+          "(of the floor):\n")
+    _arm_ab(f"{base}/s33a", [("off", 1), ("hf", 2), ("off", 3), ("hf", 4)], ("hf",))
+    print("- not shipped: HEAD_FIRST was taken out again (the decode kernel's grid stays rows first)")
+    t = load(f"{base}/s33b/tma.json")
+    print(f"\nA Triton GEMM with TMA loads against cuBLAS at 256 rows (s33b, machine 2, `bench_tma_linear.py`: "
+          f"{sum(1 for r in t['results'] if r['impl'] == 'tma') // len(t['summary'])} configurations a shape, rows- or "
+          f"weight-major tiles, one program a tile or persistent; CUDA graphs over weight copies larger than L2; same "
+          f"run: {_ceilings(t['ceilings'])}), us a call (of the FLOPs' time at the matmul rate):\n")
+    print("| projection | FLOPs us | weight read us | cuBLAS us | best TMA us | TMA / cuBLAS | best TMA tile (rows x "
+          "outputs x K, warps, stages) | rows-major | weight-major | rows-major persistent | weight-major persistent "
+          "|\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for x in t["summary"]:
+        c, k = x["tma_config"], x["best_by_kind"]
+        tile = (f"{c['block_r']}x{c['block_w']}x{c['block_k']}, {c['num_warps']}, {c['num_stages']}, "
+                f"{'weight' if c['swap'] else 'rows'}-major{', persistent' if c['persistent'] else ''}")
+        print(f"| {x['shape']} {x['n']}x{x['k']} | {x['flop_us']:.2f} | {x['byte_us']:.2f} | {x['cublas_us']:.2f} "
+              f"({x['cublas_of_flops']:.0%}) | {x['tma_us']:.2f} ({x['tma_of_flops']:.0%}) | {x['tma_over_cublas']:.3f} | "
+              f"{tile} | {k['rows']:.2f} | {k['swap']:.2f} | {k['rows+persistent']:.2f} | {k['swap+persistent']:.2f} |")
+    cub = sum(x["cublas_us"] for x in t["summary"]) * 36
+    best = sum(min(x["cublas_us"], x["tma_us"]) for x in t["summary"]) * 36
+    print(f"\n- a step's four per-layer products at 36 layers: {cub / 1e3:.3f} ms on cuBLAS, {best / 1e3:.3f} ms taking "
+          f"the faster of each ({(cub - best) / 1e3:.3f} ms less); the largest relative error of a best tile against "
+          f"torch.mm: {max(x['tma_rel_err'] for x in t['summary']):.2g}")
+    print("- not shipped: o and down were faster on TMA by under 1 us and 2 us a call, and the engine's down already "
+          "takes cuBLAS split over K at 256 rows (39.13 us a call in session 32's profile); qkv and gate_up lost")
+    print("\n1P1D on 2xH200 at the session's tree (machine 3; `lease_2xh200.sh pd_one`, PD_MODE=pd-pdserve then "
+          "pd-vllm, twice: pd_r1/ and pd_r2/): `pdserve serve --prefill 1 --decode 1` (cuda_ipc) against vLLM 0.22 with "
+          "NixlConnector behind the anchors' proxy; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench "
+          "serve` on both. The staging carried NIXL's wheels this time, in twelve parts:\n")
+    print("| round | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean "
+          "TPOT vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|---|")
+    pairs = {}
+    for r in ("1", "2"):
+        for w in ("1024x1024_c256", "8192x16_c1"):
+            v, p = (load(f"{base}/pd_r{r}/pd-{m}/{m}_pd_{w}.json") for m in ("vllm", "pdserve"))
+            pairs[(r, w)] = (v, p)
+            print(f"| {r} | {w} | {_sbs_cells(v, p)}")
+    big = [pairs[(r, "1024x1024_c256")] for r in ("1", "2")]
+    mean = [sum(x[i]["output_throughput"] for x in big) / 2 for i in (0, 1)]
+    print(f"\n- 1024x1024_c256 over both rounds: vLLM {mean[0]:,.1f}, pdserve {mean[1]:,.1f} out tok/s "
+          f"({mean[1] / mean[0]:.3f}x; issue 10 asks >= 1.0: {'met' if mean[1] >= mean[0] else 'not met'})")
+    for r in ("1", "2"):
+        v, p = pairs[(r, "1024x1024_c256")]
+        vs, ps = (load(f"{base}/pd_r{r}/pd-{m}/{m}_pd_server.json") for m in ("vllm", "pdserve"))
+        comp = ", ".join(f"{n} {_compiles(f'{base}/pd_r{r}/pd-pdserve/pdlogs/{n}0.log.gz')}"
+                         for n in ("prefill", "decode"))
+        print(f"- round {r}: inter-token latency median / p99 vLLM {v['median_itl_ms']:.1f} / {v['p99_itl_ms']:.1f} ms, "
+              f"pdserve {p['median_itl_ms']:.1f} / {p['p99_itl_ms']:.1f} ms; start-up (launch to first completion "
+              f"through the proxy or router) vLLM {vs['startup_s']:.1f} s, pdserve {ps['startup_s']:.1f} s; KV tokens "
+              f"vLLM {vs['kv_tokens']:,}, pdserve {ps['kv_tokens']:,}; kernels pdserve's instances compiled while "
+              f"serving: {comp}")
+    print(f"\nOne GPU each at once (sbs/, the same machine after the 1P1D rounds, `SBS_WORKLOADS=\"1024:1024:512:256\" "
+          f"SBS_ROUNDS=1 SBS_CLIENTS=vllm lease_2xh200.sh sbs`; kernels pdserve compiled while serving: "
+          f"{_compiles(f'{base}/sbs/pdserve.log.gz')}), vLLM's client:\n")
+    _sbs_table(f"{base}/sbs")
+    offs = [next(lp for lp in load(f"{base}/s33a/loop_{i}_off.json")["loops"] if lp["async"]
+                 and lp["case"] == "loop:256x1024") for i in (1, 3)]
+    d = load(f"{base}/s33a/loop_1_off.json")
+    e, c = d["engine"], d["ceilings"]
+    rate = c["hbm_copy_gbps"] * 1e6
+    print("\nWhat the batch-256 criterion leaves (s33a's off arms; the floor is the step's bytes at the copy rate; a step "
+          "whose products ran at the same run's matmul rate and whose kernels did not overlap could not beat the KV's "
+          "read plus the larger of the weights' read and the products' FLOPs):\n")
+    print("| run | rows at context | KV read ms | weights' read ms | products' FLOPs ms | floor ms | no-overlap bound ms "
+          "(of floor) | measured ms (of floor) |\n|---|---|---|---|---|---|---|---|")
+    for i, lp in zip((1, 3), offs):
+        rows, ctx = lp["rows_per_step"], round(lp["mean_context"])
+        kv = rows * (ctx + 1) * e["kv_bytes_per_token"] / rate
+        w = e["weight_bytes_read"] / rate
+        mm = 2 * rows * (e["linear_params"] + e["lm_head_params"]) / (c["bf16_matmul_tflops"] * 1e9)
+        bound = kv + max(w, mm)
+        print(f"| loop_{i}_off | {rows:.0f} at {ctx} | {kv:.2f} | {w:.2f} | {mm:.2f} | {lp['floor_ms']:.2f} | "
+              f"{bound:.2f} ({lp['floor_ms'] / bound:.0%}) | {lp['step_ms']:.2f} ({lp['fraction_of_floor']:.0%}) |")
+    room = [lp["floor_ms"] / 0.8 - (rows * (round(lp["mean_context"]) + 1) * e["kv_bytes_per_token"] / rate
+                                      + max(e["weight_bytes_read"] / rate, 2 * lp["rows_per_step"] * (
+                                          e["linear_params"] + e["lm_head_params"]) / (c["bf16_matmul_tflops"] * 1e9)))
+            for lp in offs]
+    m = load("lease_s32/s32a/marginal256.json")
+    r32 = next(r for r in m["loops"] if "profile" in r)
+    p32, e32, c32 = r32["profile"], m["engine"], m["ceilings"]
+    prods = sum(x["marginal_us_per_step"] for x in p32["top"] if x["name"].startswith("nvjet")) / 1e3
+    flops32 = 2 * r32["rows_per_step"] * (e32["linear_params"] + e32["lm_head_params"]) / (
+        c32["bf16_matmul_tflops"] * 1e9)
+    small = sum(x["marginal_us_per_step"] for x in p32["top"]
+                if x["name"] in ("_rms_norm_kernel", "_act_and_mul_kernel", "_qk_norm_rope_kernel")) / 1e3
+    other = sum(x["marginal_us_per_step"] for x in p32["top"] if not x["name"].startswith("nvjet") and x["name"] not in (
+        "_rms_norm_kernel", "_act_and_mul_kernel", "_qk_norm_rope_kernel", "_decode_kernel")) / 1e3
+    print(f"\n- at 256 rows the products are compute-bound: their FLOPs take longer than their weights' read, which is "
+          f"what the floor counts. With everything else free, a step would reach the bound's share of the floor. 80 % "
+          f"of the floor leaves {min(room):.2f}-{max(room):.2f} ms beyond the bound for the products' shortfall from the "
+          f"matmul rate, the norms, activation and rotary, the sampler and the gaps between kernels. Session 32's "
+          f"profile (s32a, another machine) put them at {prods - flops32:.2f} ms (the products' marginal time less their "
+          f"FLOPs' time at that run's matmul rate), {small:.2f} ms, {other:.2f} ms (the sampler's kernels, copies and "
+          f"index kernels) and {r32['gpu']['idle_us_per_step'] / 1e3:.2f} ms of idle GPU a step")
+
+
 def session32() -> None:
     """Session 32 (machine 1, an H200, two calls; machines 2 and 3, an H200 each, one call; machine 4, a 2xH200;
     machine 5, an H200, one call):
@@ -2646,6 +2768,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session33()
+    print()
     session32()
     print()
     session31()
