@@ -188,9 +188,12 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
-def start_timeout_error(s: ServerState) -> P.APIError:
-    return P.overloaded(f"The request could not start within the server's {s.admission.budget_s:g} s budget; "
-                        "retry later", s.admission.budget_s / 2, code="queue_timeout")
+def start_timeout_error(s: ServerState, start_s: float) -> P.APIError:
+    """The 503 of an admitted request with no first output by its start deadline (`start_s` after it was admitted:
+    the budget plus the allowance for its own prefill, Admission.start_deadline_s), which the message states."""
+    budget = s.admission.budget_s
+    return P.overloaded(f"The request could not start within {start_s:.2f} s (the server's {budget:g} s budget plus "
+                        f"{start_s - budget:.2f} s for its own prefill); retry later", budget / 2, code="queue_timeout")
 
 
 async def generate(request: web.Request, s: ServerState, req: P.GenerateRequest, children: list[Child],
@@ -207,7 +210,7 @@ async def generate(request: web.Request, s: ServerState, req: P.GenerateRequest,
             first = await (asyncio.wait_for(fan.next(), start_s) if start_s is not None else fan.next())
         except asyncio.TimeoutError:
             outcome = ""  # counted as rejected by the middleware
-            raise start_timeout_error(s) from None
+            raise start_timeout_error(s, start_s) from None
         except Exception as e:
             mapped = engine_error(e)
             if mapped is None:

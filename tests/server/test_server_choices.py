@@ -234,7 +234,9 @@ def test_a_request_that_cannot_start_in_time_gets_503_and_is_freed():
     async def t(s, url, llm):
         llm.mode = "stall"
         async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
-            assert (await expect_error(r, 503))["code"] == "queue_timeout"
+            err = await expect_error(r, 503)
+            assert err["code"] == "queue_timeout"
+            assert "within 0.40 s (the server's 0.2 s budget plus 0.20 s for its own prefill)" in err["message"], err
             assert int(r.headers["Retry-After"]) >= 1
         assert not llm.open
         async with s.get(url + "/load") as r:
