@@ -179,6 +179,7 @@ class ServerConfig:
     tokenizer_workers: int = 1  # processes that tokenize long prompts off the server's GIL (0: threads only)
     max_choices: int = 128  # most choices (n x prompts) in one request
     max_queue_wait_s: float = 30.0  # a request that cannot start within this gets 503 + Retry-After (0: no limit)
+    log_stats_interval_s: float = 10.0  # the engine's stats line in the log this often while serving (0: never)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -191,8 +192,8 @@ class ServerConfig:
             raise ValueError(f"body read timeout must be positive, got {self.body_read_timeout_s}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max prompt chars must be positive, got {self.max_prompt_chars}")
-        if self.tokenizer_workers < 0 or self.max_queue_wait_s < 0:
-            raise ValueError("tokenizer workers and max queue wait must not be negative")
+        if self.tokenizer_workers < 0 or self.max_queue_wait_s < 0 or self.log_stats_interval_s < 0:
+            raise ValueError("tokenizer workers, max queue wait and the stats log interval must not be negative")
         if self.max_choices < 1:
             raise ValueError(f"max choices must be at least 1, got {self.max_choices}")
 

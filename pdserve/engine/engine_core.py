@@ -134,6 +134,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    kvt.lease_s, config.max_long_prefill_tokens)
         self.num_steps = 0
+        # totals for the server's periodic stats line: prompt tokens computed (prefix-cache hits are not), tokens
+        # sampled, seconds in step() and, of those, seconds spent waiting for launched steps' sampled tokens
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "step_s": 0.0, "collect_wait_s": 0.0}
         self._events: list[PDEvent] = []
         self.handover = HandoverStats()
         pool = KVPool(self.runner.kv_cache, config.block_size, bb, num_blocks, self.hf_config.vocab_size, self.device,
@@ -260,12 +263,15 @@ class EngineCore:
         """Schedule and launch a step; collect the step before it (async scheduling) or this one. Returns the
         outputs of the steps collected."""
         self.executor.check()  # a dead tensor-parallel rank fails the instance (WorkerDied is fatal)
+        t0 = time.perf_counter()
         try:
             with nvtx_range(self.config.nvtx, f"engine.step {self.num_steps}"):
                 return self._step()
         except BaseException:
             self._drop_in_flight()
             raise
+        finally:
+            self.totals["step_s"] += time.perf_counter() - t0
 
     def _step(self) -> list[CoreOutput]:
         outputs = self._take_kv_reports() if self.connector is not None else []
@@ -299,19 +305,25 @@ class EngineCore:
             for req, n in self.connector.push_ahead(batch):
                 self.scheduler.pushed_ahead(req, n)
         self.num_steps += 1
+        self.totals["prompt_tokens"] += sum(max(0, min(r.num_computed_tokens + n, r.num_prompt_tokens)
+                                                - r.num_computed_tokens)
+                                            for r, n in zip(batch.requests, batch.num_new_tokens))
         self.scheduler.launched(batch, handle.reqs)
         step = InFlight(handle, needs_history(handle.reqs))
         self._set_in_flight(step)
         return step
 
     def _collect(self, step: InFlight) -> list[CoreOutput]:
+        t0 = time.perf_counter()
         result = self.executor.collect(step.handle)
+        self.totals["collect_wait_s"] += time.perf_counter() - t0
         # blocks retired while this step was the newest in flight (requests that ended in the collect before it,
         # aborts) are free now: nothing launched after it touches them
         self.kv.release_retired()
         self._set_in_flight(None if self._inflight is step else self._inflight)
         new, exports = self.scheduler.collected(step.handle.reqs, result.token_ids if result else [],
                                                 result.logprobs if result else [], time.time())
+        self.totals["generation_tokens"] += sum(len(o.new_token_ids) for o in new)
         for ex in exports:
             mark(self.config.nvtx, f"pd.export {ex.req.request_id}")
             self.connector.start_export(ex)
@@ -409,6 +421,10 @@ class EngineCore:
             "prefix_cache_hits": pool.hits,
             "num_steps": self.num_steps,
             "async_steps_overlapped": self.async_counts["overlapped"],
+            "prompt_tokens_total": self.totals["prompt_tokens"],
+            "generation_tokens_total": self.totals["generation_tokens"],
+            "step_s": self.totals["step_s"],
+            "collect_wait_s": self.totals["collect_wait_s"],
         }
         if WATCH.armed:
             out.update(WATCH.stats())

@@ -9,6 +9,7 @@ once (the router's health checks must never time out because the engine is worki
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -27,6 +28,7 @@ from pdserve.server.auth import api_key_middleware
 from pdserve.server.errors import error_middleware, json_response
 from pdserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdserve.server.state import STATE, ServerState, state
+from pdserve.server.stats_log import log_stats
 from pdserve.server.tokenizing import TokenizerService
 
 log = logging.getLogger("pdserve.server")
@@ -138,8 +140,16 @@ def create_app(
     async def stop_tokens(_app: web.Application) -> None:
         await tokens.close()
 
+    async def stats_line(_app: web.Application):  # the engine's stats line in the log (pdserve.server.stats_log)
+        task = asyncio.create_task(log_stats(llm.stats, cfg.log_stats_interval_s)) if cfg.log_stats_interval_s else None
+        yield
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     app.on_startup.append(start_tokens)
     app.on_cleanup.append(stop_tokens)
+    app.cleanup_ctx.append(stats_line)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)

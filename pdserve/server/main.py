@@ -128,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser, skip: set[str] | frozenset[st
                    help="seconds before a request is aborted with HTTP 504")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--log-level", default=_default(E, "log_level"), choices=LOG_LEVELS)
+    s.add_argument("--log-stats-interval", type=float, default=_default(S, "log_stats_interval_s"), metavar="SECONDS",
+                   help="log the engine's throughput, step pace, queue and KV cache use this often (0: never)")
+    s.add_argument("--disable-log-stats", action="store_true", help="no engine stats line (--log-stats-interval 0)")
     k = _Group(parser, "disaggregation (prefill/decode roles)", skip)
     k.add_argument("--kv-transport", default=_default(K, "transport"), choices=KV_TRANSPORTS,
                    help="how KV blocks move between instances (auto: cuda_ipc within a host, else tcp)")
@@ -163,7 +166,7 @@ KV_FLAGS = {"role": "role", "kv_transport": "transport", "kv_host": "host", "kv_
 SERVER_FLAGS = {"host": "host", "port": "port", "request_timeout": "request_timeout_s",
                 "max_request_bytes": "max_request_bytes", "body_read_timeout": "body_read_timeout_s",
                 "max_prompt_chars": "max_prompt_chars", "tokenizer_workers": "tokenizer_workers",
-                "max_queue_wait": "max_queue_wait_s"}
+                "max_queue_wait": "max_queue_wait_s", "log_stats_interval": "log_stats_interval_s"}
 
 
 def _engine_fields() -> list[str]:
@@ -213,6 +216,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         value = ns[flag] if flag in ns else ns.get(field)
         if value is not None:
             server[field] = value
+    if ns.get("disable_log_stats"):
+        server["log_stats_interval_s"] = 0.0
     return ServerConfig(engine=engine, **server, api_keys=api_keys(args))
 
 

@@ -54,6 +54,9 @@ class _EngineStatsCollector(Collector):
         yield gauge(
             "prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.", hits / queries if queries else 0.0
         )
+        yield counter("engine_steps", "Engine steps launched.", s.get("num_steps", 0))
+        yield counter("engine_gpu_wait_seconds", "Seconds the engine waited for launched steps' sampled tokens (near "
+                      "the wall time: the GPU sets the pace; well below it: the host does).", s.get("collect_wait_s", 0.0))
         transfers = (s.get("pd") or {}).get("transfers")
         if transfers is not None:  # a prefill or decode instance: KV handovers per transport and peer
             c = CounterMetricFamily(

@@ -198,3 +198,26 @@ def test_prompt_larger_than_the_pool_fails_that_request_only(core_factory):
     core.add_request("ok", [3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(drain(core)["ok"]) == 2
     core.kv.pool.check_whole()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_totals_for_the_stats_line_count_prompt_tokens_computed_and_tokens_sampled(core_factory, async_scheduling):
+    """EngineCore.totals (the server's stats line): prompt tokens computed, in chunks too (prefix-cache hits are not
+    computed), every token sampled, and a wait for sampled tokens at least once a step; with async scheduling too,
+    where a finished request's extra step is dropped."""
+    core = core_factory("qwen3", max_num_batched_tokens=8, async_scheduling=async_scheduling)
+    prompt = list(range(3, 23))  # 20 tokens: chunks of 8, 8, 4 (block size 4)
+    core.add_request("a", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    out = drain(core)
+    s = core.stats()
+    assert len(out["a"]) == 5
+    assert (s["prompt_tokens_total"], s["generation_tokens_total"]) == (20, 5)
+    assert s["num_steps"] >= 3 + 4 and s["collect_wait_s"] > 0
+    core.add_request("b", prompt + [40, 41], SamplingParams(max_tokens=3, ignore_eos=True))
+    out = drain(core)
+    s2 = core.stats()
+    hit = s2["prefix_cache_hits"] - s["prefix_cache_hits"]
+    assert hit > 0 and len(out["b"]) == 3
+    assert s2["prompt_tokens_total"] - s["prompt_tokens_total"] == 22 - hit  # the hit's tokens were not computed
+    assert s2["generation_tokens_total"] - s["generation_tokens_total"] == 3
+    assert s2["collect_wait_s"] >= s["collect_wait_s"]

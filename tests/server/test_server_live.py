@@ -26,7 +26,7 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--max-model-len", str(MAX_MODEL_LEN))
+    s = LiveServer("--max-model-len", str(MAX_MODEL_LEN), "--log-stats-interval", "0.5")
     yield s
     assert s.stop() == 0, s.output()
 
@@ -269,3 +269,9 @@ def test_metrics_after_traffic(server):
     assert values[f"pdserve:time_to_first_token_seconds_count{{{label}}}"] >= 64
     assert values[f"pdserve:kv_cache_total_blocks{{{label}}}"] == server.get_json("/load")["num_total_blocks"]
     assert values[f"pdserve:prefix_cache_queries_total{{{label}}}"] > 0
+    assert values[f"pdserve:engine_steps_total{{{label}}}"] >= 8  # 64 requests of 8 tokens, batched
+    assert values[f"pdserve:engine_gpu_wait_seconds_total{{{label}}}"] > 0
+    # the engine's stats line (--log-stats-interval 0.5): the traffic above was logged with its rates
+    lines = [ln for ln in server.lines if "pdserve.server.stats: engine: prompt " in ln]
+    assert any(" generation 0.0 tokens/s" not in ln for ln in lines), server.output()
+    assert all("ms a step" in ln or "no steps" in ln for ln in lines), lines
