@@ -180,7 +180,8 @@
 #              process an arm, in order off, hf, off, hf
 #   s33b       a Triton GEMM with TMA loads (bench_tma_linear.py: rows- and weight-major tiles, one program a tile or
 #              persistent) against cuBLAS at 256 rows over dummy Qwen3-8B's qkv, o, gate_up and down
-#   s33c       the engine's stats line while serving 1024/1024 at c256 (pdserve bench's client, 512 prompts): one
+#   s33c       (written in session 33, not yet run: too little device time was left to start a machine) the
+#              engine's stats line while serving 1024/1024 at c256 (pdserve bench's client, 512 prompts): one
 #              `pdserve serve` of dummy Qwen3-8B (carry .vllm-stage/model) with --log-stats-interval 2; its log says
 #              how busy the engine was and how much of a step went to waiting for the GPU (server.log, c256.txt)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
