@@ -677,8 +677,13 @@ def session33() -> None:
     print(f"\n- a step's four per-layer products at 36 layers: {cub / 1e3:.3f} ms on cuBLAS, {best / 1e3:.3f} ms taking "
           f"the faster of each ({(cub - best) / 1e3:.3f} ms less); the largest relative error of a best tile against "
           f"torch.mm: {max(x['tma_rel_err'] for x in t['summary']):.2g}")
-    print("- not shipped: o and down were faster on TMA by under 1 us and 2 us a call, and the engine's down already "
-          "takes cuBLAS split over K at 256 rows (39.13 us a call in session 32's profile); qkv and gate_up lost")
+    won = [x for x in t["summary"] if x["tma_us"] < x["cublas_us"]]
+    lost = [x["shape"] for x in t["summary"] if x["tma_us"] >= x["cublas_us"]]
+    print("- not shipped: " + ", ".join(f"{x['shape']} {x['cublas_us'] - x['tma_us']:.2f} us a call faster on TMA"
+                                        for x in won)
+          + f"; {' and '.join(lost)} slower. The engine's down runs split over K in two parts at 256 rows "
+          "(pdserve/ops/configs/split_k, summed by the next add+RMSNorm), which this comparison of plain products "
+          "left out")
     print("\n1P1D on 2xH200 at the session's tree (machine 3; `lease_2xh200.sh pd_one`, PD_MODE=pd-pdserve then "
           "pd-vllm, twice: pd_r1/ and pd_r2/): `pdserve serve --prefill 1 --decode 1` (cuda_ipc) against vLLM 0.22 with "
           "NixlConnector behind the anchors' proxy; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench "
