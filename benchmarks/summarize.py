@@ -732,6 +732,16 @@ def session33() -> None:
         bound = kv + max(w, mm)
         print(f"| loop_{i}_off | {rows:.0f} at {ctx} | {kv:.2f} | {w:.2f} | {mm:.2f} | {lp['floor_ms']:.2f} | "
               f"{bound:.2f} ({lp['floor_ms'] / bound:.0%}) | {lp['step_ms']:.2f} ({lp['fraction_of_floor']:.0%}) |")
+    lp = offs[0]
+    kv1 = lp["rows_per_step"] * (round(lp["mean_context"]) + 1) * e["kv_bytes_per_token"] / rate
+    w1 = e["weight_bytes_read"] / rate
+    read = max(r["of_copy"] for d in data.values() for r in d["rows"] if r["probe"] == "paged")
+    print(f"- overlapping the products of one half of the rows with the attention of the other (two micro-batches on "
+          f"two streams) reads the weights twice: the KV read plus two weights' reads take {kv1 + 2 * w1:.2f} ms at the "
+          f"copy rate (loop_1_off), {(kv1 + 2 * w1) / read:.2f} ms at the best read-only rate above ({read:.1%} of "
+          f"it), against {lp['floor_ms'] / 0.8:.2f} ms for 80 % of the floor: "
+          f"{lp['floor_ms'] / 0.8 - (kv1 + 2 * w1) / read:.2f} ms to spare only if every other kernel hid under that "
+          f"traffic and the whole step streamed at the read-only ceiling")
     room = [lp["floor_ms"] / 0.8 - (rows * (round(lp["mean_context"]) + 1) * e["kv_bytes_per_token"] / rate
                                       + max(e["weight_bytes_read"] / rate, 2 * lp["rows_per_step"] * (
                                           e["linear_params"] + e["lm_head_params"]) / (c["bf16_matmul_tflops"] * 1e9)))
