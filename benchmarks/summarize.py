@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 B = Path(__file__).parent
@@ -688,18 +689,7 @@ def session33() -> None:
           "pd-vllm, twice: pd_r1/ and pd_r2/): `pdserve serve --prefill 1 --decode 1` (cuda_ipc) against vLLM 0.22 with "
           "NixlConnector behind the anchors' proxy; dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench "
           "serve` on both. The staging carried NIXL's wheels this time, in twelve parts:\n")
-    print("| round | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean "
-          "TPOT vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|---|")
-    pairs = {}
-    for r in ("1", "2"):
-        for w in ("1024x1024_c256", "8192x16_c1"):
-            v, p = (load(f"{base}/pd_r{r}/pd-{m}/{m}_pd_{w}.json") for m in ("vllm", "pdserve"))
-            pairs[(r, w)] = (v, p)
-            print(f"| {r} | {w} | {_sbs_cells(v, p)}")
-    big = [pairs[(r, "1024x1024_c256")] for r in ("1", "2")]
-    mean = [sum(x[i]["output_throughput"] for x in big) / 2 for i in (0, 1)]
-    print(f"\n- 1024x1024_c256 over both rounds: vLLM {mean[0]:,.1f}, pdserve {mean[1]:,.1f} out tok/s "
-          f"({mean[1] / mean[0]:.3f}x; issue 10 asks >= 1.0: {'met' if mean[1] >= mean[0] else 'not met'})")
+    pairs = _pd_rounds(lambda r, n, w: f"{base}/pd_r{r}/pd-{n}/{n}_pd_{w}.json", criterion=True)
     for r in ("1", "2"):
         v, p = pairs[(r, "1024x1024_c256")]
         vs, ps = (load(f"{base}/pd_r{r}/pd-{m}/{m}_pd_server.json") for m in ("vllm", "pdserve"))
@@ -1425,18 +1415,7 @@ def session26() -> None:
           "round 2; code f6d7c7c: the router's local-prefill fallback off, the start-up heaps frozen): `pdserve serve "
           "--prefill 1 --decode 1` (cuda_ipc) against vLLM 0.22 with NixlConnector behind the anchors' proxy; dummy "
           "Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both:\n")
-    print("| round | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean "
-          "TPOT vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|---|")
-    pairs = {}
-    for r, folder in (("1", "pd"), ("2", "pd_r2")):
-        for w in ("1024x1024_c256", "8192x16_c1"):
-            v, p = (load(f"{base}/{folder}/{n}_pd_{w}.json") for n in ("vllm", "pdserve"))
-            pairs[(r, w)] = (v, p)
-            print(f"| {r} | {w} | {_sbs_cells(v, p)}")
-    big = [pairs[(r, "1024x1024_c256")] for r in ("1", "2")]
-    mean = [sum(x[i]["output_throughput"] for x in big) / 2 for i in (0, 1)]
-    print(f"\n- 1024x1024_c256 over both rounds: vLLM {mean[0]:,.1f}, pdserve {mean[1]:,.1f} out tok/s "
-          f"({mean[1] / mean[0]:.3f}x)")
+    pairs = _pd_rounds(lambda r, n, w: f"{base}/{'pd' if r == '1' else 'pd_r2'}/{n}_pd_{w}.json")
     for r in ("1", "2"):
         v, p = pairs[(r, "1024x1024_c256")]
         print(f"- round {r}, 1024x1024_c256 inter-token latency median / p99: vLLM {v['median_itl_ms']:.1f} / "
@@ -1473,6 +1452,26 @@ def session26() -> None:
             n, ms, froze = rows[arm].get(name, (0, 0.0, False))
             cells.append(f"{n} / {ms:.1f}{' *' if froze else ''}")
         print(f"| {name} | {' | '.join(cells)} |")
+
+
+def _pd_rounds(path: Callable[[str, str, str], str], criterion: bool = False) -> dict:
+    """Two rounds of 1P1D against vLLM's 1P1D (`lease_2xh200.sh pd_one`, vLLM's client): a row per round and
+    workload (`path(round, server, workload)`: the client's JSON of server vllm or pdserve), then the c256 output
+    over both rounds (with issue 10's criterion where `criterion`). Returns {(round, workload): (vllm, pdserve)}."""
+    print("| round | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean "
+          "TPOT vLLM / pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|---|")
+    pairs = {}
+    for r in ("1", "2"):
+        for w in ("1024x1024_c256", "8192x16_c1"):
+            v, p = (load(path(r, n, w)) for n in ("vllm", "pdserve"))
+            pairs[(r, w)] = (v, p)
+            print(f"| {r} | {w} | {_sbs_cells(v, p)}")
+    big = [pairs[(r, "1024x1024_c256")] for r in ("1", "2")]
+    mean = [sum(x[i]["output_throughput"] for x in big) / 2 for i in (0, 1)]
+    verdict = f"; issue 10 asks >= 1.0: {'met' if mean[1] >= mean[0] else 'not met'}" if criterion else ""
+    print(f"\n- 1024x1024_c256 over both rounds: vLLM {mean[0]:,.1f}, pdserve {mean[1]:,.1f} out tok/s "
+          f"({mean[1] / mean[0]:.3f}x{verdict})")
+    return pairs
 
 
 def _gc_bracket(folder: str, arm: str) -> dict[str, tuple[int, float, bool]]:
