@@ -7,6 +7,9 @@ the sampled tokens on the host). Floors, from ceilings measured in the same proc
   memory floor  = (weight bytes read + KV bytes read) / measured HBM copy rate
   compute floor = matmul FLOPs (linear layers, LM head on sampled rows, causal attention) / measured bf16 matmul
   floor         = the larger of the two (decode: memory; prefill: compute; mixed: whichever binds)
+  serial bound  = the attention's larger part (KV read or attention FLOPs) plus the products' (weights' read or
+                  their FLOPs): what a step whose attention and products do not overlap cannot beat (at 256 decode
+                  rows the products are compute-bound, so it lies above the floor)
 
 Default cases: steady decode at batch 1 and 256 with ~1k context, batch 1 and 32 with ~8k, an 8k-token prefill,
 and a mixed step (256 decodes at ~1k + a 512-token prefill chunk). With --compare-eager (default) every case also
@@ -112,17 +115,26 @@ def model_sizes(core: EngineCore) -> dict:
 
 
 def floors(sizes: dict, ceil: dict, seqs: list[tuple[int, int]], sampled: int) -> dict:
-    """seqs: (cached tokens, new tokens) of each sequence of the step."""
+    """seqs: (cached tokens, new tokens) of each sequence of the step.
+
+    The floor is the larger of the step's bytes at the HBM copy rate and its FLOPs at the matmul rate, as if its
+    memory-bound and compute-bound work overlapped perfectly. The serial bound is what a step whose attention and
+    products run one after the other cannot beat: the attention's larger of KV read and attention FLOPs, plus the
+    products' larger of weights' read and their FLOPs (at 256 decode rows the products are compute-bound, so this
+    bound lies above the floor)."""
     tokens = sum(n for _, n in seqs)
     pairs = sum(n * c + n * (n + 1) / 2 for c, n in seqs)
-    flops = 2 * tokens * sizes["linear_params"] + 2 * sampled * sizes["lm_head_params"] \
-        + pairs * sizes["attn_flops_per_pair"]
+    prod_flops = 2 * tokens * sizes["linear_params"] + 2 * sampled * sizes["lm_head_params"]
+    attn_flops = pairs * sizes["attn_flops_per_pair"]
+    flops = prod_flops + attn_flops
     kv_read = sum(c + n for c, n in seqs) * sizes["kv_bytes_per_token"]
-    mem_ms = (sizes["weight_bytes_read"] + kv_read) / (ceil["hbm_copy_gbps"] * 1e9) * 1e3
-    compute_ms = flops / (ceil["bf16_matmul_tflops"] * 1e12) * 1e3
+    hbm, mm = ceil["hbm_copy_gbps"] * 1e9 / 1e3, ceil["bf16_matmul_tflops"] * 1e12 / 1e3  # per ms
+    mem_ms = (sizes["weight_bytes_read"] + kv_read) / hbm
+    compute_ms = flops / mm
+    serial_ms = max(kv_read / hbm, attn_flops / mm) + max(sizes["weight_bytes_read"] / hbm, prod_flops / mm)
     return {"tokens": tokens, "flops": flops, "kv_bytes_read": kv_read, "memory_floor_ms": mem_ms,
             "compute_floor_ms": compute_ms, "floor_ms": max(mem_ms, compute_ms),
-            "bound": "memory" if mem_ms >= compute_ms else "compute"}
+            "bound": "memory" if mem_ms >= compute_ms else "compute", "serial_bound_ms": serial_ms}
 
 
 # ---- cases
@@ -342,7 +354,8 @@ def loop_floor(sizes: dict, ceil: dict, loop: dict) -> dict:
     scheduler before each timed step), against the loop's time a step."""
     rows = round(loop["rows_per_step"])
     f = floors(sizes, ceil, [(round(loop["mean_context"]), 1)] * rows, rows)
-    return {"floor_ms": f["floor_ms"], "fraction_of_floor": f["floor_ms"] / loop["step_ms"]}
+    return {"floor_ms": f["floor_ms"], "fraction_of_floor": f["floor_ms"] / loop["step_ms"],
+            "serial_bound_ms": f["serial_bound_ms"], "fraction_of_serial_bound": f["serial_bound_ms"] / loop["step_ms"]}
 
 
 LOOP_TEMPERATURE = [0.0]  # the loops' requests' temperature (--loop-temperature)
@@ -620,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         r = {"case": name, **floors(sizes, ceil, [(c, n) for c, n, _ in seqs], sum(s for *_, s in seqs))}
         r.update(time_case(core, batch, args.iters, args.warmup))
         r["fraction_of_floor"] = r["floor_ms"] / r["step_ms_median"]
+        r["fraction_of_serial_bound"] = r["serial_bound_ms"] / r["step_ms_median"]
         if args.compare_eager and (runner.decode_sizes or runner.mixed_sizes):
             runner.use_graphs = False
             r["eager"] = time_case(core, batch, args.iters, args.warmup)
@@ -634,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         eager = f", eager {r['eager']['step_ms_median']:.2f} ms" if "eager" in r else ""
         eager += f", piecewise {r['piecewise']['step_ms_median']:.2f} ms" if "piecewise" in r else ""
         print(f"{name}: {r['step_ms_median']:.2f} ms ({r['path']}; floor {r['floor_ms']:.2f} ms {r['bound']}, "
-              f"{r['fraction_of_floor']:.0%}){eager}", flush=True)
+              f"{r['fraction_of_floor']:.0%}; serial bound {r['serial_bound_ms']:.2f} ms, "
+              f"{r['fraction_of_serial_bound']:.0%}){eager}", flush=True)
     rec["results"] = results
     rec["loops"] = loops = []
     for spec in filter(None, args.loop.split(",")):
@@ -648,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['host_ms']:.2f} ms, waiting for tokens {r['collect_wait_ms']:.2f} ms; "
                   f"{r['overlapped_steps']} of {r['steps']} steps overlapped; {r['rows_per_step']:.1f} rows and "
                   f"{r['outputs_per_step']:.1f} outputs a step at {r['mean_context']:.0f} tokens of context; floor "
-                  f"{r['floor_ms']:.2f} ms, {r['fraction_of_floor']:.0%})", flush=True)
+                  f"{r['floor_ms']:.2f} ms, {r['fraction_of_floor']:.0%}; serial bound {r['serial_bound_ms']:.2f} ms, "
+                  f"{r['fraction_of_serial_bound']:.0%})", flush=True)
     for spec in filter(None, args.profile_loop.split(",")):
         b, ctx = (int(x) for x in spec.split("x"))
         r = {"case": f"loop:{spec}", **time_decode_loop(core, b, ctx, args.loop_steps, args.warmup, True, rng,

@@ -46,3 +46,25 @@ def test_marginal_times_sum_to_the_busy_time():
     assert dict(m) == {"a": [100], "b": [30], "c": [0.0], "d": [50], "e": [20]}
     g = _module().gpu_timeline(SimpleNamespace(events=lambda: events), steps=1)
     assert sum(sum(v) for v in m.values()) == g["busy_us_per_step"]
+
+
+def test_floor_and_serial_bound_of_a_step():
+    """floors(): the floor is the larger of the step's bytes at the copy rate and its FLOPs at the matmul rate; the
+    serial bound adds the attention's larger part to the products' larger part. Round numbers: 1e9 bytes and 1e9
+    FLOPs a ms, weights of 2e9 bytes, 1e6 bytes of KV a token."""
+    mod = _module()
+    sizes = {"weight_bytes_read": 2_000_000_000, "linear_params": 1_000_000_000, "lm_head_params": 0,
+             "kv_bytes_per_token": 1_000_000, "attn_flops_per_pair": 0}
+    ceil = {"hbm_copy_gbps": 1000.0, "bf16_matmul_tflops": 1.0}  # 1e9 bytes and 1e9 FLOPs a ms
+    # 4 decode rows at 999 cached tokens: KV 4e9 bytes (4 ms), weights 2 ms, products 2 * 4 * 1e9 = 8e9 FLOPs (8 ms)
+    f = mod.floors(sizes, ceil, [(999, 1)] * 4, 4)
+    assert f["kv_bytes_read"] == 4_000_000_000 and f["flops"] == 8_000_000_000
+    assert (f["memory_floor_ms"], f["compute_floor_ms"], f["floor_ms"], f["bound"]) == (6.0, 8.0, 8.0, "compute")
+    assert f["serial_bound_ms"] == 4.0 + 8.0  # the KV read, then the products at the matmul rate
+    # one row: the products' weights' read (2 ms) outlasts their FLOPs (2 ms: equal), the KV 1 ms
+    f1 = mod.floors(sizes, ceil, [(999, 1)], 1)
+    assert (f1["floor_ms"], f1["serial_bound_ms"]) == (3.0, 3.0)
+    loop = {"rows_per_step": 4.0, "mean_context": 999.0, "step_ms": 16.0}
+    got = mod.loop_floor(sizes, ceil, loop)
+    assert got == {"floor_ms": 8.0, "fraction_of_floor": 0.5, "serial_bound_ms": 12.0,
+                   "fraction_of_serial_bound": 0.75}
