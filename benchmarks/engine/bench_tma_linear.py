@@ -27,6 +27,7 @@ import functools
 import itertools
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -36,8 +37,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from pdserve.bench.ceilings import graph_us, hbm_copy_gbps, matmul_tflops
 from pdserve.bench.record import new_record, save_json
 
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
-          ("lm_head", 151936, 4096)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm_rows import PRESETS  # noqa: E402  (the projections' shapes, one table for the GEMM scripts)
+
+SHAPES = PRESETS["qwen3-8b"]
 
 
 @dataclass(frozen=True)
