@@ -141,7 +141,8 @@ def create_app(
         await tokens.close()
 
     async def stats_line(_app: web.Application):  # the engine's stats line in the log (pdserve.server.stats_log)
-        task = asyncio.create_task(log_stats(llm.stats, cfg.log_stats_interval_s)) if cfg.log_stats_interval_s else None
+        task = (asyncio.create_task(log_stats(lambda: engine_stats(llm), cfg.log_stats_interval_s))
+                if cfg.log_stats_interval_s else None)
         yield
         if task is not None:
             task.cancel()

@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("pdserve.server.stats")
 
@@ -54,15 +53,13 @@ class StatsLine:
                 f"KV cache {stats.get('kv_usage', 0.0):.1%} used; prefix cache hit rate {hit}")
 
 
-async def log_stats(stats: Callable[[], Any], interval_s: float, clock: Callable[[], float] = time.monotonic,
-                    emit: Callable[[str], None] = log.info) -> None:
-    """Every `interval_s` seconds, the engine's stats line (`stats()`: the engine's last snapshot, or an awaitable
-    of it) through `emit`; runs until cancelled. A snapshot that cannot be had skips its interval."""
+async def log_stats(stats: Callable[[], Awaitable[dict]], interval_s: float,
+                    clock: Callable[[], float] = time.monotonic, emit: Callable[[str], None] = log.info) -> None:
+    """Every `interval_s` seconds, the engine's stats line (`stats()`: the engine's last snapshot, as the server's
+    engine_stats gives it) through `emit`; runs until cancelled. A snapshot that cannot be had skips its interval."""
     async def snapshot() -> dict | None:
         try:
-            s = stats()
-            s = await s if asyncio.iscoroutine(s) or isinstance(s, asyncio.Future) else s
-            return dict(s)
+            return await stats()
         except Exception:
             log.debug("engine stats unavailable for the stats line", exc_info=True)
             return None
