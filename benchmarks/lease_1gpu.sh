@@ -180,6 +180,15 @@
 #              process an arm, in order off, hf, off, hf
 #   s33b       a Triton GEMM with TMA loads (bench_tma_linear.py: rows- and weight-major tiles, one program a tile or
 #              persistent) against cuBLAS at 256 rows over dummy Qwen3-8B's qkv, o, gate_up and down
+#   s34a       the engine's stats line while serving 1024/1024 at c256 (pdserve bench's client, 512 prompts): one
+#              `pdserve serve` of dummy Qwen3-8B (carry .vllm-stage/model) with --log-stats-interval 2 and
+#              serve_timeline.py beside it (the server processes' CPU); its log says how busy the engine was and how much
+#              of a step went to waiting for the GPU (server.log, c256.txt, timeline.txt); then bench_steps.py's default
+#              cases and loops, which now print each against its serial bound as well as its floor (steps.txt)
+#   s34b       (after `lease_2xh200.sh unpack` of the twelve staged parts in earlier calls of the same machine) vLLM 0.22,
+#              then pdserve, on the one GPU, vLLM's client, 1024/1024 c256 (sbs/); then bench_steps.py on the steps
+#              such a run is made of (decode at 256 rows on 1k and 2k of context, eight 1k prompts alone and beside
+#              256 decodes) with the ceilings that run_bound.py divides the run's work by (steps.txt, steps.json)
 #   s33c       (written in session 33, not yet run: too little device time was left to start a machine) the
 #              engine's stats line while serving 1024/1024 at c256 (pdserve bench's client, 512 prompts): one
 #              `pdserve serve` of dummy Qwen3-8B (carry .vllm-stage/model) with --log-stats-interval 2; its log says
@@ -1251,6 +1260,43 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
     timeout 560 python3 benchmarks/engine/bench_tma_linear.py --rows 256 --out "$W/tma.json" > "$W/tma.txt" 2>&1
     grep -E "^ceilings|^precompiled|rows|Error" "$W/tma.txt" | cut -c1-400
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    WORKLOADS="1024:1024:512:256" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 OUT=$W/sbs \
+      STAGE=.vllm-stage VLLM_USE_FLASHINFER_SAMPLER=0 timeout 420 bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -12
+    for f in "$W"/sbs/*.log; do gzip -f "$f"; done
+    save
+    timeout $(( 575 - ($(date +%s) - t0) )) python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --decode 256x1024,256x2048 \
+      --prefill 8x1024 --mixed 256x1024+7x1024 --loop= --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(decode|prefill|mixed)[^ ]*:|Error|ceilings" "$W/steps.txt" | cut -c1-260
+    save ;;
+  s34a)  # the engine's stats line under 1024/1024 c256, then bench_steps.py's defaults with the serial bound
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --served-model-name qwen3-dummy --port 8200 --log-stats-interval 2 > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 150); do
+      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break; sleep 1
+    done
+    echo "ready after $(( $(date +%s) - t0 )) s"
+    python3 benchmarks/server/serve_timeline.py --url http://127.0.0.1:8200 --pid $S --out "$W/timeline.json" \
+      > "$W/timeline.txt" 2>&1 & T=$!
+    timeout 110 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy --tokenizer $M \
+      --dataset-name random --random-input-len 1024 --random-output-len 1024 --num-prompts 512 --max-concurrency 256 \
+      --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 1 \
+      --disable-tqdm --no-plots --save-result --result-dir "$W" --result-filename "c256.json" > "$W/c256.txt" 2>&1
+    kill -INT $T; wait $T
+    cat "$W/timeline.txt" | cut -c1-300 | tail -20
+    python3 benchmarks/vs_vllm/compare.py --line "$W/c256.json" 2>/dev/null
+    sleep 3; grep "pdserve.server.stats" "$W/server.log" | cut -c1-330 | tail -40
+    kill $S; wait $S 2>/dev/null; gzip -f "$W"/*.log "$W"/*.pdserve.json "$W"/timeline.json 2>/dev/null
+    save
+    timeout $(( 570 - ($(date +%s) - t0) )) python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
+      --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(decode|prefill|mixed|loop)[^ ]*:|Error|ceilings" "$W/steps.txt" | grep -v "async off" | cut -c1-260
+    save ;;
   s33c)  # the engine's stats line under 1024/1024 c256
     pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
       --served-model-name qwen3-dummy --port 8200 --log-stats-interval 2 > "$W/server.log" 2>&1 & S=$!
