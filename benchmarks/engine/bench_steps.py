@@ -132,7 +132,8 @@ def floors(sizes: dict, ceil: dict, seqs: list[tuple[int, int]], sampled: int) -
     mem_ms = (sizes["weight_bytes_read"] + kv_read) / hbm
     compute_ms = flops / mm
     serial_ms = max(kv_read / hbm, attn_flops / mm) + max(sizes["weight_bytes_read"] / hbm, prod_flops / mm)
-    return {"tokens": tokens, "flops": flops, "kv_bytes_read": kv_read, "memory_floor_ms": mem_ms,
+    return {"tokens": tokens, "flops": flops, "attn_flops": attn_flops, "prod_flops": prod_flops,
+            "kv_bytes_read": kv_read, "memory_floor_ms": mem_ms,
             "compute_floor_ms": compute_ms, "floor_ms": max(mem_ms, compute_ms),
             "bound": "memory" if mem_ms >= compute_ms else "compute", "serial_bound_ms": serial_ms}
 
