@@ -629,6 +629,107 @@ def session27() -> None:
         interference_table(f"{base}/{folder}")
 
 
+def _stats_lines(log_gz: str) -> list[dict]:
+    """The engine's stats lines (pdserve.server.stats) of a server's log, parsed."""
+    pat = re.compile(r"^(\S+ \S+) INFO pdserve\.server\.stats: engine: prompt ([0-9.]+) tokens/s, generation ([0-9.]+) "
+                     r"tokens/s; ([0-9.]+) steps/s, busy ([0-9]+)%, ([0-9.]+) ms a step, ([0-9]+)% of it waiting for the "
+                     r"GPU; running ([0-9]+), waiting ([0-9]+); KV cache ([0-9.]+)% used")
+    keys = ("prompt_tps", "gen_tps", "steps_ps", "busy", "step_ms", "gpu_wait", "running", "waiting", "kv_used")
+    with gzip.open(B / log_gz, "rt") as f:
+        return [{"time": m.group(1)[11:19], **{k: float(v) for k, v in zip(keys, m.groups()[1:])}}
+                for ln in f if (m := pat.match(ln))]
+
+
+def _steps_bounds(rel: str) -> None:
+    """A bench_steps.py record's cases and async loops against their floors and serial bounds."""
+    d = load(rel)
+    print("| step | path | ms | floor ms (of it) | serial bound ms (of it) |\n|---|---|---|---|---|")
+    for r in d["results"]:
+        print(f"| {r['case']} | {r['path']} | {r['step_ms_median']:.2f} | {r['floor_ms']:.2f} "
+              f"({r['fraction_of_floor']:.0%}) | {r['serial_bound_ms']:.2f} ({r['fraction_of_serial_bound']:.0%}) |")
+    for lp in d.get("loops", []):
+        if lp["async"]:
+            print(f"| {lp['case']}, async, host {lp['host_ms']:.2f} ms a step | engine loop | {lp['step_ms']:.2f} | "
+                  f"{lp['floor_ms']:.2f} ({lp['fraction_of_floor']:.0%}) | {lp['serial_bound_ms']:.2f} "
+                  f"({lp['fraction_of_serial_bound']:.0%}) |")
+
+
+def _run_bound_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("run_bound", B / "engine" / "run_bound.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def session34() -> None:
+    """Session 34 (one H200: the engine's stats line under 1024/1024 c256 and bench_steps.py's defaults; another
+    H200: vLLM then pdserve at 1024/1024 c256, the run's steps against their bounds; the runs' serial bounds)."""
+    base = "lease_s34"
+    rb = _run_bound_module()
+    lines = _stats_lines(f"{base}/s34a/server.log.gz")
+    first = next(i for i, x in enumerate(lines) if x["running"] + x["waiting"] >= 2)  # the client's run, not its warm-up
+    last = max(i for i, x in enumerate(lines) if x["gen_tps"] > 0)
+    busy = lines[first:last + 1]
+    r = load(f"{base}/s34a/c256.json")
+    print(f"The engine's stats line while serving (s34a, an H200; `pdserve serve` of dummy Qwen3-8B with "
+          f"--log-stats-interval 2, pdserve's client at 1024/1024, 512 prompts at c256: {r['output_throughput']:,.1f} "
+          f"out tok/s over {r['duration']:.2f} s, mean TPOT {r['mean_tpot_ms']:.2f} ms, p99 ITL {r['p99_itl_ms']:.1f} "
+          f"ms), each 2-s interval from the first prompts to the last tokens:\n")
+    print("| at | prompt tok/s | generation tok/s | steps/s | busy | ms a step | of it waiting for the GPU | running | "
+          "waiting | KV cache used |\n|---|---|---|---|---|---|---|---|---|---|")
+    for x in busy:
+        print(f"| {x['time']} | {x['prompt_tps']:,.0f} | {x['gen_tps']:,.0f} | {x['steps_ps']:.1f} | {x['busy']:.0f}% | "
+              f"{x['step_ms']:.1f} | {x['gpu_wait']:.0f}% | {x['running']:.0f} | {x['waiting']:.0f} | "
+              f"{x['kv_used']:.1f}% |")
+    dec = [x for x in busy if x["prompt_tps"] == 0 and x["running"] >= 255]
+    pre = [x for x in busy if x["prompt_tps"] > 0]
+    print(f"\n- intervals of pure decoding at 255-256 running ({len(dec)}): {min(x['step_ms'] for x in dec):.1f}-"
+          f"{max(x['step_ms'] for x in dec):.1f} ms a step as the context grows, the engine busy "
+          f"{min(x['busy'] for x in dec):.0f}-{max(x['busy'] for x in dec):.0f}% of the time and waiting for the GPU "
+          f"{min(x['gpu_wait'] for x in dec):.0f}-{max(x['gpu_wait'] for x in dec):.0f}% of it: the host's share is "
+          f"hidden under the step in flight, and the GPU sets the pace")
+    print(f"- intervals with prompt tokens ({len(pre)}, both waves): {2 * len(pre)} s of the run")
+    cpu = [re.match(r"(\d+) ([0-9.]+) CPU over the busy window \(peak ([0-9.]+)\): (\S+):", ln).groups()
+           for ln in (B / f"{base}/s34a/timeline.txt").read_text().splitlines() if " CPU over " in ln]
+    print("- CPU of the server's processes over the busy window (serve_timeline.py; pid, command: mean, peak): "
+          + "; ".join(f"{pid} {cmd}: {c}, {pk}" for pid, c, pk, cmd in cpu)
+          + " (the `pdserve serve` process serves HTTP; the engine runs in a spawned one)")
+    print(f"\nbench_steps.py's default cases and loops in the same call (s34a; "
+          f"{_ceilings(load(f'{base}/s34a/steps.json')['ceilings'])}), each against its floor and its serial bound:\n")
+    _steps_bounds(f"{base}/s34a/steps.json")
+    for call, machine in (("s34b", "another H200"), ("s34b_r2", "a third H200, the same stage again")):
+        print(f"\nvLLM 0.22, then pdserve, on {machine} ({call}: twelve staging calls, `lease_2xh200.sh unpack`, then "
+              "`lease_1gpu.sh s34b`), dummy Qwen3-8B bf16, vLLM's client, 1024/1024, 512 prompts at c256:\n")
+        _sbs_table(f"{base}/{call}/sbs")
+        print(f"\nThe steps such a run is made of, in the same call "
+              f"({_ceilings(load(f'{base}/{call}/steps.json')['ceilings'])}):\n")
+        _steps_bounds(f"{base}/{call}/steps.json")
+    print("\nEach run against its serial bound (`run_bound.py`: every KV byte the run reads at the HBM copy rate, or its "
+          "attention FLOPs at the matmul rate, whichever is more, plus its products' FLOPs at the matmul rate, or the "
+          "fewest decode steps' weight reads; the ceilings of the bench_steps.py run in the same call):\n")
+    print("| call | server (client) | duration s | out tok/s | serial bound s | of the bound |\n|---|---|---|---|---|---|")
+    runs = [(call, name, f"sbs/{n}_single_1024x1024_c256.json") for call in ("s34b", "s34b_r2")
+            for name, n in (("vLLM (vLLM's)", "vllm"), ("pdserve (vLLM's)", "pdserve"))]
+    runs.append(("s34a", "pdserve (pdserve's)", "c256.json"))
+    bounds = {}
+    for call, name, rel in runs:
+        st = load(f"{base}/{call}/steps.json")
+        b = bounds.setdefault(call, rb.run_bound(st["engine"], st["ceilings"], 1024, 1024, 512, 256))
+        res = load(f"{base}/{call}/{rel}")
+        print(f"| {call} | {name} | {res['duration']:.2f} | {res['output_throughput']:,.1f} | {b['bound_s']:.2f} | "
+              f"{rb.fraction(b, res):.1%} |")
+    print()
+    for call in ("s34b", "s34b_r2"):
+        b = bounds[call]
+        v = load(f"{base}/{call}/sbs/vllm_single_1024x1024_c256.json")
+        print(f"- {call}'s bound: attention {b['attention_s']:.2f} s (KV read {b['kv_read_s']:.2f} s, its FLOPs "
+              f"{b['attn_flops_s']:.2f} s) plus products {b['products_s']:.2f} s (FLOPs; the weights' read over the "
+              f"{b['min_decode_steps']} fewest decode steps would take {b['weights_read_s']:.2f} s): "
+              f"{b['bound_output_tps']:,.1f} out tok/s at most; 1.15x vLLM's output tok/s in that call would need a "
+              f"run at {rb.needed(b, v, 1.15):.1%} of it")
+
+
 def session33() -> None:
     """Session 33 (machine 1, an H200: the decode kernel's grid order; machine 2, an H200: a TMA GEMM against cuBLAS;
     machine 3, a 2xH200: 1P1D against vLLM's 1P1D twice, then the single-GPU side by side)."""
@@ -2782,6 +2883,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session34()
+    print()
     session33()
     print()
     session32()
