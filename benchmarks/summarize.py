@@ -698,6 +698,20 @@ def session34() -> None:
     print(f"\nbench_steps.py's default cases and loops in the same call (s34a; "
           f"{_ceilings(load(f'{base}/s34a/steps.json')['ceilings'])}), each against its floor and its serial bound:\n")
     _steps_bounds(f"{base}/s34a/steps.json")
+    st = load(f"{base}/s34a/steps.json")
+    e, c = st["engine"], st["ceilings"]
+    hbm = c["hbm_copy_gbps"] * 1e6  # bytes a ms
+    with gzip.open(B / f"{base}/s34a/server.log.gz", "rt") as f:
+        blocks, bs = (int(x) for x in re.search(r"(\d+) KV blocks of (\d+) tokens", f.read()).groups())
+    loop = next(lp for lp in st["loops"] if lp["async"] and lp["case"] == "loop:256x1024")
+    late = dec[-1]
+    points = [("the batch-256 loop", loop["mean_context"], loop["step_ms"]),
+              (f"serving at {late['time']}", late["kv_used"] / 100 * blocks * bs / late["running"],
+               1e3 / late["steps_ps"])]
+    print("\n- two micro-batches (one's products beside the other's attention) read the weights twice: the KV read plus "
+          "two weights' reads at the copy rate against the measured step, " + "; ".join(
+              f"{name} (~{ctx:.0f} tokens of context): {(256 * (ctx + 1) * e['kv_bytes_per_token'] + 2 * e['weight_bytes_read']) / hbm:.2f} "
+              f"against {ms:.2f} ms" for name, ctx, ms in points))
     for call, machine in (("s34b", "another H200"), ("s34b_r2", "a third H200, the same stage again")):
         print(f"\nvLLM 0.22, then pdserve, on {machine} ({call}: twelve staging calls, `lease_2xh200.sh unpack`, then "
               "`lease_1gpu.sh s34b`), dummy Qwen3-8B bf16, vLLM's client, 1024/1024, 512 prompts at c256:\n")
