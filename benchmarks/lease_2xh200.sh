@@ -32,6 +32,11 @@
 #   mem_tests  the KV sizing GPU tests, on GPU 0
 #   lib_tests  the GPU tests of the library prefill and of the start-up warm-up, on GPU 0
 #   pd_one     PD_MODE=pd-pdserve or pd-vllm: one 1P1D deployment, 1024/1024 c256 and 8192/16, vLLM's client
+#   pd_itl     (written in session 34, not yet run) why pdserve's p99 inter-token latency in 1P1D rose from 28 ms
+#              (session 26) to 40-42 ms (session 33): `pdserve serve --prefill 1 --decode 1` with each instance's
+#              engine stats line every 2 s (pdlogs/decode0.log.gz: steps/s, ms a step and how much of it waited for the
+#              GPU, running, KV use), vLLM's client at 1024/1024 c256 with --save-detailed, compacted to each
+#              request's long gaps in its own time (compact_detail.py: >= 1.5x the median gap); into pd-pdserve.tgz
 #   pd_policy  1P1D with the router's local-prefill fallback as shipped and off (always remote), pdserve's client;
 #              GC_PROBE=1: every process logs its garbage-collection pauses
 #   attn_sweep the decode attention tile sweep (bf16 and fp8 pools, 64- to 256-key tiles)
@@ -245,6 +250,10 @@ PY
     rm -f $R/pdlogs/deployment-secret  # the launcher's secret for this deployment: not a result
     for f in $R/*.log $R/pdlogs/*.log; do [ -f "$f" ] && gzip -f "$f"; done
     cp "$W"/gpus.txt $R/ 2>/dev/null; tar czf "$OUT/$PD_MODE.tgz" -C /tmp/res $PD_MODE ;;
+  pd_itl)
+    # pd_one's deployment and client, with the instances' stats lines and the client's long gaps kept
+    PD_MODE=pd-pdserve PD_WORKLOADS="1024:1024:512:256" PDSERVE_ARGS="--log-stats-interval 2" DETAILED=1 \
+      OUT=$OUT bash "$0" pd_one ;;
   pd_policy)
     # `pdserve serve --prefill 1 --decode 1` with the router's local-prefill fallback as shipped (a prefill instance
     # with more than --prefill-max-waiting-tokens queued takes no new prompt: the decode instance prefills it) and
