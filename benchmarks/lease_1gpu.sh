@@ -184,15 +184,12 @@
 #              `pdserve serve` of dummy Qwen3-8B (carry .vllm-stage/model) with --log-stats-interval 2 and
 #              serve_timeline.py beside it (the server processes' CPU); its log says how busy the engine was and how much
 #              of a step went to waiting for the GPU (server.log, c256.txt, timeline.txt); then bench_steps.py's default
-#              cases and loops, which now print each against its serial bound as well as its floor (steps.txt)
+#              cases and loops, which now print each against its serial bound as well as its floor (steps.txt). Session
+#              33's s33c (never run) with serve_timeline.py and bench_steps.py added; s33c is gone
 #   s34b       (after `lease_2xh200.sh unpack` of the twelve staged parts in earlier calls of the same machine) vLLM 0.22,
 #              then pdserve, on the one GPU, vLLM's client, 1024/1024 c256 (sbs/); then bench_steps.py on the steps
 #              such a run is made of (decode at 256 rows on 1k and 2k of context, eight 1k prompts alone and beside
 #              256 decodes) with the ceilings that run_bound.py divides the run's work by (steps.txt, steps.json)
-#   s33c       (written in session 33, not yet run: too little device time was left to start a machine) the
-#              engine's stats line while serving 1024/1024 at c256 (pdserve bench's client, 512 prompts): one
-#              `pdserve serve` of dummy Qwen3-8B (carry .vllm-stage/model) with --log-stats-interval 2; its log says
-#              how busy the engine was and how much of a step went to waiting for the GPU (server.log, c256.txt)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1297,21 +1294,6 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
       --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|mixed|loop)[^ ]*:|Error|ceilings" "$W/steps.txt" | grep -v "async off" | cut -c1-260
     save ;;
-  s33c)  # the engine's stats line under 1024/1024 c256
-    pdserve serve --model $M --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
-      --served-model-name qwen3-dummy --port 8200 --log-stats-interval 2 > "$W/server.log" 2>&1 & S=$!
-    for i in $(seq 150); do
-      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
-        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break; sleep 1
-    done
-    echo "ready after $(( $(date +%s) - t0 )) s"
-    timeout 110 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy --tokenizer $M \
-      --dataset-name random --random-input-len 1024 --random-output-len 1024 --num-prompts 512 --max-concurrency 256 \
-      --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 1 \
-      --disable-tqdm --no-plots --save-result --result-dir "$W" --result-filename "c256.json" > "$W/c256.txt" 2>&1
-    python3 benchmarks/vs_vllm/compare.py --line "$W/c256.json" 2>/dev/null
-    grep "pdserve.server.stats" "$W/server.log" | cut -c1-330 | tail -30
-    kill $S; wait $S 2>/dev/null ;;
   s32b)  # the KV sizing probe's peak by allocation site
     timeout 200 python3 benchmarks/engine/probe_memory.py --out "$W/probe.json" > "$W/probe.txt" 2>&1
     grep -v " INFO " "$W/probe.txt" | cut -c1-300 | head -60
