@@ -663,8 +663,9 @@ def _run_bound_module():
 
 
 def session34() -> None:
-    """Session 34 (one H200: the engine's stats line under 1024/1024 c256 and bench_steps.py's defaults; another
-    H200: vLLM then pdserve at 1024/1024 c256, the run's steps against their bounds; the runs' serial bounds)."""
+    """Session 34 (machine 1, an H200: the engine's stats line under 1024/1024 c256 and bench_steps.py's defaults;
+    machines 2 and 3, an H200 each: vLLM then pdserve at 1024/1024 c256 and the steps such a run is made of; each
+    run against its serial bound). Machine 4's cut-off MoE call (moe_cut/) gave no ratio and is not printed."""
     base = "lease_s34"
     rb = _run_bound_module()
     lines = _stats_lines(f"{base}/s34a/server.log.gz")
@@ -705,13 +706,14 @@ def session34() -> None:
         blocks, bs = (int(x) for x in re.search(r"(\d+) KV blocks of (\d+) tokens", f.read()).groups())
     loop = next(lp for lp in st["loops"] if lp["async"] and lp["case"] == "loop:256x1024")
     late = dec[-1]
-    points = [("the batch-256 loop", loop["mean_context"], loop["step_ms"]),
-              (f"serving at {late['time']}", late["kv_used"] / 100 * blocks * bs / late["running"],
+    points = [("the batch-256 loop", loop["rows_per_step"], loop["mean_context"], loop["step_ms"]),
+              (f"serving at {late['time']}", late["running"], late["kv_used"] / 100 * blocks * bs / late["running"],
                1e3 / late["steps_ps"])]
+    two = [(rows * (ctx + 1) * e["kv_bytes_per_token"] + 2 * e["weight_bytes_read"]) / hbm for _, rows, ctx, _ in points]
     print("\n- two micro-batches (one's products beside the other's attention) read the weights twice: the KV read plus "
           "two weights' reads at the copy rate against the measured step, " + "; ".join(
-              f"{name} (~{ctx:.0f} tokens of context): {(256 * (ctx + 1) * e['kv_bytes_per_token'] + 2 * e['weight_bytes_read']) / hbm:.2f} "
-              f"against {ms:.2f} ms" for name, ctx, ms in points))
+              f"{name} ({rows:.0f} rows, ~{ctx:.0f} tokens of context): {t:.2f} against {ms:.2f} ms"
+              for (name, rows, ctx, ms), t in zip(points, two)))
     for call, machine in (("s34b", "another H200"), ("s34b_r2", "a third H200, the same stage again")):
         print(f"\nvLLM 0.22, then pdserve, on {machine} ({call}: twelve staging calls, `lease_2xh200.sh unpack`, then "
               "`lease_1gpu.sh s34b`), dummy Qwen3-8B bf16, vLLM's client, 1024/1024, 512 prompts at c256:\n")
