@@ -6,6 +6,9 @@ the sampled tokens on the host). Floors, from ceilings measured in the same proc
 
   memory floor  = (weight bytes read + KV bytes read) / measured HBM copy rate
   compute floor = matmul FLOPs (linear layers, LM head on sampled rows, causal attention) / measured bf16 matmul
+                  (a mixture of experts: each token multiplies its top_k experts, and a step reads the experts its
+                  tokens route to, expected under uniform routing; records before session 34 counted every expert's
+                  bytes in every step and no expert FLOPs)
   floor         = the larger of the two (decode: memory; prefill: compute; mixed: whichever binds)
   serial bound  = the attention's larger part (KV read or attention FLOPs) plus the products' (weights' read or
                   their FLOPs): what a step whose attention and products do not overlap cannot beat (at 256 decode
@@ -97,21 +100,42 @@ def ceilings(device: torch.device) -> dict:
 
 # ---- model arithmetic
 def model_sizes(core: EngineCore) -> dict:
+    """The model's arithmetic for the floors: weight bytes every step reads, the layers' matrix parameters every token
+    multiplies, the LM head, KV bytes a token and attention FLOPs a query-key pair. A mixture of experts' stacked
+    expert weights are counted apart (expert_params, expert_bytes, num_experts, top_k): a token multiplies top_k of
+    them, and a step reads those its tokens route to (floors)."""
+    from pdserve.model.moe import FusedMoE
+
     model = core.model
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    read = body = 0
+    moe = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+    read = body = expert_params = expert_bytes = 0
     for name, p in model.named_parameters():  # tied weights appear once
         nbytes = p.numel() * p.element_size()
         if name == "model.embed_tokens.weight" and not tied:
             continue  # a decode step reads only its rows
+        if name.rpartition(".")[0] in moe:
+            expert_params += p.numel()
+            expert_bytes += nbytes
+            continue
         read += nbytes
         if ".layers." in name and p.dim() == 2:
             body += p.numel()
     cfg = core.hf_config
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    first = next(iter(moe.values()), None)
     return {"weight_bytes_read": read, "linear_params": body, "lm_head_params": model.lm_head.weight.numel(),
             "kv_bytes_per_token": core.block_bytes // core.config.block_size,
-            "attn_flops_per_pair": 4 * cfg.num_attention_heads * hd * cfg.num_hidden_layers}
+            "attn_flops_per_pair": 4 * cfg.num_attention_heads * hd * cfg.num_hidden_layers,
+            "expert_params": expert_params, "expert_bytes": expert_bytes,
+            "num_experts": first.num_experts if first else 0, "top_k": first.top_k if first else 0}
+
+
+def experts_share(sizes: dict, tokens: int) -> float:
+    """The expected share of a layer's experts that `tokens` tokens route to, if each picks its top_k experts
+    uniformly at random and independently of the others: 1 - (1 - top_k / experts) ** tokens (0 without experts)."""
+    e = sizes.get("num_experts", 0)
+    return 1.0 - (1.0 - sizes["top_k"] / e) ** tokens if e else 0.0
 
 
 def floors(sizes: dict, ceil: dict, seqs: list[tuple[int, int]], sampled: int) -> dict:
@@ -121,19 +145,22 @@ def floors(sizes: dict, ceil: dict, seqs: list[tuple[int, int]], sampled: int) -
     memory-bound and compute-bound work overlapped perfectly. The serial bound is what a step whose attention and
     products run one after the other cannot beat: the attention's larger of KV read and attention FLOPs, plus the
     products' larger of weights' read and their FLOPs (at 256 decode rows the products are compute-bound, so this
-    bound lies above the floor)."""
+    bound lies above the floor). A mixture of experts' tokens each multiply top_k experts' weights, and the step
+    reads the experts its tokens route to (experts_share: uniform routing assumed; sizes without experts: none)."""
     tokens = sum(n for _, n in seqs)
     pairs = sum(n * c + n * (n + 1) / 2 for c, n in seqs)
-    prod_flops = 2 * tokens * sizes["linear_params"] + 2 * sampled * sizes["lm_head_params"]
+    experts = sizes.get("expert_params", 0) * sizes["top_k"] / sizes["num_experts"] if sizes.get("num_experts") else 0
+    prod_flops = 2 * tokens * (sizes["linear_params"] + experts) + 2 * sampled * sizes["lm_head_params"]
     attn_flops = pairs * sizes["attn_flops_per_pair"]
     flops = prod_flops + attn_flops
     kv_read = sum(c + n for c, n in seqs) * sizes["kv_bytes_per_token"]
+    weights = sizes["weight_bytes_read"] + sizes.get("expert_bytes", 0) * experts_share(sizes, tokens)
     hbm, mm = ceil["hbm_copy_gbps"] * 1e9 / 1e3, ceil["bf16_matmul_tflops"] * 1e12 / 1e3  # per ms
-    mem_ms = (sizes["weight_bytes_read"] + kv_read) / hbm
+    mem_ms = (weights + kv_read) / hbm
     compute_ms = flops / mm
-    serial_ms = max(kv_read / hbm, attn_flops / mm) + max(sizes["weight_bytes_read"] / hbm, prod_flops / mm)
+    serial_ms = max(kv_read / hbm, attn_flops / mm) + max(weights / hbm, prod_flops / mm)
     return {"tokens": tokens, "flops": flops, "attn_flops": attn_flops, "prod_flops": prod_flops,
-            "kv_bytes_read": kv_read, "memory_floor_ms": mem_ms,
+            "kv_bytes_read": kv_read, "weight_bytes": weights, "memory_floor_ms": mem_ms,
             "compute_floor_ms": compute_ms, "floor_ms": max(mem_ms, compute_ms),
             "bound": "memory" if mem_ms >= compute_ms else "compute", "serial_bound_ms": serial_ms}
 

@@ -10,7 +10,9 @@ The run's work does not depend on how steps are formed:
   attention FLOPs    query-key pairs of the prompts (causal) and of every decode token
   product FLOPs      every computed token through the layers' matrices, plus the LM head for every sampled token
   weight reads       each step reads the weights once; a run has at least N * (output_len - 1) / C decode steps
-                     (no step holds more than C decoding requests)
+                     (no step holds more than C decoding requests); a mixture of experts' step reads the experts its
+                     tokens route to (bench_steps.floors: at C rows, uniform routing assumed), and each token
+                     multiplies top_k of them
 and the bound is the attention's larger part plus the products' larger part:
   serial bound = max(KV bytes / HBM copy rate, attention FLOPs / matmul rate)
                + max(fewest steps * weight bytes / HBM copy rate, product FLOPs / matmul rate)
@@ -54,8 +56,9 @@ def run_work(sizes: dict, input_len: int, output_len: int, num_prompts: int, con
         attn += num_prompts * f["attn_flops"]
         prod += num_prompts * f["prod_flops"]
     steps = math.ceil(num_prompts * (output_len - 1) / concurrency)
+    full = floors(sizes, unit, [(input_len, 1)] * min(concurrency, num_prompts), 0)  # a step's weights at the most rows
     return {"kv_bytes_read": kv, "attn_flops": attn, "prod_flops": prod, "min_decode_steps": steps,
-            "weight_bytes_read": steps * sizes["weight_bytes_read"]}
+            "weight_bytes_read": steps * full["weight_bytes"]}
 
 
 def run_bound(sizes: dict, ceil: dict, input_len: int, output_len: int, num_prompts: int, concurrency: int) -> dict:

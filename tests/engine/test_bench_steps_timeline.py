@@ -68,3 +68,44 @@ def test_floor_and_serial_bound_of_a_step():
     got = mod.loop_floor(sizes, ceil, loop)
     assert got == {"floor_ms": 8.0, "fraction_of_floor": 0.5, "serial_bound_ms": 12.0,
                    "fraction_of_serial_bound": 0.75}
+
+
+def test_a_mixture_of_experts_counts_the_experts_its_tokens_route_to():
+    """floors() with stacked experts: a token multiplies top_k of E experts' weights, and a step reads the share of
+    them its tokens route to (1 - (1 - k/E) ** tokens, uniform routing). 8 experts, top 2; expert weights of 8e9 bytes
+    and 8e9 params; dense weights 1e9 bytes and params."""
+    mod = _module()
+    sizes = {"weight_bytes_read": 1_000_000_000, "linear_params": 1_000_000_000, "lm_head_params": 0,
+             "kv_bytes_per_token": 0, "attn_flops_per_pair": 0, "expert_params": 8_000_000_000,
+             "expert_bytes": 8_000_000_000, "num_experts": 8, "top_k": 2}
+    ceil = {"hbm_copy_gbps": 1000.0, "bf16_matmul_tflops": 1.0}  # 1e9 bytes and 1e9 FLOPs a ms
+    one = mod.floors(sizes, ceil, [(10, 1)], 1)
+    assert one["weight_bytes"] == 1e9 + 8e9 * 2 / 8  # one token reads its two experts
+    assert one["prod_flops"] == 2 * (1e9 + 8e9 * 2 / 8)
+    two = mod.floors(sizes, ceil, [(10, 1)] * 2, 2)
+    assert two["weight_bytes"] == 1e9 + 8e9 * (1 - 0.75 ** 2)  # two tokens: the experts either routes to
+    many = mod.floors(sizes, ceil, [(0, 4096)], 1)
+    assert abs(many["weight_bytes"] - 9e9) < 1  # a long prompt reads them all
+    assert many["prod_flops"] == 2 * 4096 * (1e9 + 2e9)
+    dense = {k: v for k, v in sizes.items() if not k.startswith(("expert", "num_", "top_"))}
+    assert mod.floors(dense, ceil, [(10, 1)], 1)["weight_bytes"] == 1e9  # records without experts: as before
+
+
+def test_model_sizes_set_the_stacked_experts_apart(tmp_path):
+    """model_sizes() on a tiny Qwen3-MoE (8 experts, top 2, 4 layers, one of them dense): the experts' stacks are
+    counted apart from the weights every step reads and the matrices every token multiplies."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from tests.engine.tiny_models import write_tiny_model
+
+    path = write_tiny_model("qwen3_moe", tmp_path / "moe")
+    core = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32", num_gpu_blocks=16))
+    sizes = _module().model_sizes(core)
+    per_layer = 8 * (2 * 32 * 64 + 64 * 32)  # w13 [E, 2I, H] and w2 [E, H, I]
+    assert (sizes["num_experts"], sizes["top_k"]) == (8, 2)
+    assert sizes["expert_params"] == 3 * per_layer and sizes["expert_bytes"] == 4 * 3 * per_layer
+    params = dict(core.model.named_parameters())
+    every = sum(p.numel() for n, p in params.items() if ".layers." in n and p.dim() == 2)
+    assert sizes["linear_params"] == every  # attention, the routers and the dense layer's MLP
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    assert sizes["weight_bytes_read"] == total - sizes["expert_bytes"] - params["model.embed_tokens.weight"].numel() * 4

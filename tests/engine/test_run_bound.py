@@ -79,3 +79,13 @@ def test_cli(mod, tmp_path, capsys):
     assert "1.5x a's output tok/s needs 75.0% of the bound" in out
     with pytest.raises(SystemExit):
         mod.main(args[:-2])  # --target without --over
+
+
+def test_a_mixture_of_experts_reads_the_experts_of_its_fullest_steps(mod):
+    # 8 experts, top 2, expert weights of 800 bytes and params: every token multiplies a quarter of them; the fewest
+    # decode steps (2 rows each) read the experts two tokens route to: 1 - 0.75 ** 2 of them
+    moe = {**SIZES, "expert_params": 800.0, "expert_bytes": 800.0, "num_experts": 8, "top_k": 2}
+    w = mod.run_work(moe, 4, 3, 2, 2)
+    assert w["prod_flops"] == pytest.approx(2 * 12 * (P + 200) + 2 * 6 * L)
+    assert w["weight_bytes_read"] == pytest.approx(2 * (W + 800 * (1 - 0.75 ** 2)))
+    assert w["kv_bytes_read"] == pytest.approx(30 * B)  # the attention's work is the dense model's
