@@ -744,6 +744,29 @@ def session34() -> None:
               f"{b['min_decode_steps']} fewest decode steps would take {b['weights_read_s']:.2f} s): "
               f"{b['bound_output_tps']:,.1f} out tok/s at most; 1.15x vLLM's output tok/s in that call would need a "
               f"run at {rb.needed(b, v, 1.15):.1%} of it")
+    print(f"\nMixture-of-experts floors recorded before this session counted no expert FLOPs (bench_steps.floors now "
+          f"counts each token's top_k experts, and a step's expert reads by its tokens' expected routing): session "
+          f"11's 8k prefill of dummy Qwen3-30B-A3B (fp8 KV, from k/v), floor "
+          f"{_moe_prefill_floor_recount('lease_s11/newkv_steps/qwen3-30b-a3b_prefill-new-kv.json', 'pdserve/model/configs/qwen3-30b-a3b.json')}.")
+
+
+def _moe_prefill_floor_recount(rel: str, config: str) -> str:
+    """A bench_steps record of dummy Qwen3-30B-A3B's 8k prefill from before session 34 (no expert FLOPs counted),
+    recounted with each token multiplying its top_k experts (the shipped config's shapes)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_steps_floors", B / "engine" / "bench_steps.py")
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    d = load(rel)
+    cfg = json.loads((B.parent / config).read_text())
+    h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
+    sizes = {**d["engine"], "expert_params": cfg["num_hidden_layers"] * e * 3 * h * i, "expert_bytes": 0,
+             "num_experts": e, "top_k": cfg["num_experts_per_tok"]}
+    r = {x["case"]: x for x in d["results"]}["prefill:8192"]
+    f = bs.floors(sizes, d["ceilings"], [(0, 8192)], 1)
+    return (f"{r['floor_ms']:.2f} ms recorded ({r['fraction_of_floor']:.1%} of its {r['step_ms_median']:.2f} ms), "
+            f"{f['compute_floor_ms']:.2f} ms with each token's {cfg['num_experts_per_tok']} experts counted "
+            f"({f['compute_floor_ms'] / r['step_ms_median']:.1%})")
 
 
 def session33() -> None:
