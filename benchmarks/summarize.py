@@ -490,13 +490,18 @@ def _kernel_groups(prof: dict) -> list[tuple[str, float, float]]:
     return sorted(((k, c, us) for k, (c, us) in groups.items()), key=lambda x: -x[2])
 
 
-def _compare_module():
+def _script(name: str, rel: str):
+    """A benchmarks/ script (not a package) loaded as module `name` from its path under benchmarks/."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("vs_vllm_compare", B / "vs_vllm" / "compare.py")
+    spec = importlib.util.spec_from_file_location(name, B / rel)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _compare_module():
+    return _script("vs_vllm_compare", "vs_vllm/compare.py")
 
 
 def _paired_ttft(folder: str, run: str, rounds: int) -> list[tuple[int, float, float, float]]:
@@ -654,20 +659,12 @@ def _steps_bounds(rel: str) -> None:
                   f"({lp['fraction_of_serial_bound']:.0%}) |")
 
 
-def _run_bound_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("run_bound", B / "engine" / "run_bound.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def session34() -> None:
     """Session 34 (machine 1, an H200: the engine's stats line under 1024/1024 c256 and bench_steps.py's defaults;
     machines 2 and 3, an H200 each: vLLM then pdserve at 1024/1024 c256 and the steps such a run is made of; each
     run against its serial bound). Machine 4's cut-off MoE call (moe_cut/) gave no ratio and is not printed."""
     base = "lease_s34"
-    rb = _run_bound_module()
+    rb = _script("run_bound", "engine/run_bound.py")
     lines = _stats_lines(f"{base}/s34a/server.log.gz")
     first = next(i for i, x in enumerate(lines) if x["running"] + x["waiting"] >= 2)  # the client's run, not its warm-up
     last = max(i for i, x in enumerate(lines) if x["gen_tps"] > 0)
@@ -753,10 +750,7 @@ def session34() -> None:
 def _moe_prefill_floor_recount(rel: str, config: str) -> str:
     """A bench_steps record of dummy Qwen3-30B-A3B's 8k prefill from before session 34 (no expert FLOPs counted),
     recounted with each token multiplying its top_k experts (the shipped config's shapes)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_steps_floors", B / "engine" / "bench_steps.py")
-    bs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bs)
+    bs = _script("bench_steps", "engine/bench_steps.py")
     d = load(rel)
     cfg = json.loads((B.parent / config).read_text())
     h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
