@@ -19,7 +19,8 @@
 #              little decoding), each with serve_timeline.py recording the CPU of the server's processes and the
 #              engine's queue; the client's per-request TTFTs split into the first wave and the rest; the kernels the
 #              server compiled after its warm-up; the GPU test that a burst after the warm-up compiles nothing
-#   moe        Qwen3-30B-A3B with an fp8 KV cache, vLLM then pdserve on the one GPU, 1024/1024 c256 (~390 s)
+#   moe        Qwen3-30B-A3B with an fp8 KV cache, vLLM then pdserve on the one GPU, 1024/1024 c256 (~390 s;
+#              SBS_WORKLOADS: others)
 #   attn       the prefill attention kernel's GPU tests, then bench_attention.py (bf16: decode 1x8192, prefill 1k/8k/32k)
 #              with the prefill tile sweep; the best tiles (--best-out) go to /tmp/prefill_best.json, which the later
 #              stages of the lease use (PDSERVE_PREFILL_CONFIG) when they beat the default by more than 2 %
@@ -190,6 +191,12 @@
 #              then pdserve, on the one GPU, vLLM's client, 1024/1024 c256 (sbs/); then bench_steps.py on the steps
 #              such a run is made of (decode at 256 rows on 1k and 2k of context, eight 1k prompts alone and beside
 #              256 decodes) with the ceilings that run_bound.py divides the run's work by (steps.txt, steps.json)
+#   s35a       (after `lease_2xh200.sh unpack`) vLLM 0.22, then pdserve, on the one GPU, vLLM's client, 8192/16 and
+#              32768/16 one at a time, each run between two scrapes of the server's /metrics: what each server measured
+#              of its own inter-token latency and TPOT (server_latency.py), beside what vLLM's client did (sbs/)
+#   s35c       dummy Qwen3-30B-A3B with an fp8 KV cache (bench_steps.py): decode at 1 and 256 rows, prefill of one 8k
+#              prompt and of eight 1k prompts, seven 1k prompts beside 256 decodes, the async loops at 1 and 256 rows,
+#              each against its floor and serial bound with each token's top-8 experts counted (steps.txt, steps.json)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1256,6 +1263,22 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
   s33b)  # a TMA GEMM against cuBLAS at 256 rows
     timeout 560 python3 benchmarks/engine/bench_tma_linear.py --rows 256 --out "$W/tma.json" > "$W/tma.txt" 2>&1
     grep -E "^ceilings|^precompiled|rows|Error" "$W/tma.txt" | cut -c1-400
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s35a)  # batch-1 TPOT at 8k and 32k prompts as each server measures it itself: vLLM then pdserve on the one GPU,
+    # vLLM's client, each run between two scrapes of the server's /metrics (side_by_side.sh: <run>.server.json)
+    WORKLOADS="8192:16:16:1 32768:16:8:1" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 \
+      OUT=$W/sbs STAGE=.vllm-stage VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 \
+      bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -16
+    python3 benchmarks/vs_vllm/compare.py --dir $W/sbs --out $W/sbs/comparison.json 2>&1 | grep -A4 "servers' own"
+    for f in "$W"/sbs/*.log; do gzip -f "$f"; done
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s35c)  # dummy Qwen3-30B-A3B with an fp8 KV cache: its steps and loops against their floors (each token's top-8
+    # experts counted), the steps a 1024/1024 c256 run is made of
+    timeout 560 python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
+      --loop-temperature 1.0 --decode 1x1024,256x1024,256x2048 --prefill 8192,8x1024 --mixed 256x1024+7x1024 \
+      --loop 1x1024,256x1024 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(decode|prefill|mixed|loop)[^ ]*:|Error|ceilings" "$W/steps.txt" | grep -v "async off" | cut -c1-260
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }

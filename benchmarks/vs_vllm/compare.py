@@ -110,6 +110,11 @@ def _stream_value(x: dict | None, k: str) -> float | None:
     return ((x or {}).get("stream") or {}).get(k)
 
 
+def _server_mean(x: dict | None, k: str) -> float | None:
+    """A run's mean (ms) of the server's own histogram k ("ttft", "itl", "tpot", "e2el"), if it was scraped."""
+    return (((x or {}).get("server") or {}).get(k) or {}).get("mean_ms")
+
+
 def e2el_pair(v: dict | None, p: dict | None) -> tuple[float | None, float | None]:
     """Mean E2E latency (ms) of vLLM and pdserve from one source for both: the files' own mean_e2el_ms where both
     have it, else the per-request lists' (stream's)."""
@@ -128,8 +133,10 @@ def compare(folder: Path) -> dict:
         engine, mode, i, o, c, rate = m.groups()
         d = json.loads(f.read_text())
         key = (mode, f"{i}x{o}_c{c}{rate}")
+        sf = f.with_name(f.name[: -len(".json")] + ".server.json")  # the server's own histograms (server_latency.py)
         runs.setdefault(key, {})[engine] = {k: d.get(k) for k in METRICS} | {
-            "completed": d.get("completed"), "failed": d.get("failed"), "file": f.name, "stream": stream(d)}
+            "completed": d.get("completed"), "failed": d.get("failed"), "file": f.name, "stream": stream(d),
+            "server": json.loads(sf.read_text()) if sf.exists() else None}
     servers: dict[str, dict] = {}
     for f in sorted(folder.iterdir()):
         m = SERVER.match(f.name)
@@ -148,6 +155,7 @@ def compare(folder: Path) -> dict:
                 "mean_tpot": _ratio(p["mean_tpot_ms"], v["mean_tpot_ms"]),
                 "mean_e2el": _ratio(pe, ve),
                 "steady_gap": _ratio(_stream_value(p, "steady_gap_ms"), _stream_value(v, "steady_gap_ms")),
+                "server_itl": _ratio(_server_mean(p, "itl"), _server_mean(v, "itl")),
             }
         rows.append(row)
     server_rows = []
@@ -205,12 +213,12 @@ def table(c: dict) -> str:
     out = ["| mode | workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | "
            "mean TPOT vLLM / pdserve ms | mean E2E vLLM / pdserve ms | steady gap vLLM / pdserve ms |",
            "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt="{:.1f}"):
+        return fmt.format(x) if isinstance(x, (int, float)) else "-"
+
     for r in c["workloads"]:
         v, p, q = r.get("vllm") or {}, r.get("pdserve") or {}, r.get("ratio") or {}
-
-        def f(x, fmt="{:.1f}"):
-            return fmt.format(x) if isinstance(x, (int, float)) else "-"
-
         ve, pe = e2el_pair(v, p)
         vg, pg = _stream_value(v, "steady_gap_ms"), _stream_value(p, "steady_gap_ms")
         out.append(f"| {r['mode']} | {r['workload']} | {f(v.get('output_throughput'))} | "
@@ -218,6 +226,14 @@ def table(c: dict) -> str:
                    f"{f(v.get('mean_ttft_ms'))} / {f(p.get('mean_ttft_ms'))} | "
                    f"{f(v.get('mean_tpot_ms'), '{:.2f}')} / {f(p.get('mean_tpot_ms'), '{:.2f}')} | "
                    f"{f(ve)} / {f(pe)} | {f(vg, '{:.2f}')} / {f(pg, '{:.2f}')} |")
+    kinds = ("ttft", "itl", "tpot")
+    if any((r.get(e) or {}).get("server") for r in c["workloads"] for e in ("vllm", "pdserve")):
+        out += ["", "| mode | workload | the servers' own means, vLLM / pdserve ms: TTFT | inter-token | TPOT a request |",
+                "|---|---|---|---|---|"]
+        for r in c["workloads"]:
+            v, p = r.get("vllm"), r.get("pdserve")
+            cells = [f"{f(_server_mean(v, k), '{:.2f}')} / {f(_server_mean(p, k), '{:.2f}')}" for k in kinds]
+            out.append(f"| {r['mode']} | {r['workload']} | " + " | ".join(cells) + " |")
     for s in c["servers"]:
         v, p = s.get("vllm") or {}, s.get("pdserve") or {}
         out.append(f"| {s['mode']} | start-up s / KV tokens | {v.get('startup_s', '-')} / {v.get('kv_tokens', '-')} | "

@@ -14,6 +14,8 @@
 # difference), DETAILED=1 (both clients keep per-request start times and TTFTs: compact_detail.py), SERVERS (with
 # SINGLE_GPU=1: "vllm" or "pdserve" alone), PDCLIENT_ARGS (extra flags for pdserve's client, e.g. --trust-env), MODEL (default $STAGE/model), VLLM_ARGS / PDSERVE_ARGS (e.g. "--kv-cache-dtype fp8"), SAME_SEED (1: every round's prompts seed 0), WORKLOADS
 # ("in:out:prompts:concurrency ...", default "1024:1024:512:256 8192:16:16:1 32768:16:8:1").
+# Each run measured by vLLM's client also gets <name>_<in>x<out>_c<conc>.server.json: what the server's own /metrics
+# histograms measured of it (server_latency.py: mean TTFT, inter-token latency, vLLM's per-request TPOT).
 # Each server's start-up time (launch -> first completion answered) and KV capacity (tokens, from its log) are
 # written to $OUT/<name>_server.json; each workload to $OUT/<name>_<in>x<out>_c<conc>.json (vLLM's format).
 set -u
@@ -115,6 +117,7 @@ bench() {  # NAME PORT: every workload, vLLM's client; with CLIENTS="vllm pdserv
       # cache (session 14: TTFT 34-66 ms in round 2 against 216-258 ms in round 1). SAME_SEED=1 (servers started
       # without prefix caching): every round, both clients, the same prompts and arrival times
       seed=$(( r - 1 )); [ "${SAME_SEED:-0}" = 1 ] && seed=0
+      curl -s -m 10 http://127.0.0.1:$2/metrics > $OUT/$rf.metrics0.txt  # the server's own latency histograms
       timeout 600 $V bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME --tokenizer $M \
         --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n $load \
         --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --num-warmups 2 \
@@ -122,6 +125,9 @@ bench() {  # NAME PORT: every workload, vLLM's client; with CLIENTS="vllm pdserv
         --result-filename $rf.json > $OUT/$rf.txt 2>&1  # per-request ITLs at low concurrency: a mean TPOT below the mean ITL means chunks of several tokens
       [ "${DETAILED:-0}" = 1 ] && { [ $c -gt 4 ] || [ $c = 0 ]; } && python3 benchmarks/vs_vllm/compact_detail.py $OUT/$rf.json
       python3 benchmarks/vs_vllm/compare.py --line $OUT/$rf.json
+      curl -s -m 10 http://127.0.0.1:$2/metrics > $OUT/$rf.metrics1.txt  # (server_latency.py: means over the run)
+      python3 benchmarks/vs_vllm/server_latency.py $OUT/$rf.metrics0.txt $OUT/$rf.metrics1.txt $OUT/$rf.server.json
+      rm -f $OUT/$rf.metrics0.txt $OUT/$rf.metrics1.txt
       if [[ " ${CLIENTS:-vllm} " == *" pdserve "* ]]; then  # the same workload again, measured by pdserve's client
         timeout 600 env -u PYTHONPATH pdserve bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $NAME \
           --tokenizer $M --dataset-name random --random-input-len $i --random-output-len $o --num-prompts $n \

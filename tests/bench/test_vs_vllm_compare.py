@@ -118,3 +118,28 @@ def test_stream_metrics_missing(tmp_path, compare):
     s = compare.stream({"ttfts": [0.1], "itls": [[0.0001]], "output_lens": [2]})
     assert s["steady_gap_ms"] is None and s["tpot_steady_ms"] is None and s["first_chunk_tokens"] == 1
     assert s["chunks_per_request"] == 2 and s["mean_e2el_ms"] == pytest.approx(100.1)
+
+
+def test_server_side_means_beside_the_client_files(tmp_path, compare):
+    """A run's <file>.server.json (server_latency.py) rides along with its client file: the servers' own inter-token
+    means get a ratio and a table of their own; a run without one has none."""
+    files = {
+        "vllm_single_32768x16_c1.json": _result(16.9, ttft=940.0, tpot=0.54),
+        "pdserve_single_32768x16_c1.json": _result(16.6, ttft=884.0, tpot=5.31),
+        "vllm_single_32768x16_c1.server.json": {"itl": {"mean_ms": 5.2, "count": 120}, "tpot": {"mean_ms": 5.2,
+                                                                                             "count": 8},
+                                                 "requests": 8},
+        "pdserve_single_32768x16_c1.server.json": {"itl": {"mean_ms": 5.3, "count": 120}, "requests": 8},
+        "vllm_single_8192x16_c1.json": _result(52.2),
+        "pdserve_single_8192x16_c1.json": _result(55.3),
+    }
+    for name, d in files.items():
+        (tmp_path / name).write_text(json.dumps(d))
+    c = compare.compare(tmp_path)
+    rows = {r["workload"]: r for r in c["workloads"]}
+    assert len(rows) == 2  # the .server.json files are no runs of their own
+    assert rows["32768x16_c1"]["ratio"]["server_itl"] == pytest.approx(5.3 / 5.2)
+    assert rows["32768x16_c1"]["ratio"]["mean_tpot"] == pytest.approx(5.31 / 0.54)
+    assert rows["8192x16_c1"]["ratio"]["server_itl"] is None and rows["8192x16_c1"]["vllm"]["server"] is None
+    text = compare.table(c)
+    assert "| single | 32768x16_c1 | - / - | 5.20 / 5.30 | 5.20 / - |" in text
