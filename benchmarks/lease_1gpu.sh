@@ -197,6 +197,11 @@
 #   s35c       dummy Qwen3-30B-A3B with an fp8 KV cache (bench_steps.py): decode at 1 and 256 rows, prefill of one 8k
 #              prompt and of eight 1k prompts, seven 1k prompts beside 256 decodes, the async loops at 1 and 256 rows,
 #              each against its floor and serial bound with each token's top-8 experts counted (steps.txt, steps.json)
+#   s35e       (carry .vllm-stage/model-moe) a MoE layer's routing in one Triton launch (pdserve.ops.moe_route) and its
+#              rows grouped by one program (moe_align up to ONE_PROGRAM_PAIRS): their GPU tests and the MoE model
+#              against transformers on CUDA; bench_route.py (each against the torch / three-kernel way, in CUDA
+#              graphs); dummy Qwen3-30B-A3B's steps with both and with neither, arms off, on, off, on; then one
+#              `pdserve serve` of it with pdserve's client at 1024/1024 c256 and the kernels it compiled while serving
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1280,6 +1285,41 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
       --loop 1x1024,256x1024 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|mixed|loop)[^ ]*:|Error|ceilings" "$W/steps.txt" | grep -v "async off" | cut -c1-260
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s35e)  # a MoE layer's routing in one launch and its rows grouped by one program: GPU tests, the micro-benchmark,
+    # the steps of dummy Qwen3-30B-A3B (fp8 KV) with both and with neither (arms off, on, off, on), then one server
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/model/test_fused_moe_kernel.py \
+      tests/model/test_qwen3_moe_vs_transformers.py -k "align or route or graph or transformers" \
+      > "$W/gpu_tests.txt" 2>&1; grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -8
+    timeout 90 python3 benchmarks/moe/bench_route.py --out "$W/route.json" > "$W/route.txt" 2>&1; cut -c1-220 "$W/route.txt"
+    save
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
+      --loop-temperature 1.0 --decode 1x1024,256x1024 --prefill 8192 --mixed= --loop 1x1024,256x1024"
+    i=0
+    for arm in off on off on; do
+      i=$((i + 1)); F=""; [ $arm = off ] && F="--no-moe-route-kernel --no-moe-align-one-program"
+      timeout 100 $B $F --out "$W/steps_${i}_$arm.json" > "$W/steps_${i}_$arm.txt" 2>&1
+      grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
+        | sed "s/^/$arm($i) /"
+    done
+    save
+    pdserve serve --model .vllm-stage/model-moe --load-format dummy --max-model-len 40960 --gpu-memory-utilization 0.9 \
+      --kv-cache-dtype fp8 --served-model-name qwen3-dummy --port 8200 > "$W/server.log" 2>&1 & S=$!
+    for i in $(seq 150); do
+      curl -sf localhost:8200/v1/completions -H 'Content-Type: application/json' \
+        -d '{"model":"qwen3-dummy","prompt":"t1 t2 t3","max_tokens":2}' > /dev/null && break; sleep 1
+    done
+    echo "server answered at $(( $(date +%s) - t0 )) s of the call"
+    timeout 120 pdserve bench serve --backend vllm --base-url http://127.0.0.1:8200 --model qwen3-dummy \
+      --tokenizer .vllm-stage/model-moe --dataset-name random --random-input-len 1024 --random-output-len 1024 \
+      --num-prompts 512 --max-concurrency 256 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el \
+      --metric-percentiles 50,90,99 --num-warmups 1 --disable-tqdm --no-plots --save-result --result-dir "$W" \
+      --result-filename c256.json > "$W/c256.txt" 2>&1
+    python3 benchmarks/vs_vllm/compare.py --line "$W/c256.json" 2>/dev/null
+    echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/server.log") kernels while serving"
+    kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"; rm -f "$W"/*.pdserve.json
+    save ;;
   s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     WORKLOADS="1024:1024:512:256" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 OUT=$W/sbs \

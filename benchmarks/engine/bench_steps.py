@@ -552,6 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-write-early", action=argparse.BooleanOptionalAction, default=True,
                     help="the rotary kernel writes the step's K/V into the pool (TritonAttentionBackend."
                          "writes_kv_early); --no-kv-write-early: the backend's own write_kv kernel (an A/B)")
+    ap.add_argument("--moe-route-kernel", action=argparse.BooleanOptionalAction, default=True,
+                    help="a MoE layer's routing in one Triton launch (pdserve.ops.moe_route); --no-moe-route-kernel: "
+                         "torch's softmax, top-k and renormalisation (an A/B)")
+    ap.add_argument("--moe-align-one-program", action=argparse.BooleanOptionalAction, default=True,
+                    help="moe_align in one program up to moe_align.ONE_PROGRAM_PAIRS routed rows; "
+                         "--no-moe-align-one-program: its three kernels always (an A/B)")
     ap.add_argument("--ablate", default="",
                     help="an experiment, not a model: skip these kernels (wrong outputs, timings only), comma-"
                          "separated: norm (the layers' RMS norms return their input; the final one stays), act "
@@ -598,6 +604,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.split_k:
         from pdserve.ops.split_k import set_split_k
         set_split_k(False)
+    if not args.moe_route_kernel:
+        from pdserve.model import moe
+        moe.TRITON_ROUTING.clear()
+    if not args.moe_align_one_program:
+        from pdserve.ops import moe_align
+        moe_align.ONE_PROGRAM_PAIRS = -1
     if not args.kv_write_early:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.writes_kv_early = False

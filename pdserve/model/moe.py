@@ -1,7 +1,8 @@
 """The mixture-of-experts layer the MoE families share: routing, stacked expert weights, the fused experts.
 
 `FusedMoE` holds every expert's weights stacked, `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`, and
-turns router logits into the experts' weighted sum: a routing function picks top-k experts and their weights, then
+turns router logits into the experts' weighted sum: a routing function picks top-k experts and their weights (on
+the Triton path its one-launch kernel, `pdserve.ops.moe_route`; the torch function is its oracle), then
 `pdserve.ops.fused_moe` runs the experts (the Triton kernels on CUDA, the torch reference elsewhere).
 
 A family is a few lines on top: Qwen3-MoE is a router linear `gate` plus FusedMoE (qwen3_moe.py); Mixtral is the
@@ -45,16 +46,30 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids.to(torch.int32)
 
 
-ROUTING: dict[str, Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]] = {
+Routing = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+ROUTING: dict[str, Routing] = {
     "softmax": softmax_topk,
 }
+
+
+def _route_topk() -> Routing:
+    from pdserve.ops.moe_route import route_topk
+
+    return route_topk
+
+
+# the routing functions' one-launch Triton kernels (imported when first used), where the experts run on Triton
+TRITON_ROUTING: dict[str, Callable[[], Routing]] = {"softmax": _route_topk}
+
+
+def _backend(backend: str, x: torch.Tensor) -> str:
+    return ("triton" if x.is_cuda else "torch") if backend == "auto" else backend
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str = "silu", backend: str = "auto") -> torch.Tensor:
     """Run the experts: backend "triton" (fused kernels), "torch" (the reference) or "auto" (Triton on CUDA)."""
-    if backend == "auto":
-        backend = "triton" if x.is_cuda else "torch"
+    backend = _backend(backend, x)
     if backend == "triton":
         from pdserve.ops.fused_moe import fused_moe
 
@@ -94,7 +109,10 @@ class FusedMoE(nn.Module):
         self._names = names
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = ROUTING[self.routing](router_logits, self.top_k, self.renormalize)
+        if self.routing in TRITON_ROUTING and _backend(self.backend, x) == "triton":
+            weights, ids = TRITON_ROUTING[self.routing]()(router_logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = ROUTING[self.routing](router_logits, self.top_k, self.renormalize)
         return fused_experts(x, self.w13, self.w2, weights, ids, self.activation, self.backend)
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:

@@ -15,9 +15,11 @@ import torch
 
 from pdserve.model.moe import softmax_topk
 from pdserve.ops import fused_moe_config as fmc
+from pdserve.ops import moe_align as moe_align_mod
 from pdserve.ops.fused_moe import fused_moe, fused_moe_ref
 from pdserve.ops.fused_moe_config import GemmTile, MoEKernelConfig, default_config, pick_bucket
 from pdserve.ops.moe_align import max_rows, moe_align, moe_align_ref
+from pdserve.ops.moe_route import route_topk
 
 pytest.importorskip("triton")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -34,9 +36,11 @@ def _weights(E, H, inter, dtype, device="cpu", gen=None):
     return w13, w2
 
 
-def _check_align(topk_ids: torch.Tensor, E: int, block_m: int):
+def _check_align(topk_ids: torch.Tensor, E: int, block_m: int, stable: bool = False):
     got = moe_align(topk_ids, E, block_m)
     ref = moe_align_ref(topk_ids, E, block_m)
+    if stable:  # the one-program path sorts: the oracle's order exactly
+        assert torch.equal(got.sorted_ids.cpu(), ref.sorted_ids.cpu())
     n_pairs = topk_ids.numel()
     assert got.sorted_ids.numel() == ref.sorted_ids.numel() == max_rows(n_pairs, E, block_m)
     n = int(ref.num_rows)
@@ -57,18 +61,70 @@ def _check_align(topk_ids: torch.Tensor, E: int, block_m: int):
 
 
 # ------------------------------------------------------------------ CPU: Triton interpreter, tiny shapes
+@pytest.fixture(params=["one program", "three kernels"])
+def align_path(request, monkeypatch):
+    """moe_align's two paths: one program up to ONE_PROGRAM_PAIRS routed rows, three kernels above."""
+    if request.param == "three kernels":
+        monkeypatch.setattr(moe_align_mod, "ONE_PROGRAM_PAIRS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("T, K, E, block_m", [(1, 1, 8, 16), (1, 2, 8, 16), (5, 2, 8, 4), (37, 8, 64, 16),
-                                             (100, 8, 128, 64), (64, 2, 8, 128)])
-def test_moe_align_matches_reference(T, K, E, block_m):
+                                             (100, 8, 128, 64), (64, 2, 8, 128), (16, 8, 128, 16), (3, 8, 60, 16)])
+def test_moe_align_matches_reference(T, K, E, block_m, align_path):
     g = torch.Generator().manual_seed(T * 1000 + E)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
-    _check_align(ids, E, block_m)
+    _check_align(ids, E, block_m, stable=align_path == "one program")
 
 
-def test_moe_align_skewed_routing():
+def test_moe_align_skewed_routing(align_path):
     """Every token to the same few experts: long runs in some experts, none in the rest."""
     ids = torch.tensor([[3, 5]] * 40 + [[5, 0]] * 3, dtype=torch.int32)
-    _check_align(ids, 8, 16)
+    _check_align(ids, 8, 16, stable=align_path == "one program")
+
+
+def test_moe_align_one_program_up_to_its_limit():
+    """The largest routing one program takes (ONE_PROGRAM_PAIRS rows: 256 tokens at top-8 of 128 experts)."""
+    T, K, E = moe_align_mod.ONE_PROGRAM_PAIRS // 8, 8, 128
+    g = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    _check_align(ids, E, 16, stable=True)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T, E, K", [(1, 128, 8), (3, 8, 2), (5, 60, 8), (9, 16, 1), (4, 64, 6)])
+def test_route_topk_matches_softmax_topk(T, E, K, dtype, renormalize):
+    g = torch.Generator().manual_seed(T * 100 + E + K)
+    logits = (torch.randn(T, E, generator=g) * 3).to(dtype)
+    w, ids = route_topk(logits, K, renormalize)
+    w_ref, ids_ref = softmax_topk(logits, K, renormalize)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and w.shape == ids.shape == (T, K)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_route_topk_ties_strided_and_nan():
+    # equal logits: the lower expert id first (torch.topk leaves the order of ties open)
+    w, ids = route_topk(torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0]]), 2, True)
+    assert ids.tolist() == [[1, 2]] and torch.allclose(w, torch.tensor([[0.5, 0.5]]))
+    # a column slice of a wider tensor (row stride != E)
+    wide = torch.randn(6, 20, generator=torch.Generator().manual_seed(1))
+    w, ids = route_topk(wide[:, 4:12], 3, False)
+    w_ref, ids_ref = softmax_topk(wide[:, 4:12], 3, False)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref)
+    # NaN logits: ids stay in range (the row grouping indexes by them) and other rows are untouched
+    logits = torch.randn(3, 8)
+    logits[1, 3] = float("nan")
+    logits[2] = float("nan")
+    w, ids = route_topk(logits, 2, True)
+    w_ref, ids_ref = softmax_topk(logits[:1], 2, True)
+    assert ((ids >= 0) & (ids < 8)).all() and torch.equal(ids[:1], ids_ref)
+    torch.testing.assert_close(w[:1], w_ref)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(logits, 9, True)
+    assert route_topk(torch.empty(0, 8), 2, True)[1].shape == (0, 2)
 
 
 SMALL = [
@@ -203,7 +259,24 @@ def _gpu_case(E, K, T, dtype, seed=0):
 def test_moe_align_cuda(E, K, T):
     _, _, _, _, ids = _gpu_case(E, K, T, torch.bfloat16)
     for block_m in (16, 64, 128):
-        _check_align(ids, E, block_m)
+        _check_align(ids, E, block_m, stable=ids.numel() <= moe_align_mod.ONE_PROGRAM_PAIRS)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("E, K, T", [(128, 8, 1), (128, 8, 7), (128, 8, 256), (128, 8, 4096), (60, 4, 33),
+                                     (8, 2, 100)])
+def test_route_topk_cuda(E, K, T, dtype, renormalize):
+    logits = (torch.randn(T, E, generator=torch.Generator().manual_seed(T + E)) * 2).to("cuda", dtype)
+    w, ids = route_topk(logits, K, renormalize)
+    w_ref, ids_ref = softmax_topk(logits, K, renormalize)
+    # bf16/fp16 logits can tie; a tie's two experts may come in either order (torch.topk's is open)
+    same = (ids == ids_ref).all(-1)
+    tied = torch.gather(logits.float(), 1, ids.long()).eq(torch.gather(logits.float(), 1, ids_ref.long())).all(-1)
+    assert (same | tied).all()
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.gpu
