@@ -659,6 +659,143 @@ def _steps_bounds(rel: str) -> None:
                   f"({lp['fraction_of_serial_bound']:.0%}) |")
 
 
+ROUTE_KERNELS = ("softmax_warp_forward", "sbtopk::gatherTopK", "bitonicSortKVInPlace", "_count_kernel", "_offsets_kernel",
+                 "_scatter_kernel", "FillFunctor")  # kernels only a MoE layer's torch routing and row grouping launch
+
+
+def _server_side(folder: str) -> None:
+    """Each run's means as the servers' own /metrics histograms measured them (server_latency.py), beside vLLM's
+    client's; and how far each client's TTFT and E2E lie past the server's own."""
+    c = load(f"{folder}/comparison.json")
+    print("| workload | requests counted (with the client's warm-ups) | server TTFT vLLM / pdserve ms | server inter-token "
+          "vLLM / pdserve ms | ratio | vLLM's TPOT a request (server) ms | client TPOT vLLM / pdserve ms | client TTFT "
+          "- server TTFT, vLLM / pdserve ms | client E2E - server E2E, vLLM / pdserve ms |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for w in sorted(c["workloads"], key=lambda w: w["workload"]):
+        v, p = w["vllm"], w["pdserve"]
+        vs, ps = v["server"], p["server"]
+        print(f"| {w['workload']} | {vs['requests']} / {ps['requests']} | {vs['ttft']['mean_ms']:.1f} / "
+              f"{ps['ttft']['mean_ms']:.1f} | {vs['itl']['mean_ms']:.2f} / {ps['itl']['mean_ms']:.2f} | "
+              f"{w['ratio']['server_itl']:.3f} | {vs['tpot']['mean_ms']:.2f} | {v['mean_tpot_ms']:.2f} / "
+              f"{p['mean_tpot_ms']:.2f} | {v['mean_ttft_ms'] - vs['ttft']['mean_ms']:.1f} / "
+              f"{p['mean_ttft_ms'] - ps['ttft']['mean_ms']:.1f} | {v['mean_e2el_ms'] - vs['e2el']['mean_ms']:.1f} / "
+              f"{p['mean_e2el_ms'] - ps['e2el']['mean_ms']:.1f} |")
+
+
+def _profile_top(rel: str, n: int) -> dict:
+    """A bench_steps --profile record's graphed step: its first n kernels by time, with their marginal time."""
+    g = load(rel)["profiles"][0]["graphs"]
+    print(f"{g['kernels_per_step']:.0f} kernels a step, {g['gpu_us_per_step'] / 1e3:.2f} ms of kernel time:\n")
+    print("| kernel | launches a step | us a step | marginal us a step |\n|---|---|---|---|")
+    for t in g["top"][:n]:
+        print(f"| {t['name'][:70]} | {t['count_per_step']:.0f} | {t['us_per_step']:.0f} | "
+              f"{t['marginal_us_per_step']:.0f} |")
+    return g
+
+
+def session35() -> None:
+    """Session 35 (machine 1, an H200: vLLM then pdserve at 8k/16 and 32k/16 one at a time with each server's own
+    /metrics; the MoE side by side; dummy Qwen3-30B-A3B's steps and their kernels; machine 2, an H200: the MoE
+    routing kernel and one-program row grouping)."""
+    base = "lease_s35"
+    print("vLLM 0.22, then pdserve, on one H200 (s35a: eleven staging calls, `lease_2xh200.sh unpack`, then "
+          "`lease_1gpu.sh s35a`), dummy Qwen3-8B bf16, vLLM's client, one request at a time; each run between two "
+          "scrapes of the server's /metrics:\n")
+    _sbs_table(f"{base}/s35a/sbs")
+    print("\nWhat each server measured of the same runs itself (server_latency.py over the two scrapes: vLLM times each "
+          "token at its engine core's output, pdserve as its HTTP server takes the output; with 16 tokens every request, "
+          "the mean inter-token latency is the mean of the requests' TPOTs). The servers' counts hold the client's two "
+          "warm-up requests too, and the first request after them re-sends the warm-up prompt (a prefix-cache hit on "
+          "both):\n")
+    _server_side(f"{base}/s35a/sbs")
+    c = load(f"{base}/s35a/sbs/comparison.json")
+    w = {x["workload"]: x for x in c["workloads"]}
+    print()
+    for k in ("8192x16_c1", "32768x16_c1"):
+        q = w[k]["ratio"]
+        print(f"- {k.split('_')[0].replace('x', '/')} one at a time, batch-1 TPOT against vLLM's (issue 10 asks <= 1.1): "
+              f"by vLLM's client {q['mean_tpot']:.3f} ({'met' if q['mean_tpot'] <= 1.1 else 'not met'}); by the "
+              f"servers' own inter-token latency {q['server_itl']:.3f} ({'met' if q['server_itl'] <= 1.1 else 'not met'})"
+              f"; mean TTFT by vLLM's client {q['mean_ttft']:.3f}, mean E2E {q['mean_e2el']:.3f}")
+    print("- vLLM's client TTFT lies further past vLLM's own than its E2E does: vLLM's first chunk left the server later "
+          "than vLLM's engine made the first token and carried the tokens made meanwhile; pdserve's two lie about "
+          "equally far past its own (the request's way in: upload, parse, tokenize)")
+
+    print("\nDummy Qwen3-30B-A3B with an fp8 KV cache, vLLM (FLASH_ATTN) then pdserve on the same H200 (moe/: "
+          "`SBS_WORKLOADS=\"1024:1024:512:256 8192:16:16:1\" lease_1gpu.sh moe`), vLLM's client:\n")
+    _sbs_table(f"{base}/moe")
+    print("\nThe servers' own means over the same runs:\n")
+    _server_side(f"{base}/moe")
+    log = gzip.decompress((B / f"{base}/moe/pdserve.log.gz").read_bytes()).decode(errors="replace")
+    print(f"\n- kernels pdserve compiled while serving: {log.count('compiled a kernel while serving')}")
+
+    st = load(f"{base}/s35c/steps.json")
+    print(f"\nThe same model's steps against their floors (s35c, same machine, `lease_1gpu.sh s35c`; each token's 8 "
+          f"experts counted, a step's expert reads by its tokens' expected routing; {_ceilings(st['ceilings'])}):\n")
+    _steps_bounds(f"{base}/s35c/steps.json")
+    print("\nTheir kernels (s35d, same machine, `bench_steps.py --profile decode:RxC`, graphed steps). One row:\n")
+    g1 = _profile_top(f"{base}/s35d/profile_1x1024.json", 20)
+    print("\n256 rows:\n")
+    g256 = _profile_top(f"{base}/s35d/profile_256x1024.json", 20)
+    print()
+    for label, g in (("one row", g1), ("256 rows", g256)):
+        r = [t for t in g["top"] if any(k in t["name"] for k in ROUTE_KERNELS)]
+        print(f"- {label}: the kernels only torch's routing and moe_align's three kernels launch ("
+              + ", ".join(sorted({next(k for k in ROUTE_KERNELS if k in t['name']) for t in r}))
+              + f"): {sum(t['marginal_us_per_step'] for t in r):.0f} us a step of marginal time in {sum(t['count_per_step'] for t in r):.0f} "
+              "launches (the routing's sum, division and int32 copy are generic kernels and left out)")
+
+    rt = load(f"{base}/s35e/route.json")
+    print("\nA MoE layer's routing and row grouping one way against the other (s35e, machine 2, an H200, "
+          "`bench_route.py`: 128 experts, top-8, bf16 logits, a CUDA graph of 48 calls replayed, us a call; BLOCK_M 16):\n")
+    print("| tokens | routing: torch us | one Triton launch us | moe_align: three kernels us | one program us |\n"
+          "|---|---|---|---|---|")
+    for r in rt["results"]:
+        one = f"{r['align_one_program_us']:.2f}" if "align_one_program_us" in r else "-"
+        print(f"| {r['tokens']} | {r['route_torch_us']:.2f} | {r['route_triton_us']:.2f} | "
+              f"{r['align_three_kernels_us']:.2f} | {one} |")
+    print(f"\n- the largest weight difference between the two routings: {max(r['max_weight_err'] for r in rt['results']):.1e}; "
+          f"tokens where the expert ids differed ({', '.join(str(r['tokens']) for r in rt['results'] if not r['same_ids'])}"
+          "): bf16 logits tie, and a tie's order is open (the GPU test checks that the tied experts are the same)")
+    print("- one program was faster up to 64 tokens and slower from 128: moe_align.ONE_PROGRAM_PAIRS set to 512 routed "
+          "rows after this run (it ran at 2048)")
+    print("\nDummy Qwen3-30B-A3B's steps (fp8 KV) with both (on) and with neither (off: `--no-moe-route-kernel "
+          "--no-moe-align-one-program`), one process an arm, in order (s35e, the one-program limit at 2048 rows), ms a step:\n")
+    arms = [("off", 1), ("on", 2), ("off", 3), ("on", 4)]
+    data = {(a, i): load(f"{base}/s35e/steps_{i}_{a}.json") for a, i in arms}
+    cases = [r["case"] for r in data[arms[0]]["results"]] + [
+        lp["case"] for lp in data[arms[0]]["loops"] if lp["async"]]
+
+    def ms(d: dict, case: str) -> float:
+        for r in d["results"]:
+            if r["case"] == case:
+                return r["step_ms_median"]
+        return next(lp["step_ms"] for lp in d["loops"] if lp["async"] and lp["case"] == case)
+
+    print("| step | " + " | ".join(f"{a} ({i})" for a, i in arms) + " | on - off, mean of two each |\n|---|"
+          + "---|" * (len(arms) + 1))
+    for case in cases:
+        v = {k: ms(d, case) for k, d in data.items()}
+        diff = (v[("on", 2)] + v[("on", 4)] - v[("off", 1)] - v[("off", 3)]) / 2
+        print(f"| {case} | " + " | ".join(f"{v[k]:.2f}" for k in arms) + f" | {diff:+.2f} |")
+    lo = {a: load(f"{base}/s35f/loop_{a}.json") for a in ("on", "off")}
+    l256 = {a: next(lp for lp in d["loops"] if lp["async"]) for a, d in lo.items()}
+    print(f"\n- the batch-256 loop again with the one-program limit at 512 rows (s35f, the same machine; at 256 tokens "
+          f"moe_align takes its three kernels): on {l256['on']['step_ms']:.2f}, off {l256['off']['step_ms']:.2f} ms a step "
+          f"({l256['on']['step_ms'] - l256['off']['step_ms']:+.2f}); its floor {l256['on']['floor_ms']:.2f} ms "
+          f"({l256['on']['fraction_of_floor']:.0%} on, {l256['off']['fraction_of_floor']:.0%} off)")
+    print(f"- GPU tests: s35f (the routing kernel against softmax_topk at 1-4096 tokens, bf16/fp16/fp32, and the "
+          f"fused MoE replayed in a CUDA graph for new routings): `{_gpu_tests(f'{base}/s35f/gpu_tests.txt')}`; s35e's "
+          f"run of the align and MoE-model tests was stopped by its 240-s limit after "
+          f"{(B / f'{base}/s35e/gpu_tests.txt').read_text().count('.')} passing tests and no failure (the CUDA "
+          "align cases of 8 and 64 experts and the first of 128)")
+    c256 = load(f"{base}/s35e/c256.json")
+    slog = gzip.decompress((B / f"{base}/s35e/server.log.gz").read_bytes()).decode(errors="replace")
+    print(f"- one `pdserve serve` of the model with both (s35e, the limit at 2048), pdserve's client at 1024/1024 c256: "
+          f"{c256['output_throughput']:,.1f} out tok/s, mean TPOT {c256['mean_tpot_ms']:.2f} ms; kernels compiled "
+          f"while serving: {slog.count('compiled a kernel while serving')}")
+
+
 def session34() -> None:
     """Session 34 (machine 1, an H200: the engine's stats line under 1024/1024 c256 and bench_steps.py's defaults;
     machines 2 and 3, an H200 each: vLLM then pdserve at 1024/1024 c256 and the steps such a run is made of; each
@@ -2916,6 +3053,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session35()
+    print()
     session34()
     print()
     session33()
