@@ -717,6 +717,18 @@ def session35() -> None:
               f"by vLLM's client {q['mean_tpot']:.3f} ({'met' if q['mean_tpot'] <= 1.1 else 'not met'}); by the "
               f"servers' own inter-token latency {q['server_itl']:.3f} ({'met' if q['server_itl'] <= 1.1 else 'not met'})"
               f"; mean TTFT by vLLM's client {q['mean_ttft']:.3f}, mean E2E {q['mean_e2el']:.3f}")
+    for k in ("8192x16_c1", "32768x16_c1"):
+        cells = []
+        for n in ("vllm", "pdserve"):
+            d = load(f"{base}/s35a/sbs/{n}_single_{k}.json")
+            e2e = [t + sum(i) for t, i in zip(d["ttfts"][1:], d["itls"][1:])]
+            itl = w[k][n]["server"]["itl"]["mean_ms"]
+            made = [x * 1e3 - (d["output_lens"][0] - 1) * itl for x in e2e]
+            cells.append((sum(e2e) / len(e2e) * 1e3, sum(made) / len(made)))
+        print(f"- {k}, the {len(e2e)} requests after the prefix hit, by vLLM's client: mean E2E vLLM {cells[0][0]:.1f} / "
+              f"pdserve {cells[1][0]:.1f} ms; less each server's own inter-token latency times the tokens after the "
+              f"first (when each server's engine made its first token, on the client's clock): vLLM {cells[0][1]:.1f} / "
+              f"pdserve {cells[1][1]:.1f} ms")
     print("- vLLM's client TTFT lies further past vLLM's own than its E2E does: vLLM's first chunk left the server later "
           "than vLLM's engine made the first token and carried the tokens made meanwhile; pdserve's two lie about "
           "equally far past its own (the request's way in: upload, parse, tokenize)")
