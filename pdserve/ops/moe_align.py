@@ -45,7 +45,9 @@ class AlignedRows:
         return self.expert_ids.numel()
 
 
-ONE_PROGRAM_PAIRS = 512  # routed rows (tokens x top-k) up to which one program groups them all (bench_route.py: faster to 64 tokens at top-8, slower from 128)
+# routed rows (tokens x top-k) up to which one program groups them all: on an H200 it beat the three kernels up
+# to 64 tokens at top-8 and lost from 128 (benchmarks/moe/bench_route.py, lease_s35/s35e)
+ONE_PROGRAM_PAIRS = 512
 ONE_PROGRAM_MIN_BLOCK = 128  # its row vector's least size: fewer sizes to compile (one for 1..16 tokens at top-8)
 
 
