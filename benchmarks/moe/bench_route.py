@@ -14,10 +14,10 @@ outputs are checked against each other before timing.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from pdserve.bench import ceilings
 from pdserve.bench.record import new_record, save_json
 from pdserve.model.moe import softmax_topk
 from pdserve.ops import moe_align as ma
@@ -28,27 +28,7 @@ TOKENS = [1, 4, 16, 64, 128, 256, 512, 1024, 8192]
 
 def graph_us(fn, reps: int, iters: int) -> float:
     """Median us a call over `iters` replays of a CUDA graph holding `reps` calls of fn."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    return ceilings.graph_us([fn] * reps, reps=iters)
 
 
 def align_with(ids: torch.Tensor, E: int, block_m: int, one_program: bool) -> ma.AlignedRows:
