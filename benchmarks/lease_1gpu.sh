@@ -202,6 +202,10 @@
 #              against transformers on CUDA; bench_route.py (each against the torch / three-kernel way, in CUDA
 #              graphs); dummy Qwen3-30B-A3B's steps with both and with neither, arms off, on, off, on; then one
 #              `pdserve serve` of it with pdserve's client at 1024/1024 c256 and the kernels it compiled while serving
+#   s36a       (written in session 35, not yet run) the MoE GPU tests session 35's limit cut off: CUDA row grouping at
+#              128 experts, the routing kernel, the graph replay, the shipped tables, the MoE model against transformers
+#              (then, after the staging calls: `SBS_WORKLOADS="1024:1024:512:256 8192:16:16:1" lease_1gpu.sh moe` for
+#              the MoE side by side with the routing kernel)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1320,6 +1324,13 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
     echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/server.log") kernels while serving"
     kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"; rm -f "$W"/*.pdserve.json
     save ;;
+  s36a)  # (written in session 35, not yet run) the MoE GPU tests session 35 left unrun: the CUDA row grouping at 128
+    # experts (both paths, the one-program path bit for bit), the routing kernel, the graph replay, the shipped tile
+    # tables, the MoE model against transformers on CUDA
+    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/model/test_fused_moe_kernel.py \
+      tests/model/test_qwen3_moe_vs_transformers.py -k "(align and 128) or route or graph or tables or transformers" \
+      > "$W/gpu_tests.txt" 2>&1; grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -8
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     WORKLOADS="1024:1024:512:256" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 OUT=$W/sbs \
