@@ -35,9 +35,14 @@ HISTOGRAMS = {
 
 
 def histogram_totals(text: str) -> dict[str, tuple[float, float]]:
-    """Each known histogram's (count, sum) over all its label sets (vLLM labels by engine and model)."""
+    """Each known histogram's (count, sum) over all its label sets (vLLM labels by engine and model); none from a
+    body that is not Prometheus text (a proxy in front of the servers answers /metrics with a 404 page)."""
     out: dict[str, tuple[float, float]] = {}
-    for fam in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        return out
+    for fam in families:
         if fam.type != "histogram" or fam.name not in HISTOGRAMS:
             continue
         count = sum(s.value for s in fam.samples if s.name == fam.name + "_count")

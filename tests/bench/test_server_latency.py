@@ -45,8 +45,11 @@ def test_means_over_the_difference_and_every_label_set():
     assert "ttft" not in d  # no request's first token between the scrapes
 
 
-def test_no_histograms_no_means():
-    d = sl.run_latency("", "# a server without metrics\n")
+@pytest.mark.parametrize("after", ["# a server without metrics\n", "404: Not Found", '{"detail":"Not Found"}',
+                                   "<html><body>Not Found</body></html>"])
+def test_no_histograms_no_means(after):
+    """A server without the histograms, or a proxy answering /metrics with an error page: no means, no exception."""
+    d = sl.run_latency("", after)
     assert d == {"requests": None}
     assert "none" in sl.line(d)
 
