@@ -206,6 +206,13 @@
 #              128 experts, the routing kernel, the graph replay, the shipped tables, the MoE model against transformers
 #              (then, after the staging calls: `SBS_WORKLOADS="1024:1024:512:256 8192:16:16:1" lease_1gpu.sh moe` for
 #              the MoE side by side with the routing kernel)
+#   s36b       the decode kernel on an fp8 pool at dummy Qwen3-30B-A3B's heads (32 over 4, d=128) where rows x KV
+#              heads fill the many-program waves: its GPU tests (the new fp8 many-program tiles among them), then
+#              sweep_decode.py --prefetch at 160-256 rows of 1-2k keys; the best tile with the block table read ahead
+#              (geometric mean over the shapes) goes to /tmp/fp8_many_tile.txt for s36c; then s36a's MoE GPU tests
+#              with what is left of the call
+#   s36c       dummy Qwen3-30B-A3B's batch-256 steps and loop (fp8 KV) with MANY_PROGRAMS_TILE_FP8 as shipped (off)
+#              and set to /tmp/fp8_many_tile.txt's tile (on; FP8_TILE overrides), arms off, on, off, on
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1324,6 +1331,48 @@ d.ROPE_IN_DECODE = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
     echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/server.log") kernels while serving"
     kill $S; wait $S 2>/dev/null; gzip -f "$W/server.log"; rm -f "$W"/*.pdserve.json
     save ;;
+  s36b)  # the fp8 pool's decode kernel at the MoE's heads: GPU tests, the tile sweep with the read ahead, MoE tests
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      -k "fp8 or decode_matches_reference_cuda" > "$W/decode_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/decode_tests.txt" | cut -c1-400 | tail -6
+    timeout 200 python3 benchmarks/attention/sweep_decode.py --hq 32 --hk 4 --head-dim 128 --kv fp8 --prefetch \
+      --shapes 256x1024,256x2048,160x1536 --layers 12 --out "$W/sweep.json" > "$W/sweep.txt" 2>&1
+    grep -E "^fp8|Error" "$W/sweep.txt" | cut -c1-200
+    python3 - "$W/sweep.json" <<'PY' | tee "$W/fp8_many_tile.txt"
+import json, math, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r.get("us") and r["prefetch"]]
+shapes = {(r["batch"], r["context"]) for r in rows}
+score = {}
+for r in rows:
+    score.setdefault(tuple(r["tile"]), []).append(r["of_floor"])
+full = {t: math.exp(sum(map(math.log, v)) / len(v)) for t, v in score.items() if len(v) == len(shapes)}
+best = max(full, key=full.get)
+print(",".join(map(str, best)), f"geo-mean {100 * full[best]:.1f}% of the copy rate over {len(shapes)} shapes")
+PY
+    cut -d' ' -f1 "$W/fp8_many_tile.txt" > /tmp/fp8_many_tile.txt
+    save
+    left=$(( 570 - ($(date +%s) - t0) ))
+    [ $left -gt 60 ] && timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+      tests/model/test_fused_moe_kernel.py tests/model/test_qwen3_moe_vs_transformers.py \
+      -k "(align and 128) or route or graph or tables or transformers" > "$W/moe_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/moe_tests.txt" | cut -c1-400 | tail -8
+    save ;;
+  s36c)  # dummy Qwen3-30B-A3B's batch-256 steps with the fp8 pool's many-program tile off and on
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    T=${FP8_TILE:-$(cat /tmp/fp8_many_tile.txt 2>/dev/null)}
+    echo "fp8 many-program tile: ${T:?no tile: run s36b first or set FP8_TILE}" | tee "$W/tile.txt"
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
+      --loop-temperature 1.0 --decode 256x1024,256x2048 --prefill= --mixed= --loop 256x1024"
+    i=0
+    for arm in off on off on; do
+      i=$((i + 1)); F="--many-programs-tile-fp8 none"; [ $arm = on ] && F="--many-programs-tile-fp8 $T"
+      timeout 125 $B $F --out "$W/steps_${i}_$arm.json" > "$W/steps_${i}_$arm.txt" 2>&1
+      grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
+        | sed "s/^/$arm($i) /"
+      save
+    done ;;
   s36a)  # (written in session 35, not yet run) the MoE GPU tests session 35 left unrun: the CUDA row grouping at 128
     # experts (both paths, the one-program path bit for bit), the routing kernel, the graph replay, the shipped tile
     # tables, the MoE model against transformers on CUDA

@@ -526,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--many-programs-tile", default=None,
                     help="the decode kernel's tile once rows x KV heads fill decode.MANY_PROGRAM_WAVES waves: "
                          "'keys,warps,stages', or 'none' (the table alone): an A/B in one lease")
+    ap.add_argument("--many-programs-tile-fp8", default=None,
+                    help="the same on an fp8 pool (decode.MANY_PROGRAMS_TILE_FP8, with the block table read a tile "
+                         "ahead as MANY_PROGRAMS_PREFETCH says): 'keys,warps,stages', or 'none' (the table's fp8 "
+                         "tiles at any number of programs): an A/B in one lease")
     ap.add_argument("--fold-norm", action=argparse.BooleanOptionalAction, default=True,
                     help="the add+RMSNorm folded into the one-row products around it (pdserve.ops.norm_fold); "
                          "--no-fold-norm: the norm's own kernel (an A/B)")
@@ -574,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.many_programs_tile:
         decode_mod.MANY_PROGRAMS_TILE = (None if args.many_programs_tile == "none"
                                          else tuple(int(x) for x in args.many_programs_tile.split(",")))
+    if args.many_programs_tile_fp8:
+        decode_mod.MANY_PROGRAMS_TILE_FP8 = (None if args.many_programs_tile_fp8 == "none"
+                                             else tuple(int(x) for x in args.many_programs_tile_fp8.split(",")))
     if not args.decode_prefetch:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)

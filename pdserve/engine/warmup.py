@@ -168,19 +168,21 @@ def warm_up(core: EngineCore) -> dict:
 def many_program_steps(core: EngineCore) -> tuple[int, int]:
     """Rows of a step from which the Triton decode kernel takes its many-program tile on this engine's GPU, for one
     rank's KV heads, and the fewest rows beside the warm-up's long prompt that take it with several splits; (0, 0)
-    where that tile is not used (other backends, fp8 pools, CPU)."""
+    where no such tile is used (other backends, an fp8 pool without MANY_PROGRAMS_TILE_FP8, CPU)."""
     from pdserve.engine.runner import kv_cache_torch_dtype
     from pdserve.ops.attention import decode
+    from pdserve.ops.attention.common import is_fp8
     from pdserve.parallel.ranges import local_kv_heads
 
     kv_dtype = kv_cache_torch_dtype(core.config.kv_cache_dtype, core.dtype)
+    fp8 = is_fp8(kv_dtype)
     if (core.device.type != "cuda" or core.config.attention_backend not in ("auto", "triton")
-            or decode.MANY_PROGRAMS_TILE is None or kv_dtype not in (torch.bfloat16, torch.float16)):
+            or decode.many_tile(fp8) is None or not (fp8 or kv_dtype in (torch.bfloat16, torch.float16))):
         return 0, 0
     hk = local_kv_heads(core.hf_config.num_key_value_heads, core.config.tensor_parallel_size)
     long_len = long_prompt_len(core.config.max_num_batched_tokens, core.max_model_len)
     return (decode.many_program_rows(hk, core.device),
-            decode.many_program_split_rows(hk, long_len, core.device))
+            decode.many_program_split_rows(hk, long_len, core.device, fp8))
 
 
 def warm_library(worker, max_tokens: int, max_model_len: int, chunk: int = 0) -> int:

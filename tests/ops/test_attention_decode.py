@@ -194,6 +194,39 @@ def test_many_programs_take_the_many_program_tile():
     assert D.many_program_rows(2, cpu) == 16
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fp8_pool_takes_its_own_many_program_tile(mixed, monkeypatch):
+    """MANY_PROGRAMS_TILE_FP8: an fp8 pool's launches of MANY_PROGRAM_WAVES waves take that tile and read the block
+    table a tile ahead (as MANY_PROGRAMS_PREFETCH says); None keeps the table's fp8 tiles without it. The outputs
+    stay the reference's either way."""
+    cpu = torch.device("cpu")
+    p = make_problem([40, 17, 1, 64, 33, 16, 90, 5] * 2, [1] * 16, hq=4, hk=2, d=32, bs=16, dtype=torch.float16,
+                     kv_dtype=torch.float8_e4m3fn, seed=21)
+    seen = []
+    real = D._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append((kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kw["PREFETCH_BT"]))
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(D, "_decode_kernel", Spy())
+    monkeypatch.setattr(D, "MANY_PROGRAMS_TILE_FP8", None)
+    assert D.decode_tile(32, torch.float16, True, 16, 32, cpu) == D.DECODE_TILES[(True, True)]
+    assert D.many_program_split_rows(2, 4096, cpu, fp8=True) == 0
+    ref = _reference(p, 0.2, None, None)
+    assert_close(_run(p, 0.2, mixed=mixed, splits=1), ref, torch.float16, "fp8 pool, the table's tile")
+    monkeypatch.setattr(D, "MANY_PROGRAMS_TILE_FP8", (32, 4, 3))
+    assert D.decode_tile(32, torch.float16, True, 16, 32, cpu) == (32, 4, 3)
+    assert D.decode_tile(32, torch.float16, True, 16, 31, cpu) == D.DECODE_TILES[(True, True)]
+    assert D.many_program_split_rows(2, 4096, cpu, fp8=True) == D.many_program_split_rows(2, 4096, cpu) == 2
+    out = _run(p, 0.2, mixed=mixed, splits=1)  # 16 rows x 2 heads: 32 programs, the waves of 8 SMs
+    assert_close(out, ref, torch.float16, "fp8 pool, its many-program tile")
+    assert seen == [(*D.DECODE_TILES[(True, True)], False), (32, 4, 3, D.MANY_PROGRAMS_PREFETCH)]
+
+
 def test_many_program_split_rows_is_the_fewest_rows_taking_that_tile_with_splits(monkeypatch):
     cpu = torch.device("cpu")  # 32 programs are the waves on the interpreter's 8 SMs
     waves = D.num_sms(cpu) * D.MANY_PROGRAM_WAVES
@@ -259,6 +292,22 @@ def test_decode_matches_reference_cuda(hq, hk, d, bs, dtype, kv_dtype, window, l
     ref = _reference(p, scale, window, None)
     assert_close(_run(p, scale, window), ref, dtype, "decode")
     assert_close(_run(p, scale, window, splits=1), ref, dtype, "decode, one split")
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_many_program_tiles_cuda(kv_dtype):
+    """Qwen3-30B-A3B's attention shape (32 query heads over 4 KV heads, d=128) on an fp8 pool, 160 ragged rows (640
+    programs of one split: MANY_PROGRAM_WAVES waves on an H200): the engine's choice, and tiles of 64 to 256 keys
+    with the block table read a tile ahead, against the reference."""
+    lens = [1024, 1, 17, 2048, 777] * 32
+    p = make_problem(lens, [1] * len(lens), hq=32, hk=4, d=128, bs=16, dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                     seed=9)
+    scale = 128 ** -0.5
+    ref = _reference(p, scale, None, None)
+    assert_close(_run(p, scale), ref, torch.bfloat16, "decode, the engine's tile")
+    for tile in [(64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 2)]:
+        assert_close(_run(p, scale, splits=1, tile=tile, prefetch=True), ref, torch.bfloat16, f"decode, {tile}")
 
 
 @gpu

@@ -328,6 +328,8 @@ DECODE_TILES = {(False, False): (64, 4, 2), (False, True): (128, 4, 3), (True, F
 # stays ahead where fewer programs have more keys each (32 x 4096: 91.3 % against 76.2 %)
 # (benchmarks/attention/results_h200/decode_sweep_fp16dot.json). None: the table alone (an A/B in bench_steps.py).
 MANY_PROGRAMS_TILE: tuple[int, int, int] | None = (64, 4, 2)
+# ... and on an fp8 pool (None: DECODE_TILES' fp8 tiles at any number of programs, without the read ahead below).
+MANY_PROGRAMS_TILE_FP8: tuple[int, int, int] | None = None
 MANY_PROGRAM_WAVES = 4
 # ... and read the block table a tile ahead (the kernel's PREFETCH_BT): the page ids of the next tile are loaded into
 # a loop-carried value before this tile's K/V, so Triton's software pipeliner sees the K/V loads as direct ones. With
@@ -453,18 +455,23 @@ def early_tile(block_n: int, many: bool) -> bool:
     return EARLY_TILE and block_n <= EARLY_TILE_KEYS and not many
 
 
+def many_tile(fp8: bool) -> tuple[int, int, int] | None:
+    """The many-program tile of a 16-bit (MANY_PROGRAMS_TILE) or an fp8 pool (MANY_PROGRAMS_TILE_FP8); None: none."""
+    return MANY_PROGRAMS_TILE_FP8 if fp8 else MANY_PROGRAMS_TILE
+
+
 def many_program_rows(num_kv_heads: int, device: torch.device) -> int:
-    """Decode rows from which a step's decode kernel takes MANY_PROGRAMS_TILE (one split; the warm-up runs a mixed
+    """Decode rows from which a step's decode kernel takes its many-program tile (one split; the warm-up runs a mixed
     step of that many rows so serving compiles nothing)."""
     return triton.cdiv(MANY_PROGRAM_WAVES * num_sms(device), max(1, num_kv_heads))
 
 
-def many_program_split_rows(num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+def many_program_split_rows(num_kv_heads: int, max_seq_len: int, device: torch.device, fp8: bool = False) -> int:
     """The fewest rows (2 or more, below many_program_rows) whose step at `max_seq_len` keys takes MANY_PROGRAMS_TILE
     with several splits (rows x KV heads x splits reach the waves: on an H200 with 8 KV heads, 2 rows of 2112+ keys
     take 33 splits, 6 rows of 704+ take 11); 0 where none does. The warm-up runs a mixed step of that many rows: a
     prompt arriving beside 5 decoding requests compiled it while serving (lease_s18)."""
-    if MANY_PROGRAMS_TILE is None:
+    if many_tile(fp8) is None:
         return 0
     waves = MANY_PROGRAM_WAVES * num_sms(device)
     for rows in range(2, many_program_rows(num_kv_heads, device)):
@@ -475,8 +482,8 @@ def many_program_split_rows(num_kv_heads: int, max_seq_len: int, device: torch.d
 
 
 def many_programs(dtype: torch.dtype, fp8: bool, num_programs: int, device: torch.device | None) -> bool:
-    """Whether a launch of `num_programs` programs takes MANY_PROGRAMS_TILE (16-bit queries and pool)."""
-    return (dtype != torch.float32 and not fp8 and MANY_PROGRAMS_TILE is not None and device is not None
+    """Whether a launch of `num_programs` programs (16-bit queries) takes the pool's many-program tile (many_tile)."""
+    return (dtype != torch.float32 and many_tile(fp8) is not None and device is not None
             and num_programs >= MANY_PROGRAM_WAVES * num_sms(device))
 
 
@@ -486,7 +493,7 @@ def decode_tile(head_dim: int, dtype: torch.dtype, fp8: bool, num_rows: int = 8,
     if dtype == torch.float32:
         return decode_block_n(16, head_dim, dtype), 4, 2
     if many_programs(dtype, fp8, num_programs, device):
-        return MANY_PROGRAMS_TILE
+        return many_tile(fp8)
     return DECODE_TILES[(fp8, num_rows >= 8)]
 
 
