@@ -213,6 +213,10 @@
 #              with what is left of the call
 #   s36c       dummy Qwen3-30B-A3B's batch-256 steps and loop (fp8 KV) with MANY_PROGRAMS_TILE_FP8 as shipped (off)
 #              and set to /tmp/fp8_many_tile.txt's tile (on; FP8_TILE overrides), arms off, on, off, on
+#   s36d       V of an fp8 pool widened by inline PTX in the decode kernel (decode.FP8_V_WIDEN): its GPU tests; the fp8
+#              tile sweep at the MoE's heads with and without it (and the read ahead); the best many-program variant
+#              (tile, widen; read ahead) to /tmp/fp8_many.txt; then dummy Qwen3-30B-A3B's batch-256 step and loop as
+#              shipped (off) and with that variant (on)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1369,6 +1373,47 @@ PY
     for arm in off on off on; do
       i=$((i + 1)); F="--many-programs-tile-fp8 none"; [ $arm = on ] && F="--many-programs-tile-fp8 $T"
       timeout 125 $B $F --out "$W/steps_${i}_$arm.json" > "$W/steps_${i}_$arm.txt" 2>&1
+      grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
+        | sed "s/^/$arm($i) /"
+      save
+    done ;;
+  s36d)  # an fp8 pool's V widened by inline PTX: GPU tests, the sweep with and without, the MoE steps off and on
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      -k "fp8_v_widened or fp8_many_program" > "$W/decode_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/decode_tests.txt" | cut -c1-400 | tail -6
+    timeout 240 python3 benchmarks/attention/sweep_decode.py --hq 32 --hk 4 --head-dim 128 --kv fp8 --prefetch \
+      --v-widen --tiles "64,4,2;64,4,3;128,4,2;128,4,3;128,8,2;128,8,3;256,8,2;64,8,3" \
+      --shapes 256x1024,256x2048,160x1536 --layers 12 --out "$W/sweep.json" > "$W/sweep.txt" 2>&1
+    grep -E "^fp8 b=|Error" "$W/sweep.txt" | cut -c1-200
+    python3 - "$W/sweep.json" <<'PY' | tee "$W/fp8_many.txt"
+import json, math, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r.get("us")]
+shapes = {(r["batch"], r["context"]) for r in rows}
+def gm(pick):
+    score = {}
+    for r in rows:
+        if pick(r):
+            score.setdefault((tuple(r["tile"]), r["v_widen"]), []).append(r["of_floor"])
+    return {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in score.items() if len(v) == len(shapes)}
+ahead = gm(lambda r: r["prefetch"])
+(tile, widen), best = max(ahead.items(), key=lambda kv: kv[1])
+shipped = gm(lambda r: r["engine"])
+print(",".join(map(str, tile)), int(widen), f"geo-mean {100 * best:.1f}% of the copy rate over {len(shapes)} shapes;",
+      "as shipped", " ".join(f"{t} {100 * v:.1f}%" for (t, _), v in shipped.items()))
+PY
+    cut -d' ' -f1,2 "$W/fp8_many.txt" > /tmp/fp8_many.txt
+    save
+    read T WIDEN < /tmp/fp8_many.txt
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
+      --loop-temperature 1.0 --decode 256x1024 --prefill= --mixed= --loop 256x1024"
+    i=0
+    for arm in off on; do
+      i=$((i + 1)); F=""
+      [ $arm = on ] && F="--many-programs-tile-fp8 $T $([ "$WIDEN" = 1 ] && echo --decode-fp8-v-widen)"
+      left=$(( 575 - ($(date +%s) - t0) ))
+      [ $left -gt 60 ] && timeout $left $B $F --out "$W/steps_${i}_$arm.json" > "$W/steps_${i}_$arm.txt" 2>&1
       grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
         | sed "s/^/$arm($i) /"
       save

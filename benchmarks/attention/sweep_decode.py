@@ -24,6 +24,7 @@ import torch
 
 from pdserve.bench.ceilings import graph_us, hbm_copy_gbps
 from pdserve.bench.record import new_record, save_json
+from pdserve.ops.attention import decode as D
 from pdserve.ops.attention.common import as_storage, is_fp8
 from pdserve.ops.attention.decode import decode_tile, early_tile, paged_decode
 
@@ -48,12 +49,21 @@ def main(argv=None) -> int:
     ap.add_argument("--early", action="store_true",
                     help="time each tile with its first tile read before the PDL wait and after it (decode."
                          "EARLY_TILE; without: as the engine decides)")
+    ap.add_argument("--tiles", default="", help="keys,warps,stages;... (default: TILES)")
+    ap.add_argument("--v-widen", action="store_true",
+                    help="also time each fp8 tile with V widened by inline PTX (decode.FP8_V_WIDEN)")
+    ap.add_argument("--maxnreg", default="0",
+                    help="registers a thread of an fp8 launch may hold, comma-separated (decode.FP8_MAXNREG; 0: as "
+                         "the compiler likes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     splits = tuple(int(x) for x in args.splits.split(",")) if args.splits else SPLITS
     prefetches = (False, True) if args.prefetch else (False,)
     earlies = (False, True) if args.early else (None,)
+    tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")] if args.tiles else TILES
+    widens = (False, True) if args.v_widen else (False,)
+    maxnregs = tuple(int(x) for x in args.maxnreg.split(","))
     dev = torch.device("cuda")
     hbm = hbm_copy_gbps(dev)
     rec = new_record("decode_tile_sweep", vars(args))
@@ -73,7 +83,7 @@ def main(argv=None) -> int:
         layers = [pool[:, :, i].permute(0, 2, 3, 1, 4) for i in range(args.layers)]  # [blocks, 2, bs, hk, d]
         scale = torch.tensor(1.0, device=dev) if is_fp8(dt) else None
         default = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), 8)  # the many-row tile
-        scores: dict[tuple, list[float]] = {t: [] for t in TILES}
+        scores: dict[tuple, list[float]] = {t: [] for t in tiles}
         for b, ctx in shapes:
             width = -(-ctx // args.block_size)
             perm = rng.permutation(nb)[: b * width] if b * width <= nb else rng.integers(0, nb, b * width)
@@ -84,7 +94,11 @@ def main(argv=None) -> int:
             floor = kv_bytes / (hbm * 1e9) * 1e6
             engine_tile = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), b)
             ref = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale)
-            for t, pf, early in itertools.product(TILES, prefetches, earlies):
+            for t, pf, early, vw, mr in itertools.product(tiles, prefetches, earlies, widens, maxnregs):
+                if (vw or mr) and not is_fp8(dt):
+                    continue
+                D.FP8_V_WIDEN, D.FP8_MAXNREG = vw, mr  # read by paged_decode at each call (and capture)
+                plain = not pf and not early and not vw and not mr
                 for sp in (splits if b < SPLIT_ROWS else (0,)):
                     kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None, prefetch=pf, early=early)
                     try:
@@ -95,38 +109,41 @@ def main(argv=None) -> int:
                                                          **kw) for lay in layers])
                     except Exception as e:  # out of resources, compile failure
                         rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
-                                            "prefetch": pf, "early": early, "error": str(e)[:200]})
-                        if not sp and not pf and not early:
+                                            "prefetch": pf, "early": early, "v_widen": vw, "maxnreg": mr,
+                                            "error": str(e)[:200]})
+                        if not sp and plain:
                             scores[t].append(1e-3)
                         continue
-                    if not sp and not pf and not early:
+                    if not sp and plain:
                         scores[t].append(floor / us)
                     rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
-                                        "prefetch": pf, "early": early, "us": us, "floor_us": floor,
+                                        "prefetch": pf, "early": early, "v_widen": vw, "maxnreg": mr, "us": us,
+                                        "floor_us": floor,
                                         "of_floor": floor / us, "default": t == default,
-                                        "engine": t == engine_tile and not sp and not pf
+                                        "engine": t == engine_tile and not sp and not pf and not vw and not mr
                                         and early in (None, early_tile(t[0], False))})
+                D.FP8_V_WIDEN, D.FP8_MAXNREG = False, 0
             mine = [r for r in rec["rows"] if r.get("us") and r["kv"] == name and r["batch"] == b
                     and r["context"] == ctx]
             best = min(mine, key=lambda r: r["us"])
             eng = next((r for r in mine if r["engine"]), None)
             for r in sorted(mine, key=lambda r: r["us"])[:6]:
-                print(f"    {r['tile']} splits {r['splits'] or 'engine'} prefetch {r['prefetch']} early {r['early']}: "
-                      f"{r['us']:.2f} us", flush=True)
+                print(f"    {r['tile']} splits {r['splits'] or 'engine'} prefetch {r['prefetch']} early {r['early']} "
+                      f"v_widen {r['v_widen']} maxnreg {r['maxnreg']}: {r['us']:.2f} us", flush=True)
             if args.out:
                 save_json(rec, args.out)  # each shape as it ends (a call cut short keeps what it timed)
             print(f"{name} b={b} ctx={ctx}: best {best['tile']} splits {best['splits'] or 'engine'} "
                   f"{best['us']:.1f} us ({100 * best['of_floor']:.0f}% of floor)"
                   + (f"; the engine's {eng['tile']} {eng['us']:.1f} us ({100 * eng['of_floor']:.0f}%)" if eng else ""),
                   flush=True)
-        ranked = sorted(TILES, key=lambda t: -math.prod(scores[t]) ** (1 / len(scores[t])))
-        for t in ranked[:5] + [default]:
+        ranked = sorted(tiles, key=lambda t: -math.prod(scores[t]) ** (1 / len(scores[t])))
+        for t in ranked[:5] + ([default] if default in scores else []):
             gm = math.prod(scores[t]) ** (1 / len(scores[t]))
             print(f"{name} tile {t}: geo-mean {100 * gm:5.1f}% of floor; per shape "
                   + " ".join(f"{100 * s:4.0f}%" for s in scores[t]) + ("  (default)" if t == default else ""),
                   flush=True)
         rec["best"][name] = {"tile": ranked[0], "per_shape": scores[ranked[0]],
-                             "default": default, "default_per_shape": scores[default]}
+                             "default": default, "default_per_shape": scores.get(default)}
         del pool, layers, ref  # before the next dtype's pool
     if args.out:
         save_json(rec, args.out)

@@ -295,11 +295,14 @@ def test_decode_matches_reference_cuda(hq, hk, d, bs, dtype, kv_dtype, window, l
 
 
 @gpu
+@pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_many_program_tiles_cuda(kv_dtype):
+def test_fp8_many_program_tiles_cuda(kv_dtype, widen, monkeypatch):
     """Qwen3-30B-A3B's attention shape (32 query heads over 4 KV heads, d=128) on an fp8 pool, 160 ragged rows (640
     programs of one split: MANY_PROGRAM_WAVES waves on an H200): the engine's choice, and tiles of 64 to 256 keys
-    with the block table read a tile ahead, against the reference."""
+    with the block table read a tile ahead, V widened by `.to` and by inline PTX (FP8_V_WIDEN), against the
+    reference."""
+    monkeypatch.setattr(D, "FP8_V_WIDEN", widen)
     lens = [1024, 1, 17, 2048, 777] * 32
     p = make_problem(lens, [1] * len(lens), hq=32, hk=4, d=128, bs=16, dtype=torch.bfloat16, kv_dtype=kv_dtype,
                      seed=9)
@@ -308,6 +311,35 @@ def test_fp8_many_program_tiles_cuda(kv_dtype):
     assert_close(_run(p, scale), ref, torch.bfloat16, "decode, the engine's tile")
     for tile in [(64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 2)]:
         assert_close(_run(p, scale, splits=1, tile=tile, prefetch=True), ref, torch.bfloat16, f"decode, {tile}")
+
+
+@gpu
+@pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window", [c for c in GPU_CASES if c[5] is not None])
+@pytest.mark.parametrize("lens", [[1, 17, 1000, 4097, 300], [32768, 20000], [300, 1500] * 40])
+def test_fp8_v_widened_by_ptx_cuda(hq, hk, d, bs, dtype, kv_dtype, window, lens, monkeypatch):
+    """FP8_V_WIDEN: V tiles widened by the kernel's inline PTX (_widen_fp8), e4m3 and e5m2, head dims 128 and 256,
+    a window, one row to many, one split and several, decode-only and mixed: the same output as the `.to`'s, and
+    the reference's."""
+    p = make_problem(lens, [1] * len(lens), hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype, seed=len(lens))
+    scale = d ** -0.5
+    ref = _reference(p, scale, window, None)
+    for mixed in (False, True):
+        for splits in (None, 1):
+            monkeypatch.setattr(D, "FP8_V_WIDEN", False)
+            plain = _run(p, scale, window, mixed=mixed, splits=splits)
+            monkeypatch.setattr(D, "FP8_V_WIDEN", True)
+            assert D.v_widen(p.q, p.kv_layer.dtype) == (2 if kv_dtype == torch.float8_e5m2 else 1)
+            out = _run(p, scale, window, mixed=mixed, splits=splits)
+            assert_close(out, ref, dtype, f"decode, V widened by PTX, mixed {mixed}, splits {splits}")
+            torch.testing.assert_close(out, plain, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_fp8_v_widen_needs_cuda(monkeypatch):
+    monkeypatch.setattr(D, "FP8_V_WIDEN", True)
+    q = torch.zeros((2, 4, 32), dtype=torch.float16)
+    assert D.v_widen(q, torch.float8_e4m3fn) == 0  # the interpreter runs no inline PTX
+    monkeypatch.setattr(D, "FP8_V_WIDEN", False)
+    assert D.v_widen(q, torch.float8_e4m3fn) == 0
 
 
 @gpu

@@ -12,6 +12,8 @@ folds into the softmax scale and v_scale into the output, accumulation is fp32.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -53,6 +55,21 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: 
 
 
 @triton.jit
+def _widen_fp8(x, E5M2: tl.constexpr):
+    """An fp8 tile widened to fp16 by inline PTX (two cvt.rn.f16x2 a four-byte register), which Triton's layout passes
+    leave where it stands: widened by `.to`, a V tile became the PV product's operand as fp8 and was read out of
+    shared memory a byte at a time (ld.shared.b8, PTX for sm_90); widened here, it goes through shared memory as
+    fp16 and out again by ldmatrix."""
+    if E5M2:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _attend_one(qk, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """One key into the online softmax, as _attend_tile would take it: its dot with each query (qk [BLOCK_G]) and its
     value (v [D] in the queries' dtype); none where not `valid`."""
@@ -83,7 +100,7 @@ def _decode_kernel(
     DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
     EARLY_V: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, MERGE_G: tl.constexpr = 1,
     MERGE_S: tl.constexpr = 64, MERGE_CHUNK: tl.constexpr = 16, ROPE: tl.constexpr = False,
-    HAS_QNORM: tl.constexpr = False,
+    HAS_QNORM: tl.constexpr = False, V_WIDEN: tl.constexpr = 0,
 ):
     pdl_launch_early(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
@@ -185,6 +202,8 @@ def _decode_kernel(
                     other=0.0)
     if DOT_F16:  # fp8 pool: e4m3 widens to fp16 in one instruction per pair (to bf16 it takes three)
         q = q.to(tl.float16)
+    if V_WIDEN:  # an fp8 pool's V widened by _widen_fp8 (1: e4m3, 2: e5m2)
+        v_first = _widen_fp8(v_first, V_WIDEN == 2)
     qk_scale = sm_scale
     if HAS_KS:
         qk_scale = qk_scale * tl.load(KS)
@@ -207,6 +226,8 @@ def _decode_kernel(
         kv_mask = valid[:, None] & dmask[None, :]
         k = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if V_WIDEN:
+            v = _widen_fp8(v, V_WIDEN == 2)
         m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP, PRECISION)
     if ROPE:  # the newest key, then the step's K/V into the pool (after every tile load of the split)
         m_i, l_i, acc = _attend_one(qk_new, v_new.to(Q.dtype.element_ty), has_new, m_i, l_i, acc, qk_scale, softcap,
@@ -390,6 +411,31 @@ EARLY_V_MAXNREG = 128
 # - The sums run in another order than the merge kernel's, so the bits differ from it by rounding.
 # False (as shipped, not yet measured): the merge kernel. bench_steps.py --decode-self-merge turns it on for an A/B.
 SELF_MERGE = False
+
+# FP8_V_WIDEN: an fp8 pool's V tiles widened to fp16 by inline PTX (_widen_fp8) rather than by `.to`, so that they
+# reach the PV product through shared memory as fp16 (ldmatrix) instead of a byte at a time (ld.shared.b8: what
+# Triton 3.6 makes of the `.to` on sm_90, benchmarks/attention/kernel_resources.py). CUDA devices of compute
+# capability 8.9 or later (the cvt to f16x2 from fp8 pairs); the Triton interpreter runs no inline PTX.
+# False (as shipped, not yet measured): an A/B (bench_steps.py --decode-fp8-v-widen, sweep_decode.py --v-widen).
+FP8_V_WIDEN = False
+# ... and the registers a thread of an fp8 pool's launch may hold (ptxas' .maxnreg; 0: as the compiler likes): the
+# many-row fp8 tile (128, 4, 3) takes about 250, two programs an SM. An A/B.
+FP8_MAXNREG = 0
+
+
+@lru_cache(maxsize=16)
+def _fp8_cvt(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def v_widen(q: torch.Tensor, kv_dtype: torch.dtype) -> int:
+    """The decode kernel's V_WIDEN for a launch: 0 (the `.to`), 1 (e4m3 by _widen_fp8), 2 (e5m2); FP8_V_WIDEN says
+    where."""
+    if not (FP8_V_WIDEN and is_fp8(kv_dtype) and q.is_cuda and q.dtype != torch.float32):
+        return 0
+    if not _fp8_cvt(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return 0
+    return 2 if kv_dtype == torch.float8_e5m2 else 1
 MERGE_ELEMS = 8192  # a chunk of partials held at once: query heads x splits x head dim (64 registers a thread, 4 warps)
 MERGE_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -575,6 +621,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     limits = {"maxnreg": EARLY_V_MAXNREG} if early and EARLY_V and EARLY_V_MAXNREG and q.is_cuda else {}
     if rope is not None and block_n <= 64 and ROPE_MAXNREG and q.is_cuda:
         limits = {"maxnreg": ROPE_MAXNREG}
+    if fp8 and FP8_MAXNREG and q.is_cuda:
+        limits = {"maxnreg": FP8_MAXNREG}
     counters = merge_counters(q.device, b * hk) if self_merge(fp8) and not single else None
     if single:
         part_o = part_m = part_l = out
@@ -614,7 +662,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
         PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, SELF_MERGE=counters is not None,
         MERGE_G=triton.next_power_of_2(g), MERGE_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
-        MERGE_CHUNK=merge_chunk(g, block_d), ROPE=rope is not None, HAS_QNORM=has_qnorm, num_warps=warps,
+        MERGE_CHUNK=merge_chunk(g, block_d), ROPE=rope is not None, HAS_QNORM=has_qnorm,
+        V_WIDEN=v_widen(q, kv_layer.dtype), num_warps=warps,
         num_stages=stages, **limits, **pdl_args(q),
     )
     if not single and counters is None:
