@@ -217,6 +217,10 @@
 #              tile sweep at the MoE's heads with and without it (and the read ahead); the best many-program variant
 #              (tile, widen; read ahead) to /tmp/fp8_many.txt; then dummy Qwen3-30B-A3B's batch-256 step and loop as
 #              shipped (off) and with that variant (on)
+#   s36e       (after the staging calls) the MoE side by side (`moe` with SBS_WORKLOADS, default 1024/1024 c256 and 8192/16
+#              one at a time) at the fp8 many-program tile with V widened; then, with what is left of the call, the fp8
+#              sweep at a few rows (the table's tiles, V widened by PTX and not: decode.FP8_V_WIDEN_FEW's evidence)
+#   s36f       the GPU tests of the decode kernel, fp8 KV and the warm-up at the fp8 many-program tile with V widened
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1418,6 +1422,19 @@ PY
         | sed "s/^/$arm($i) /"
       save
     done ;;
+  s36e)  # the MoE side by side, then the fp8 sweep at a few rows with and without V widened by PTX
+    SBS_WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256 8192:16:16:1"} OUT=$OUT bash "$0" moe
+    left=$(( 570 - ($(date +%s) - t0) ))
+    [ $left -gt 40 ] && timeout $left python3 benchmarks/attention/sweep_decode.py --hq 32 --hk 4 --head-dim 128 \
+      --kv fp8 --v-widen --splits 0 --tiles "64,4,2;64,4,3;128,4,2;128,4,3" --shapes 1x1024,1x8192,4x8192,32x4096 \
+      --layers 12 --out "$W/sweep_few.json" > "$W/sweep_few.txt" 2>&1
+    grep -E "^fp8 b=|Error" "$W/sweep_few.txt" | cut -c1-200
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s36f)  # the decode kernel's, fp8 KV's and the warm-up's GPU tests at the shipped fp8 decode defaults
+    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
+      tests/ops/test_fp8_kv.py tests/engine/test_warmup.py > "$W/gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -8
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s36a)  # (written in session 35, not yet run) the MoE GPU tests session 35 left unrun: the CUDA row grouping at 128
     # experts (both paths, the one-program path bit for bit), the routing kernel, the graph replay, the shipped tile
     # tables, the MoE model against transformers on CUDA

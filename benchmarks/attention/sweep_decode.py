@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     prefetches = (False, True) if args.prefetch else (False,)
     earlies = (False, True) if args.early else (None,)
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")] if args.tiles else TILES
+    shipped_widen = (D.FP8_V_WIDEN_FEW, D.FP8_V_WIDEN)  # by many-program launch, before the sweep sets them
     widens = (False, True) if args.v_widen else (False,)
     maxnregs = tuple(int(x) for x in args.maxnreg.split(","))
     dev = torch.device("cuda")
@@ -92,12 +93,18 @@ def main(argv=None) -> int:
             q = torch.randn((b, args.hq, args.head_dim), dtype=torch.bfloat16, device=dev)
             kv_bytes = b * ctx * args.hk * args.head_dim * 2 * pool.element_size()
             floor = kv_bytes / (hbm * 1e9) * 1e6
-            engine_tile = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), b)
+            # what paged_decode takes at this shape as shipped (one split from SPLIT_ROWS rows, as timed here)
+            n_prog = b * args.hk * (1 if b >= SPLIT_ROWS else D.decode_splits(b, args.hk, ctx, None, dev))
+            many = D.many_programs(torch.bfloat16, is_fp8(dt), n_prog, dev)
+            engine_tile = decode_tile(args.head_dim, torch.bfloat16, is_fp8(dt), b, n_prog, dev)
+            engine_pf = many and D.MANY_PROGRAMS_PREFETCH
+            engine_vw = is_fp8(dt) and shipped_widen[many]
             ref = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale)
             for t, pf, early, vw, mr in itertools.product(tiles, prefetches, earlies, widens, maxnregs):
                 if (vw or mr) and not is_fp8(dt):
                     continue
-                D.FP8_V_WIDEN, D.FP8_MAXNREG = vw, mr  # read by paged_decode at each call (and capture)
+                D.FP8_V_WIDEN = D.FP8_V_WIDEN_FEW = vw  # read by paged_decode at each call (and capture)
+                D.FP8_MAXNREG = mr
                 plain = not pf and not early and not vw and not mr
                 for sp in (splits if b < SPLIT_ROWS else (0,)):
                     kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None, prefetch=pf, early=early)
@@ -120,9 +127,11 @@ def main(argv=None) -> int:
                                         "prefetch": pf, "early": early, "v_widen": vw, "maxnreg": mr, "us": us,
                                         "floor_us": floor,
                                         "of_floor": floor / us, "default": t == default,
-                                        "engine": t == engine_tile and not sp and not pf and not vw and not mr
+                                        "engine": t == engine_tile and not sp and pf == engine_pf
+                                        and vw == engine_vw and not mr
                                         and early in (None, early_tile(t[0], False))})
-                D.FP8_V_WIDEN, D.FP8_MAXNREG = False, 0
+                D.FP8_V_WIDEN = D.FP8_V_WIDEN_FEW = False
+                D.FP8_MAXNREG = 0
             mine = [r for r in rec["rows"] if r.get("us") and r["kv"] == name and r["batch"] == b
                     and r["context"] == ctx]
             best = min(mine, key=lambda r: r["us"])

@@ -190,7 +190,8 @@ def test_many_programs_take_the_many_program_tile():
     assert D.num_sms(cpu) * D.MANY_PROGRAM_WAVES == 32
     assert D.decode_tile(64, torch.float16, False, 16, 32, cpu) == D.MANY_PROGRAMS_TILE
     assert D.decode_tile(64, torch.float16, False, 16, 31, cpu) == D.DECODE_TILES[(False, True)]
-    assert D.decode_tile(64, torch.float16, True, 16, 64, cpu) == D.DECODE_TILES[(True, True)]  # fp8: the table's
+    assert D.decode_tile(64, torch.float16, True, 16, 64, cpu) == D.MANY_PROGRAMS_TILE_FP8  # fp8: its own
+    assert D.decode_tile(64, torch.float16, True, 16, 31, cpu) == D.DECODE_TILES[(True, True)]
     assert D.many_program_rows(2, cpu) == 16
 
 
@@ -326,9 +327,11 @@ def test_fp8_v_widened_by_ptx_cuda(hq, hk, d, bs, dtype, kv_dtype, window, lens,
     for mixed in (False, True):
         for splits in (None, 1):
             monkeypatch.setattr(D, "FP8_V_WIDEN", False)
+            monkeypatch.setattr(D, "FP8_V_WIDEN_FEW", False)
             plain = _run(p, scale, window, mixed=mixed, splits=splits)
             monkeypatch.setattr(D, "FP8_V_WIDEN", True)
-            assert D.v_widen(p.q, p.kv_layer.dtype) == (2 if kv_dtype == torch.float8_e5m2 else 1)
+            monkeypatch.setattr(D, "FP8_V_WIDEN_FEW", True)
+            assert D.v_widen(p.q, p.kv_layer.dtype, False) == (2 if kv_dtype == torch.float8_e5m2 else 1)
             out = _run(p, scale, window, mixed=mixed, splits=splits)
             assert_close(out, ref, dtype, f"decode, V widened by PTX, mixed {mixed}, splits {splits}")
             torch.testing.assert_close(out, plain, atol=TOL[dtype], rtol=TOL[dtype])
@@ -336,10 +339,19 @@ def test_fp8_v_widened_by_ptx_cuda(hq, hk, d, bs, dtype, kv_dtype, window, lens,
 
 def test_fp8_v_widen_needs_cuda(monkeypatch):
     monkeypatch.setattr(D, "FP8_V_WIDEN", True)
+    monkeypatch.setattr(D, "FP8_V_WIDEN_FEW", True)
     q = torch.zeros((2, 4, 32), dtype=torch.float16)
-    assert D.v_widen(q, torch.float8_e4m3fn) == 0  # the interpreter runs no inline PTX
-    monkeypatch.setattr(D, "FP8_V_WIDEN", False)
-    assert D.v_widen(q, torch.float8_e4m3fn) == 0
+    assert D.v_widen(q, torch.float8_e4m3fn, True) == D.v_widen(q, torch.float8_e4m3fn, False) == 0  # no inline PTX
+    assert D.v_widen(q, torch.float16, True) == 0
+
+
+@gpu
+def test_fp8_v_widen_where_switched_on_cuda(monkeypatch):
+    q = torch.zeros((2, 4, 32), dtype=torch.bfloat16, device="cuda")
+    assert D.v_widen(q, torch.float8_e4m3fn, True) == (1 if D.FP8_V_WIDEN else 0)  # many-program launches
+    assert D.v_widen(q, torch.float8_e5m2, False) == (2 if D.FP8_V_WIDEN_FEW else 0)  # the others
+    assert D.v_widen(q, torch.bfloat16, True) == 0
+    assert D.v_widen(q.float(), torch.float8_e4m3fn, True) == 0  # fp32 queries: the FMA units' dots
 
 
 @gpu

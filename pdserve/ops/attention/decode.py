@@ -349,8 +349,12 @@ DECODE_TILES = {(False, False): (64, 4, 2), (False, True): (128, 4, 3), (True, F
 # stays ahead where fewer programs have more keys each (32 x 4096: 91.3 % against 76.2 %)
 # (benchmarks/attention/results_h200/decode_sweep_fp16dot.json). None: the table alone (an A/B in bench_steps.py).
 MANY_PROGRAMS_TILE: tuple[int, int, int] | None = (64, 4, 2)
-# ... and on an fp8 pool (None: DECODE_TILES' fp8 tiles at any number of programs, without the read ahead below).
-MANY_PROGRAMS_TILE_FP8: tuple[int, int, int] | None = None
+# ... and on an fp8 pool (None: DECODE_TILES' fp8 tiles at any number of programs, without the read ahead below), with
+# its V widened by inline PTX (FP8_V_WIDEN). At dummy Qwen3-30B-A3B's heads (32 over 4, d=128) on an H200, of the
+# HBM copy rate (benchmarks/lease_s36/s36d, sweep_decode.py): 256 x 1024 keys 75.0 % against 59.4 % for the table's
+# (128, 4, 3) without either, 256 x 2048 79.8 % against 64.0 %, 160 x 1536 (1.2 waves) 59.5 % against 56.1 %; the
+# batch-256 decode step 24.24 ms against 25.91, its async loop 22.07 against 23.23.
+MANY_PROGRAMS_TILE_FP8: tuple[int, int, int] | None = (64, 4, 3)
 MANY_PROGRAM_WAVES = 4
 # ... and read the block table a tile ahead (the kernel's PREFETCH_BT): the page ids of the next tile are loaded into
 # a loop-carried value before this tile's K/V, so Triton's software pipeliner sees the K/V loads as direct ones. With
@@ -414,10 +418,14 @@ SELF_MERGE = False
 
 # FP8_V_WIDEN: an fp8 pool's V tiles widened to fp16 by inline PTX (_widen_fp8) rather than by `.to`, so that they
 # reach the PV product through shared memory as fp16 (ldmatrix) instead of a byte at a time (ld.shared.b8: what
-# Triton 3.6 makes of the `.to` on sm_90, benchmarks/attention/kernel_resources.py). CUDA devices of compute
-# capability 8.9 or later (the cvt to f16x2 from fp8 pairs); the Triton interpreter runs no inline PTX.
-# False (as shipped, not yet measured): an A/B (bench_steps.py --decode-fp8-v-widen, sweep_decode.py --v-widen).
-FP8_V_WIDEN = False
+# Triton 3.6 makes of the `.to` on sm_90, benchmarks/attention/kernel_resources.py; it also takes the many-program
+# tile (64, 4, 3) from 196 registers to 128). CUDA devices of compute capability 8.9 or later (the cvt to f16x2 from
+# fp8 pairs); the Triton interpreter runs no inline PTX.
+# - On in launches that take MANY_PROGRAMS_TILE_FP8 (measured there, above);
+# - in the others (a few rows, the table's tiles) with FP8_V_WIDEN_FEW, off until measured: an A/B
+#   (bench_steps.py --decode-fp8-v-widen-few; sweep_decode.py --v-widen sets both).
+FP8_V_WIDEN = True
+FP8_V_WIDEN_FEW = False
 # ... and the registers a thread of an fp8 pool's launch may hold (ptxas' .maxnreg; 0: as the compiler likes): the
 # many-row fp8 tile (128, 4, 3) takes about 250, two programs an SM. An A/B.
 FP8_MAXNREG = 0
@@ -428,10 +436,10 @@ def _fp8_cvt(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
-def v_widen(q: torch.Tensor, kv_dtype: torch.dtype) -> int:
-    """The decode kernel's V_WIDEN for a launch: 0 (the `.to`), 1 (e4m3 by _widen_fp8), 2 (e5m2); FP8_V_WIDEN says
-    where."""
-    if not (FP8_V_WIDEN and is_fp8(kv_dtype) and q.is_cuda and q.dtype != torch.float32):
+def v_widen(q: torch.Tensor, kv_dtype: torch.dtype, many: bool) -> int:
+    """The decode kernel's V_WIDEN for a launch (`many`: taking the many-program tile): 0 (the `.to`), 1 (e4m3 by
+    _widen_fp8), 2 (e5m2); FP8_V_WIDEN and FP8_V_WIDEN_FEW say where."""
+    if not ((FP8_V_WIDEN_FEW, FP8_V_WIDEN)[many] and is_fp8(kv_dtype) and q.is_cuda and q.dtype != torch.float32):
         return 0
     if not _fp8_cvt(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return 0
@@ -614,10 +622,11 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     single = splits == 1
     block_d = triton.next_power_of_2(d)
     block_n, warps, stages = tile or decode_tile(d, q.dtype, fp8, b, b * hk * splits, q.device)
+    many = many_programs(q.dtype, fp8, b * hk * splits, q.device)
     if prefetch is None:
-        prefetch = tile is None and MANY_PROGRAMS_PREFETCH and many_programs(q.dtype, fp8, b * hk * splits, q.device)
+        prefetch = tile is None and MANY_PROGRAMS_PREFETCH and many
     if early is None:
-        early = early_tile(block_n, many_programs(q.dtype, fp8, b * hk * splits, q.device)) and pdl_on(q)
+        early = early_tile(block_n, many) and pdl_on(q)
     limits = {"maxnreg": EARLY_V_MAXNREG} if early and EARLY_V and EARLY_V_MAXNREG and q.is_cuda else {}
     if rope is not None and block_n <= 64 and ROPE_MAXNREG and q.is_cuda:
         limits = {"maxnreg": ROPE_MAXNREG}
@@ -663,7 +672,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, SELF_MERGE=counters is not None,
         MERGE_G=triton.next_power_of_2(g), MERGE_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
         MERGE_CHUNK=merge_chunk(g, block_d), ROPE=rope is not None, HAS_QNORM=has_qnorm,
-        V_WIDEN=v_widen(q, kv_layer.dtype), num_warps=warps,
+        V_WIDEN=v_widen(q, kv_layer.dtype, many), num_warps=warps,
         num_stages=stages, **limits, **pdl_args(q),
     )
     if not single and counters is None:
