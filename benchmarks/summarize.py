@@ -693,6 +693,129 @@ def _profile_top(rel: str, n: int) -> dict:
     return g
 
 
+def _sweep_rows(rel: str) -> list[dict]:
+    return [r for r in load(rel)["rows"] if r.get("us")]
+
+
+def _sweep_variant(r: dict) -> str:
+    tile = "(" + ", ".join(map(str, r["tile"])) + ")"
+    parts = [tile] + (["read ahead"] if r.get("prefetch") else []) + (["V by PTX"] if r.get("v_widen") else [])
+    return ", ".join(parts)
+
+
+def session36() -> None:
+    """Session 36 (three H200 machines one after the other: the fp8 pool's decode kernel at the MoE's heads, swept
+    and in the engine; the MoE side by side at the shipped result)."""
+    base = "lease_s36"
+    print("The decode kernel on an fp8 pool at dummy Qwen3-30B-A3B's attention heads (32 query heads over 4 KV heads, "
+          "d=128, e4m3, the engine's head-major pool, 12 layers cycled in a CUDA graph), us a layer and its share of "
+          "the HBM copy rate measured in the same run. s36b (machine 1, `lease_1gpu.sh s36b`): each tile of the sweep "
+          "with the block table read a tile ahead and without; s36d (machine 2, `lease_1gpu.sh s36d`): with V widened "
+          "to fp16 by the kernel's inline PTX (decode.FP8_V_WIDEN) and without:\n")
+    for stage in ("s36b", "s36d"):
+        rows = _sweep_rows(f"{base}/{stage}/sweep.json")
+        hbm = load(f"{base}/{stage}/sweep.json")["ceilings"]["hbm_copy_gbps"]
+        shapes = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda x: (-x[0], x[1]))
+        table_tile = [128, 4, 3]
+        print(f"{stage} (HBM copy {hbm:,.0f} GB/s):\n")
+        print("| rows x keys | the table's (128, 4, 3) as it was | best read ahead | best read ahead, V by PTX |"
+              "\n|---|---|---|---|")
+        for b, c in shapes:
+            mine = [r for r in rows if (r["batch"], r["context"]) == (b, c)]
+            was = next(r for r in mine if r["tile"] == table_tile and not r["prefetch"] and not r.get("v_widen"))
+            cells = [f"{was['us']:.1f} ({was['of_floor']:.1%})"]
+            for vw in (False, True):
+                pick = [r for r in mine if r["prefetch"] and bool(r.get("v_widen")) == vw]
+                if pick:
+                    r = min(pick, key=lambda r: r["us"])
+                    cells.append(f"{r['us']:.1f} ({r['of_floor']:.1%}) {_sweep_variant(r)}")
+                else:
+                    cells.append("-")
+            print(f"| {b} x {c} | " + " | ".join(cells) + " |")
+        choice = (B / f"{base}/{stage}/" / ("fp8_many_tile.txt" if stage == "s36b" else "fp8_many.txt")).read_text()
+        print(f"\n- {stage}'s choice over the shapes (the stage's own script, geometric mean, read ahead): "
+              f"`{choice.strip()}`\n")
+    print("- why V by PTX: Triton 3.6 widens an fp8 V tile written `.to(fp16)` after reading it out of shared memory "
+          "as the PV product's operand, a byte at a time (ld.shared.b8 in the kernel's PTX for sm_90, which "
+          "benchmarks/attention/kernel_resources.py compiles on any machine); widened by inline PTX it goes through "
+          "shared memory as fp16 and comes out by ldmatrix, and the kernel holds fewer registers")
+    print(f"- GPU tests: s36b, the decode kernel's (fp8 many-program tiles, the CUDA cases against the reference): "
+          f"`{_gpu_tests(f'{base}/s36b/decode_tests.txt')}`; the MoE tests session 35's limit had cut off (row "
+          f"grouping at 128 experts, the routing kernel, graph replay, shipped tables, the MoE model against "
+          f"transformers on CUDA): `{_gpu_tests(f'{base}/s36b/moe_tests.txt')}`; s36d, V by PTX (e4m3 and e5m2, head "
+          f"dims 128 and 256, a window, one row to 80, one split and several, decode-only and mixed, against the "
+          f"`.to`'s output and the reference): `{_gpu_tests(f'{base}/s36d/decode_tests.txt')}`")
+
+    print("\nDummy Qwen3-30B-A3B's batch-256 step and async loop (fp8 KV, temperature 1) as shipped before (off) and with "
+          "s36d's choice (on: --many-programs-tile-fp8 and --decode-fp8-v-widen), one process an arm, same machine:\n")
+    print("| step | off ms (of floor) | on ms (of floor) | on - off |\n|---|---|---|---|")
+    arms = {a: load(f"{base}/s36d/steps_{i}_{a}.json") for i, a in ((1, "off"), (2, "on"))}
+
+    def case(d: dict, name: str) -> dict:
+        for r in d["results"]:
+            if r["case"] == name:
+                return {"ms": r["step_ms_median"], "floor": r["floor_ms"]}
+        lp = next(x for x in d["loops"] if x["async"] and x["case"] == name)
+        return {"ms": lp["step_ms"], "floor": lp["floor_ms"]}
+
+    names = [r["case"] for r in arms["off"]["results"]] + [x["case"] for x in arms["off"]["loops"] if x["async"]]
+    for n in names:
+        o, q = case(arms["off"], n), case(arms["on"], n)
+        print(f"| {n} | {o['ms']:.2f} ({o['floor'] / o['ms']:.0%}) | {q['ms']:.2f} ({q['floor'] / q['ms']:.0%}) | "
+              f"{q['ms'] - o['ms']:+.2f} |")
+    print("\n- shipped: decode.MANY_PROGRAMS_TILE_FP8 = (64, 4, 3) with the read ahead, FP8_V_WIDEN on in those "
+          "launches; launches of a few rows keep the table's tiles and the `.to` (FP8_V_WIDEN_FEW off: below)")
+
+    print("\nThe MoE side by side at the shipped code (moe/, machine 3, eleven staging calls then `lease_1gpu.sh s36e`: "
+          "vLLM (FLASH_ATTN) then pdserve, `--kv-cache-dtype fp8` on both, vLLM's client):\n")
+    _sbs_table(f"{base}/moe")
+    print("\nThe servers' own means over the same runs:\n")
+    _server_side(f"{base}/moe")
+    before = {w["workload"]: w["ratio"] for w in load("lease_s35/moe/comparison.json")["workloads"]}
+    now = {w["workload"]: w["ratio"] for w in load(f"{base}/moe/comparison.json")["workloads"]}
+    print()
+    for k in sorted(now):
+        print(f"- {k}: output {now[k]['output_throughput']:.3f}x vLLM's (session 35, before the routing kernel and this: "
+              f"{before[k]['output_throughput']:.3f}x), mean TTFT {now[k]['mean_ttft']:.3f} ({before[k]['mean_ttft']:.3f}), "
+              f"mean TPOT by the client {now[k]['mean_tpot']:.3f} ({before[k]['mean_tpot']:.3f}), the servers' own "
+              f"inter-token latency {now[k]['server_itl']:.3f} ({before[k]['server_itl']:.3f})")
+    log = gzip.decompress((B / f"{base}/moe/pdserve.log.gz").read_bytes()).decode(errors="replace")
+    lines = log.splitlines()
+    miss = [ln.split("did not cover it): ", 1)[-1] for ln in lines if "compiled a kernel while serving" in ln]
+    at = next(i for i, ln in enumerate(lines) if "compiled a kernel while serving" in ln)
+    after = next(ln for ln in lines[at:] if "running " in ln and "engine:" in ln)
+    running = after.split("running ", 1)[1].split(",")[0]
+    print(f"- kernels pdserve compiled while serving: {len(miss)}" + (f" ({'; '.join(miss)})" if miss else "")
+          + f": by the time (the stats line after it: {running} running), a mixed step of two rows, which takes the few-row "
+          "tile with several splits; the warm-up's 4-row mixed step, which compiled that before, now fills the waves "
+          "of the many-program tile on this pool, so the warm-up plan gained a step of one row fewer than "
+          "decode.many_program_split_rows (not yet run on a GPU)")
+
+    rows = _sweep_rows(f"{base}/s36e/sweep_few.json")
+    print("\nA few rows on the same pool (s36e, same machine, after the side by side; sweep_decode.py --v-widen "
+          "--splits 0: the engine's split count; the table's tiles, no read ahead), us a layer (of the copy rate):\n")
+    shapes = sorted({(r["batch"], r["context"]) for r in rows})
+    tiles = sorted({tuple(r["tile"]) for r in rows})
+    print("| rows x keys | " + " | ".join(f"{t} `.to` / V by PTX" for t in tiles) + " |\n|---|" + "---|" * len(tiles))
+    for b, c in shapes:
+        cells = []
+        for t in tiles:
+            v = {bool(r["v_widen"]): r for r in rows if (r["batch"], r["context"]) == (b, c) and tuple(r["tile"]) == t}
+            cells.append(" / ".join(f"{v[w]['us']:.1f}" if w in v else "-" for w in (False, True)))
+        print(f"| {b} x {c} | " + " | ".join(cells) + " |")
+    pairs = [(v[False]["us"], v[True]["us"], sh, t) for sh in shapes for t in tiles
+             for v in [{bool(r["v_widen"]): r for r in rows if (r["batch"], r["context"]) == sh
+                        and tuple(r["tile"]) == t}] if len(v) == 2]
+    slower = sorted({f"{t} at {b} x {c}" for a, w, (b, c), t in pairs if w > a})
+    print(f"\n- V by PTX was faster at {sum(w < a for a, w, _, _ in pairs)} of these {len(pairs)} points, slower at "
+          + ", ".join(slower) + " (the engine runs 4 x 8192 on the many-program tile: rows x KV heads x splits fill "
+          "its waves); FP8_V_WIDEN_FEW stays off until a batch-1 loop measures it")
+    print(f"- GPU tests at the shipped defaults (s36f, same machine, the decode kernel's and fp8 KV's GPU tests in one "
+          f"call the device budget cut short): {(B / f'{base}/s36f/gpu_tests.txt').read_text().count('.')} "
+          "passing, no failure (the decode kernel's CUDA cases, fp8 ones of 80 rows on the many-program tile with V "
+          "by PTX among them; fp8 KV's file not reached)")
+
+
 def session35() -> None:
     """Session 35 (machine 1, an H200: vLLM then pdserve at 8k/16 and 32k/16 one at a time with each server's own
     /metrics; the MoE side by side; dummy Qwen3-30B-A3B's steps and their kernels; machine 2, an H200: the MoE
@@ -3065,6 +3188,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session36()
+    print()
     session35()
     print()
     session34()

@@ -15,7 +15,8 @@ The requests, each group submitted at once and run to its end (`warmup_plan`):
     prompts of odd lengths that finish their prefill first and decode in the long one's mixed steps, some of them
     sampled (temperature, top-p/top-k, penalties, logprobs) rather than greedy; four such groups, with 3, 7, 12
     and 40 short prompts (MIXED_ROWS: each count of rows takes another decode-kernel variant), and one more where the
-    GPU's many-program tile is taken with several splits at fewer rows (decode.many_program_split_rows);
+    GPU's many-program tile is taken with several splits at fewer rows (decode.many_program_split_rows), and one
+    with a row fewer than that (the few-row tile with several splits);
   - three short prompts alone (SHORT_ONLY), a 1-token one among them: a mixed step of few rows, all shorter than
     one decode split's least keys (one split); then nine (SHORT_MANY), the many-row tile with one split. Every other
     one of these sets no sampling option (temperature 1: the one-pass sampling kernel, pdserve.ops.sampling).
@@ -89,7 +90,8 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
     """Groups of requests, each group submitted at once; every prompt fits the model's length with its output, and
     every group fits the pool. `many_rows` (0: none): a mixed step of that many rows, from which the decode kernel
     takes its many-program tile (decode.many_program_rows); `many_split_rows` (0: none): mixed steps of that many
-    rows beside the long prompt, where it takes that tile with several splits (decode.many_program_split_rows)."""
+    rows beside the long prompt, where it takes that tile with several splits (decode.many_program_split_rows), and
+    of one row fewer (the few-row tile with several splits)."""
     out_tokens = WARMUP_OUT_TOKENS
     longest = max_model_len - out_tokens
     groups: list[list[WarmupRequest]] = []
@@ -103,7 +105,11 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, block_size: int
                  for i in range(many_rows - 1)]
         groups.append(group + [WarmupRequest(long_len, _greedy(out_tokens))])
     shorts = [x for x in SHORT_LENGTHS if x <= longest]
-    extra = (many_split_rows - 1,) if many_split_rows > 1 and many_split_rows - 1 not in MIXED_ROWS else ()
+    # beside the long prompt: many_split_rows rows (the many-program tile with several splits), and one row fewer
+    # (the few-row tile with several splits), which MIXED_ROWS' 3 shorts no longer give once 4 rows take the
+    # many-program tile (an fp8 pool of 4 KV heads: lease_s36's MoE server compiled it at its first two requests)
+    wanted = (many_split_rows - 1, many_split_rows - 2) if many_split_rows > 1 else ()
+    extra = tuple(n for n in wanted if n >= 1 and n not in MIXED_ROWS)
     for rows in MIXED_ROWS + extra:
         mixed = [WarmupRequest(long_len, _greedy(out_tokens))]
         for i in range(rows if shorts else 0):

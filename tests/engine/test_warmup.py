@@ -57,8 +57,62 @@ def test_plan_has_a_mixed_step_of_the_many_split_rows_when_asked():
     extra = [g for g in plan if g not in plain]
     assert len(plan) == len(plain) + 1 and len(extra) == 1
     assert [r.prompt_len for r in extra[0]] == [2 * 8192 + 17, 1]
-    _, same = _plan_8k(many_split_rows=MIXED_ROWS[0] + 1)  # a row count the plan has already
-    assert same == plain
+    _, same = _plan_8k(many_split_rows=MIXED_ROWS[0] + 1)  # a row count the plan has already: only a row fewer
+    assert [len(g) for g in same if g not in plain] == [MIXED_ROWS[0]]
+
+
+def test_plan_has_a_mixed_step_of_a_row_fewer_than_the_many_split_rows():
+    """An fp8 pool of 4 KV heads on an H200 takes the many-program tile with splits from 3 rows, so MIXED_ROWS' 4-row
+    step takes it too: a 2-row step (the long prompt and a 1-token one, a decode row) keeps the few-row tile with
+    splits warm (lease_s36's MoE server compiled it at its first requests)."""
+    plain, plan = _plan_8k(many_split_rows=3)
+    extra = [g for g in plan if g not in plain]
+    assert sorted(len(g) for g in extra) == [2, 3]
+    assert [r.prompt_len for r in min(extra, key=len)] == [2 * 8192 + 17, 1]
+    _, plan2 = _plan_8k(many_split_rows=2)  # one row fewer is the long prompt alone: no decode row, no group
+    assert [len(g) for g in plan2 if g not in plain] == [2]
+
+
+def test_warm_up_steps_take_the_rows_the_plan_means(tiny_model_dirs, monkeypatch):
+    """The scheduler really runs the plan's mixed steps: the many-program group's shorts decode beside the long
+    prompt's chunks (a step of many_rows rows), and the split groups' 1-token prompt is a decode row in the step of
+    the long prompt's last chunk."""
+    import json
+
+    path = tiny_model_dirs["qwen3"]
+    cfg = json.loads((path / "config.json").read_text())
+    core = EngineCore(EngineConfig(model=str(path), block_size=16, device="cpu", dtype="float32",
+                                   num_gpu_blocks=4096, max_num_batched_tokens=256, max_num_seqs=64,
+                                   max_model_len=cfg["max_position_embeddings"], warmup=False))
+    plan = warmup_plan(256, core.max_model_len, 16, 4096 * 16, many_rows=20, many_split_rows=3)
+    steps = []
+    real = core.scheduler.schedule
+
+    def spy():
+        batch = real()
+        if batch:
+            decodes = sum(r.num_computed_tokens + n >= r.num_prompt_tokens and n == 1
+                          for r, n in zip(batch.requests, batch.num_new_tokens))
+            steps.append((len(batch.requests), decodes, len(batch.requests) - decodes))
+        return batch
+
+    monkeypatch.setattr(core.scheduler, "schedule", spy)
+    gen = __import__("torch").Generator().manual_seed(0)
+    seen = {}
+    for g, group in enumerate(plan):
+        if len(group) not in (20, 2, 3) or group[-1].prompt_len < 256 and group[0].prompt_len < 256:
+            continue
+        steps.clear()
+        for i, r in enumerate(group):
+            core.add_request(f"w-{g}-{i}", __import__("torch").randint(0, 200, (r.prompt_len,), generator=gen).tolist(),
+                             r.params)
+        while core.has_work():
+            core.step()
+        seen[len(group)] = list(steps)
+    # rows, decode rows, prefill rows: a mixed step of every row of the group
+    assert any(rows == 20 and 0 < dec < rows for rows, dec, _ in seen[20])
+    for n in (2, 3):
+        assert any(rows == n and dec >= 1 and pre >= 1 for rows, dec, pre in seen[n]), seen[n]
 
 
 @pytest.mark.parametrize("max_model_len,capacity", [(64, 10**6), (40960, 600), (40960, 40)])
