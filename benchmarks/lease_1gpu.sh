@@ -223,8 +223,11 @@
 #   s36f       the GPU tests of the decode kernel, fp8 KV and the warm-up at the fp8 many-program tile with V widened
 #   s37a       (written in session 36, not yet run) the warm-up's burst test on dummy Qwen3-0.6B and on the seeds' model with
 #              an fp8 pool (after the warm-up step session 36 added: no kernel compiled), fp8 KV's GPU tests (s36f did
-#              not reach them); then dummy Qwen3-30B-A3B's batch-1 loops (1k, 8k) and decode steps with V widened by
-#              PTX in the few-row launches too (--decode-fp8-v-widen-few) and without, arms off, on, off, on
+#              not reach them), the decode kernel's fp8 tests (V by PTX, the rotary in the kernel on an fp8 pool)
+#   s37b       (written in session 36, not yet run) dummy Qwen3-30B-A3B's batch-1 loops (1k, 8k) and few-row decode
+#              steps: as shipped (off), V by PTX in few-row launches too (wf: --decode-fp8-v-widen-few), and with the
+#              rotary in the decode kernel on the fp8 pool (wfr: also --decode-rope-fp8), in the order off, wf, wfr,
+#              off, wf, wfr
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1439,20 +1442,23 @@ PY
       tests/ops/test_fp8_kv.py tests/engine/test_warmup.py > "$W/gpu_tests.txt" 2>&1
     grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -8
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
-  s37a)  # the warm-up's burst test with an fp8 pool, fp8 KV's GPU tests, then the few-row V-by-PTX A/B on the MoE
-    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py \
-      tests/ops/test_fp8_kv.py -k "burst or fp8" > "$W/gpu_tests.txt" 2>&1
+  s37a)  # the warm-up's burst test with an fp8 pool, fp8 KV's GPU tests, the decode kernel's fp8 GPU tests
+    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py \
+      tests/ops/test_fp8_kv.py tests/ops/test_attention_decode.py -k "burst or fp8" > "$W/gpu_tests.txt" 2>&1
     grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -8
-    save
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s37b)  # the MoE's batch-1 loops with V by PTX in few-row launches and the rotary in the decode kernel, and without
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
       --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
       --loop-temperature 1.0 --decode 1x1024,1x8192,32x4096 --prefill= --mixed= --loop 1x1024,1x8192"
     i=0
-    for arm in off on off on; do
-      i=$((i + 1)); F="--no-decode-fp8-v-widen-few"; [ $arm = on ] && F="--decode-fp8-v-widen-few"
+    for arm in off wf wfr off wf wfr; do
+      i=$((i + 1)); F="--no-decode-fp8-v-widen-few --no-decode-rope-fp8"
+      [ $arm = wf ] && F="--decode-fp8-v-widen-few --no-decode-rope-fp8"
+      [ $arm = wfr ] && F="--decode-fp8-v-widen-few --decode-rope-fp8"
       left=$(( 575 - ($(date +%s) - t0) ))
-      [ $left -gt 60 ] && timeout $(( left < 120 ? left : 120 )) $B $F --out "$W/steps_${i}_$arm.json" \
+      [ $left -gt 60 ] && timeout $(( left < 95 ? left : 95 )) $B $F --out "$W/steps_${i}_$arm.json" \
         > "$W/steps_${i}_$arm.txt" 2>&1
       grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
         | sed "s/^/$arm($i) /"

@@ -26,8 +26,11 @@ from triton.compiler import ASTSource
 
 from pdserve.ops.attention.decode import (
     EARLY_V,
+    FP8_V_WIDEN,
+    FP8_V_WIDEN_FEW,
     MANY_PROGRAMS_PREFETCH,
     MANY_PROGRAMS_TILE,
+    MANY_PROGRAMS_TILE_FP8,
     ROPE_MAXNREG,
     _decode_kernel,
     decode_tile,
@@ -103,14 +106,19 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
     qdt = getattr(torch, TORCH_DT[dt])
     block_n, warps, stages = decode_tile(d, qdt, kv in FP8, 1 if few else 8)  # default: the many-row tile (larger)
     if many:
-        block_n, warps, stages = MANY_PROGRAMS_TILE
+        block_n, warps, stages = MANY_PROGRAMS_TILE_FP8 if kv in FP8 else MANY_PROGRAMS_TILE
+    # decode.v_widen on sm_90; the rotary on an fp8 pool only with V widened (decode.rope_pool: without, it spilled)
+    widen = kv in FP8 and dt != "fp32" and (FP8_V_WIDEN if many else (FP8_V_WIDEN_FEW or rope))
     ce = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs,
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
               DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH,
               EARLY_TILE=not rope and ((few and not self_merge) or early_tile(block_n, many)), EARLY_V=EARLY_V,
               SELF_MERGE=self_merge, MERGE_G=triton.next_power_of_2(g), MERGE_S=64,
-              MERGE_CHUNK=merge_chunk(g, triton.next_power_of_2(d)), ROPE=rope, HAS_QNORM=rope)
+              MERGE_CHUNK=merge_chunk(g, triton.next_power_of_2(d)), ROPE=rope, HAS_QNORM=rope,
+              V_WIDEN=(2 if kv == "fp8e5" else 1) if widen else 0,
+              FP8_MAX=(448.0 if kv == "fp8e4nv" else 57344.0) if kv in FP8 and rope else 0.0,
+              WRITE_VS=kv in FP8 and rope)
     aligned = ["Q", "KV", "Out", "BT", "SL", "PartO", "s_qt", "s_qh", "s_ot", "s_oh", "s_kvb", "s_kvkv", "s_kvt",
                "s_kvh", "s_pb", "s_ph", "s_ps"] + (["COS", "SIN", "QW", "KW", "KNEW", "VNEW", "s_cos", "s_knt", "s_knh",
                                                    "s_vnt", "s_vnh"] if rope else [])
@@ -160,7 +168,8 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                     cases.append((f"decode {dt}/{kv} d={d} g={g} single=False mixed=False few rows self-merge", desc,
                                   lambda dt=dt, kv=kv, d=d, g=g: decode(dt, kv, d, g, False, False, few=True,
                                                                          self_merge=True)))
-                if dt != "fp32" and kv == dt and d <= 128:  # decode.ROPE_IN_DECODE (QK-norm, d <= 128): one row
+                if dt != "fp32" and (kv == dt or kv in FP8) and d <= 128:  # decode.ROPE_IN_DECODE (QK-norm, d <=
+                    # 128; fp8 pools with ROPE_IN_DECODE_FP8): one row
                     for single, few in ((False, True), (True, False)):  # (several splits, held to ROPE_MAXNREG), 8+ rows
                         desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=single, mixed=False, few=few,
                                     rope=True)
@@ -168,7 +177,8 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                                       f"{' few rows' if few else ''} rope", desc,
                                       lambda dt=dt, kv=kv, d=d, g=g, s=single, f=few: decode(
                                           dt, kv, d, g, s, False, few=f, rope=True)))
-                if kv == dt and dt != "fp32" and MANY_PROGRAMS_TILE is not None:  # what paged_decode picks at 256 rows
+                many_tile = MANY_PROGRAMS_TILE_FP8 if kv in FP8 else MANY_PROGRAMS_TILE
+                if (kv == dt or kv in FP8) and dt != "fp32" and many_tile is not None:  # paged_decode's at 256 rows
                     for mixed in (False, True):
                         desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=True, mixed=mixed, many=True)
                         cases.append((f"decode {dt}/{kv} d={d} g={g} single=True mixed={mixed} many programs", desc,

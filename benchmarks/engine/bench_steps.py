@@ -465,6 +465,8 @@ DECODE_SWITCHES = [
     ("decode-fp8-maxnreg", "FP8_MAXNREG", int, "the registers a thread of an fp8 pool's decode launch may hold"),
     ("decode-rope", "ROPE_IN_DECODE", bool,
      "decode-only steps leave the QK-norm, rotary and K/V write to the decode kernel"),
+    ("decode-rope-fp8", "ROPE_IN_DECODE_FP8", bool,
+     "with --decode-rope, fp8 pools too (on CUDA with --decode-fp8-v-widen-few)"),
     ("decode-rope-many", "ROPE_MANY_PROGRAMS", bool,
      "with --decode-rope, launches of many programs (a batch-256 step) take it too"),
     ("decode-rope-maxnreg", "ROPE_MAXNREG", int,

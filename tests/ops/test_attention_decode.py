@@ -379,10 +379,11 @@ def _rope_then_decode(p, rope, scale, window=None, softcap=None, splits=None):
     """The path without the fold: the rotary kernel (norm, rotary, K/V into the pool), then the decode kernel."""
     layer = p.fresh_layer()
     q, k = qk_norm_rope_triton(p.q.clone(), p.k.clone(), rope.positions, rope.cos, rope.sin, rope.q_weight,
-                               rope.k_weight, rope.eps, rope.offset, v=p.v, kv=KVTarget(layer, p.meta.slot_mapping))
+                               rope.k_weight, rope.eps, rope.offset, v=p.v,
+                               kv=KVTarget(layer, p.meta.slot_mapping, p.k_scale, p.v_scale))
     m = p.meta
-    out = paged_decode(q, layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap,
-                       out=poisoned(p.q), num_splits=splits)
+    out = paged_decode(q, layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap, p.k_scale,
+                       p.v_scale, out=poisoned(p.q), num_splits=splits)
     return out, layer
 
 
@@ -390,8 +391,8 @@ def _decode_with_rope(p, rope, scale, window=None, softcap=None, splits=None, ti
     layer = p.fresh_layer()
     q, k, v = p.q.clone(), p.k.clone(), p.v.clone()
     m = p.meta
-    out = paged_decode(q, layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap,
-                       out=poisoned(p.q), num_splits=splits, tile=tile, rope=rope, k=k, v=v,
+    out = paged_decode(q, layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap, p.k_scale,
+                       p.v_scale, out=poisoned(p.q), num_splits=splits, tile=tile, rope=rope, k=k, v=v,
                        slot_mapping=m.slot_mapping)
     assert torch.equal(q, p.q) and torch.equal(k, p.k) and torch.equal(v, p.v), "q/k/v are read, not written"
     return out, layer
@@ -427,6 +428,28 @@ def test_rope_in_the_decode_kernel_matches_the_rotary_kernel_then_decode(hq, hk,
     torch.testing.assert_close(layer, ref_layer, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rope_in_the_decode_kernel_on_an_fp8_pool(kv_dtype, splits, monkeypatch):
+    """ROPE_IN_DECODE_FP8: on an fp8 pool the kernel stores the new key and value as the rotary kernel does (the
+    16-bit key / k_scale, saturated, nearest even) and attends to the key as stored: the pool bit for bit and the
+    output as the rotary kernel then the decode kernel give them."""
+    monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", True)
+    p = make_problem([1, 17, 130, 64, 65], [1] * 5, hq=8, hk=2, d=64, bs=16, dtype=torch.float16, kv_dtype=kv_dtype,
+                     seed=31 + splits)
+    rope = _rope_inputs(p, 64, True, 0.0, seed=5)
+    assert D.rope_in_decode(p.q, p.kv_layer, rope)
+    ref, ref_layer = _rope_then_decode(p, rope, 0.125, splits=splits)
+    out, layer = _decode_with_rope(p, rope, 0.125, splits=splits)
+    assert_close(out, ref, torch.float16, "decode with the rotary in the kernel, fp8 pool")
+    new = (layer.view(torch.uint8) != p.kv_layer.view(torch.uint8)).any(-1).any(-1).any(1).nonzero()
+    assert sorted((new[:, 0] * 16 + new[:, 1]).tolist()) == sorted(torch.as_tensor(p.slots).tolist()), \
+        "the rows' slots written, nothing else"
+    assert torch.equal(layer.view(torch.uint8), ref_layer.view(torch.uint8)), "the pool as the rotary kernel writes it"
+    monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", False)
+    assert not D.rope_in_decode(p.q, p.kv_layer, rope)
+
+
 def test_rope_in_the_decode_kernel_with_padded_rows_and_many_rows():
     """Padded rows (length 0, slot -1) write nothing and give zeros; a step of many rows (one split)."""
     p = make_problem([40, 3], [1, 1], hq=4, hk=2, d=32, bs=16, pad={"num_tokens": 4, "num_seqs": 4})
@@ -455,7 +478,11 @@ def test_rope_in_decode_only_where_it_can(monkeypatch):
     monkeypatch.setattr(D, "ROPE_IN_DECODE", True)
     fp8_pool = torch.zeros((4, 2, 16, 2, 32), dtype=torch.float8_e4m3fn)
     assert D.rope_in_decode(p.q, p.kv_layer, rope)
+    monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", False)
     assert not D.rope_in_decode(p.q, fp8_pool, rope)
+    monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", True)  # an A/B: on the interpreter, and on CUDA with V by PTX
+    assert D.rope_in_decode(p.q, fp8_pool, rope)
+    monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", False)
     assert not D.rope_in_decode(p.q, p.kv_layer, QKRope(rope.positions, rope.cos, rope.sin))  # no QK-norm (Llama)
     wide = torch.zeros((1, 2, 256))
     assert not D.rope_in_decode(wide, torch.zeros((4, 2, 16, 2, 256)), rope)  # head dim 256 (Gemma 3)
@@ -467,6 +494,26 @@ def test_rope_in_decode_only_where_it_can(monkeypatch):
     assert D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8)
     monkeypatch.setattr(D, "ROPE_IN_DECODE", False)
     assert not D.rope_in_decode(p.q, p.kv_layer, rope)
+
+
+@gpu
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("lens", [[8192], [1, 17, 1000, 4097, 300], [777] * 64])
+def test_rope_in_the_decode_kernel_on_an_fp8_pool_cuda(kv_dtype, lens, monkeypatch):
+    """ROPE_IN_DECODE_FP8 with FP8_V_WIDEN_FEW (an A/B): Qwen3-30B-A3B's attention shape (32 query heads over 4 KV
+    heads, d=128) on an fp8 pool, the decode kernel's rotary and quantized K/V write against the rotary kernel then
+    the decode kernel: the same pool bytes nearly everywhere, the output within bf16's tolerance."""
+    monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", True)
+    monkeypatch.setattr(D, "FP8_V_WIDEN_FEW", True)
+    p = make_problem(lens, [1] * len(lens), hq=32, hk=4, d=128, bs=16, dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                     seed=len(lens) + 17)
+    rope = _rope_inputs(p, 128, True, 0.0, seed=13)
+    assert D.rope_in_decode(p.q, p.kv_layer, rope, len(lens) * 4)
+    ref, ref_layer = _rope_then_decode(p, rope, 128 ** -0.5)
+    out, layer = _decode_with_rope(p, rope, 128 ** -0.5)
+    assert_close(out, ref, torch.bfloat16, "decode with the rotary in the kernel, fp8 pool")
+    a, b, before = (x.view(torch.uint8) for x in (layer, ref_layer, p.kv_layer))
+    assert (a != b).sum() <= (a != before).sum() // 100, "nearly every new key's bytes as the rotary kernel's"
 
 
 @gpu

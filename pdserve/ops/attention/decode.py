@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.ops.attention.common import QKRope, is_fp8
+from pdserve.ops.attention.common import QKRope, fp8_max, is_fp8
 from pdserve.ops.attention.tl_math import tanh
 from pdserve.ops.pdl import pdl_args, pdl_enter, pdl_launch_early, pdl_on, pdl_wait
 
@@ -100,7 +100,8 @@ def _decode_kernel(
     DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
     EARLY_V: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, MERGE_G: tl.constexpr = 1,
     MERGE_S: tl.constexpr = 64, MERGE_CHUNK: tl.constexpr = 16, ROPE: tl.constexpr = False,
-    HAS_QNORM: tl.constexpr = False, V_WIDEN: tl.constexpr = 0,
+    HAS_QNORM: tl.constexpr = False, V_WIDEN: tl.constexpr = 0, FP8_MAX: tl.constexpr = 0.0,
+    WRITE_VS: tl.constexpr = False,
 ):
     pdl_launch_early(PDL)  # pdserve.ops.pdl
     b = tl.program_id(0)
@@ -194,8 +195,19 @@ def _decode_kernel(
             rk = tl.rsqrt(tl.sum(xk * xk, 0) / D + eps)
             xk = xk * rk * wk
             xk_part = xk_part * rk * wk_part
-        k_new = (xk * r_cos - xk_part * r_sin).to(Q.dtype.element_ty).to(KV.dtype.element_ty)
-        v_new = tl.load(VNEW + row * s_vnt + hk * s_vnh + d, mask=km, other=0.0).to(KV.dtype.element_ty)
+        if FP8_MAX > 0.0:  # an fp8 pool (ROPE_IN_DECODE_FP8): stored as the rotary kernel stores it, the 16-bit key
+            # (and the value) / scale, saturated, nearest even; attended as stored, as the pool's other keys
+            kf = (xk * r_cos - xk_part * r_sin).to(Q.dtype.element_ty).to(tl.float32)
+            vf = tl.load(VNEW + row * s_vnt + hk * s_vnh + d, mask=km, other=0.0).to(tl.float32)
+            if HAS_KS:
+                kf = tl.math.div_rn(kf, tl.load(KS))
+            if WRITE_VS:
+                vf = tl.math.div_rn(vf, tl.load(VS))
+            k_new = tl.clamp(kf, -FP8_MAX, FP8_MAX).to(KV.dtype.element_ty)
+            v_new = tl.clamp(vf, -FP8_MAX, FP8_MAX).to(KV.dtype.element_ty)
+        else:
+            k_new = (xk * r_cos - xk_part * r_sin).to(Q.dtype.element_ty).to(KV.dtype.element_ty)
+            v_new = tl.load(VNEW + row * s_vnt + hk * s_vnh + d, mask=km, other=0.0).to(KV.dtype.element_ty)
         qk_new = tl.sum(q.to(tl.float32) * k_new.to(Q.dtype.element_ty).to(tl.float32)[None, :], 1)
     else:
         q = tl.load(Q + row * s_qt + h[:, None] * s_qh + d[None, :], mask=gmask[:, None] & dmask[None, :],
@@ -494,14 +506,32 @@ ROPE_IN_DECODE = True
 ROPE_MAXNREG = 128
 # ... and in launches of MANY_PROGRAM_WAVES waves too (an A/B: bench_steps.py --decode-rope-many; not yet measured).
 ROPE_MANY_PROGRAMS = False
+# ... and on fp8 pools (16-bit queries; with FP8_V_WIDEN_FEW, rope_pool says why): the kernel quantizes the new key
+# and value as the rotary kernel does (the stored 16-bit key / k_scale, saturated, nearest even) and attends to the key
+# as stored. False (as shipped, not yet measured on a GPU): an A/B (bench_steps.py --decode-rope-fp8
+# --decode-fp8-v-widen-few). A MoE batch-1 step's rotary kernel took 210 us of marginal time a step (48 layers,
+# benchmarks/lease_s35/s35d).
+ROPE_IN_DECODE_FP8 = False
 
 
 def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_programs: int = 0) -> bool:
     """Whether a decode-only launch of `num_programs` programs (0: not yet known) over `kv_layer` takes the layer's
     QK-norm and rotary (ROPE_IN_DECODE says where)."""
     d = q.shape[-1]
-    return (ROPE_IN_DECODE and kv_layer.dtype == q.dtype and rope.q_weight is not None and 2 <= d <= 128
-            and d & (d - 1) == 0 and (ROPE_MANY_PROGRAMS or not many_programs(q.dtype, False, num_programs, q.device)))
+    fp8 = is_fp8(kv_layer.dtype)
+    return (ROPE_IN_DECODE and rope_pool(q, kv_layer.dtype) and rope.q_weight is not None and 2 <= d <= 128
+            and d & (d - 1) == 0 and (ROPE_MANY_PROGRAMS or not many_programs(q.dtype, fp8, num_programs, q.device)))
+
+
+def rope_pool(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
+    """Whether the decode kernel's rotary can write into a pool of `kv_dtype`: q's own, or fp8 with
+    ROPE_IN_DECODE_FP8 (16-bit queries) where the launch widens V by PTX (FP8_V_WIDEN_FEW; on sm_90 the one-row
+    tile with the rotary spilled 304 bytes at ROPE_MAXNREG with the `.to`, none with V by PTX:
+    benchmarks/attention/kernel_resources.py), or on the Triton interpreter."""
+    if kv_dtype == q.dtype:
+        return True
+    return (ROPE_IN_DECODE_FP8 and is_fp8(kv_dtype) and q.dtype != torch.float32
+            and (not q.is_cuda or v_widen(q, kv_dtype, False) > 0))
 
 
 def early_tile(block_n: int, many: bool) -> bool:
@@ -612,10 +642,12 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         return out
     fp8 = is_fp8(kv_layer.dtype)
     if rope is not None:
-        if query_start_loc is not None or kv_layer.dtype != q.dtype or d & (d - 1) or d < 2 or k is None or v is None \
-                or slot_mapping is None or slot_mapping.shape[0] < b or k.stride(-1) != 1 or v.stride(-1) != 1:
-            raise ValueError("the decode kernel's rotary needs a decode-only launch, a pool of q's dtype, a power-of-two "
-                             "head dim, k and v with a contiguous head dim and a slot for every row")
+        if query_start_loc is not None or not rope_pool(q, kv_layer.dtype) or d & (d - 1) or d < 2 or k is None \
+                or v is None or slot_mapping is None or slot_mapping.shape[0] < b or k.stride(-1) != 1 \
+                or v.stride(-1) != 1:
+            raise ValueError("the decode kernel's rotary needs a decode-only launch, a pool of q's dtype (or fp8 with "
+                             "ROPE_IN_DECODE_FP8), a power-of-two head dim, k and v with a contiguous head dim and a "
+                             "slot for every row")
         early = False
     has_ks, has_vs = fp8 and k_scale is not None, fp8 and v_scale is not None
     splits = num_splits or decode_splits(b, hk, max_seq_len, sliding_window, q.device)
@@ -672,7 +704,8 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, SELF_MERGE=counters is not None,
         MERGE_G=triton.next_power_of_2(g), MERGE_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
         MERGE_CHUNK=merge_chunk(g, block_d), ROPE=rope is not None, HAS_QNORM=has_qnorm,
-        V_WIDEN=v_widen(q, kv_layer.dtype, many), num_warps=warps,
+        V_WIDEN=v_widen(q, kv_layer.dtype, many), FP8_MAX=fp8_max(kv_layer.dtype) if fp8 and rope is not None else 0.0,
+        WRITE_VS=has_vs and rope is not None, num_warps=warps,
         num_stages=stages, **limits, **pdl_args(q),
     )
     if not single and counters is None:

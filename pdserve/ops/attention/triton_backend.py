@@ -63,8 +63,9 @@ class TritonAttentionBackend:
             if rope_in_decode(q, kv_layer, rope, b * hk * splits):
                 out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                 return paged_decode(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.max_seq_len, scale,
-                                    sliding_window=sliding_window, softcap=softcap, out=out, num_splits=splits,
-                                    rope=rope, k=k, v=v, slot_mapping=meta.slot_mapping)
+                                    sliding_window=sliding_window, softcap=softcap, k_scale=k_scale,
+                                    v_scale=v_scale, out=out, num_splits=splits, rope=rope, k=k, v=v,
+                                    slot_mapping=meta.slot_mapping)
             q, k = qk_norm_rope(q, k, rope.positions, rope.cos, rope.sin, rope.q_weight, rope.k_weight, rope.eps,
                                 rope.offset, v=v, kv=KVTarget(kv_layer, meta.slot_mapping, k_scale, v_scale))
             kv_written = True
