@@ -228,6 +228,9 @@
 #              steps: as shipped (off), V by PTX in few-row launches too (wf: --decode-fp8-v-widen-few), and with the
 #              rotary in the decode kernel on the fp8 pool (wfr: also --decode-rope-fp8), in the order off, wf, wfr,
 #              off, wf, wfr
+#   s37c       (written in session 36, not yet run) a MoE layer's experts summed by the next add+RMSNorm (model.moe.SUM_IN_NORM):
+#              its GPU tests, then dummy Qwen3-30B-A3B's steps and loops at 1 and 256 rows with it (on) and without
+#              (off), arms off, on, off, on
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1459,6 +1462,24 @@ PY
       [ $arm = wfr ] && F="--decode-fp8-v-widen-few --decode-rope-fp8"
       left=$(( 575 - ($(date +%s) - t0) ))
       [ $left -gt 60 ] && timeout $(( left < 95 ? left : 95 )) $B $F --out "$W/steps_${i}_$arm.json" \
+        > "$W/steps_${i}_$arm.txt" 2>&1
+      grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
+        | sed "s/^/$arm($i) /"
+      save
+    done ;;
+  s37c)  # the MoE's experts summed by the next norm: GPU tests, then the steps and loops with it and without
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/model/test_fused_moe_kernel.py \
+      -k "summed_by" > "$W/gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
+      --loop-temperature 1.0 --decode 1x1024,256x1024 --prefill= --mixed= --loop 1x1024,256x1024"
+    i=0
+    for arm in off on off on; do
+      i=$((i + 1)); F="--no-moe-sum-in-norm"; [ $arm = on ] && F="--moe-sum-in-norm"
+      left=$(( 575 - ($(date +%s) - t0) ))
+      [ $left -gt 60 ] && timeout $(( left < 110 ? left : 110 )) $B $F --out "$W/steps_${i}_$arm.json" \
         > "$W/steps_${i}_$arm.txt" 2>&1
       grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
         | sed "s/^/$arm($i) /"

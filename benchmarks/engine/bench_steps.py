@@ -565,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-route-kernel", action=argparse.BooleanOptionalAction, default=True,
                     help="a MoE layer's routing in one Triton launch (pdserve.ops.moe_route); --no-moe-route-kernel: "
                          "torch's softmax, top-k and renormalisation (an A/B)")
+    ap.add_argument("--moe-sum-in-norm", action=argparse.BooleanOptionalAction, default=None,
+                    help="a MoE layer leaves the sum over each token's experts to the next add+RMSNorm (pdserve.model."
+                         "moe.SUM_IN_NORM; default: as shipped): an A/B")
     ap.add_argument("--moe-align-one-program", action=argparse.BooleanOptionalAction, default=True,
                     help="moe_align in one program up to moe_align.ONE_PROGRAM_PAIRS routed rows; "
                          "--no-moe-align-one-program: its three kernels always (an A/B)")
@@ -623,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.moe_align_one_program:
         from pdserve.ops import moe_align
         moe_align.ONE_PROGRAM_PAIRS = -1
+    if args.moe_sum_in_norm is not None:
+        from pdserve.model import moe
+        moe.SUM_IN_NORM = args.moe_sum_in_norm
     if not args.kv_write_early:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.writes_kv_early = False

@@ -26,6 +26,7 @@ from torch import nn
 from pdserve.model.loader import WeightTarget
 from pdserve.model.shapes import num_experts
 from pdserve.ops.fused_moe import ACTIVATIONS, fused_moe_ref
+from pdserve.ops.split_k import PartialSums
 
 
 def is_sparse_layer(cfg, layer_idx: int) -> bool:
@@ -62,18 +63,29 @@ def _route_topk() -> Routing:
 TRITON_ROUTING: dict[str, Callable[[], Routing]] = {"softmax": _route_topk}
 
 
+# SUM_IN_NORM: a MoE layer whose caller allows it (Qwen3-MoE's sparse block on one rank) leaves the sum over each
+# token's top-k experts to the next add+RMSNorm (pdserve.ops.norm adds up to NORM_MAX_PARTS parts) instead of a
+# reduce kernel of its own: at one row that kernel took 222 us of a dummy Qwen3-30B-A3B step's marginal time, at 256
+# rows 337 (48 launches, benchmarks/lease_s35/s35d). False (as shipped, not yet measured on a GPU): an A/B
+# (bench_steps.py --moe-sum-in-norm).
+SUM_IN_NORM = False
+
+
 def _backend(backend: str, x: torch.Tensor) -> str:
     return ("triton" if x.is_cuda else "torch") if backend == "auto" else backend
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu", backend: str = "auto") -> torch.Tensor:
-    """Run the experts: backend "triton" (fused kernels), "torch" (the reference) or "auto" (Triton on CUDA)."""
+                  topk_ids: torch.Tensor, activation: str = "silu", backend: str = "auto",
+                  parts: bool = False) -> torch.Tensor | PartialSums:
+    """Run the experts: backend "triton" (fused kernels), "torch" (the reference) or "auto" (Triton on CUDA).
+    `parts`: the Triton path may leave the sum over each token's experts to the add+RMSNorm after the layer
+    (pdserve.ops.fused_moe); the reference always sums."""
     backend = _backend(backend, x)
     if backend == "triton":
         from pdserve.ops.fused_moe import fused_moe
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, activation, parts=parts)
     if backend == "torch":
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation)
     raise ValueError(f"unknown MoE backend {backend!r}: auto, triton or torch")
@@ -108,12 +120,15 @@ class FusedMoE(nn.Module):
         self._per_expert = re.compile(rf"^(\d+)\.({n(names.gate)}|{n(names.up)}|{n(names.down)})\.weight$")
         self._names = names
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, parts: bool = False) -> torch.Tensor | PartialSums:
+        """The experts' output for each token; `parts` (a caller whose next step is an add+RMSNorm): with
+        SUM_IN_NORM, on the Triton path, the rows of each token's experts, which that norm sums."""
         if self.routing in TRITON_ROUTING and _backend(self.backend, x) == "triton":
             weights, ids = TRITON_ROUTING[self.routing]()(router_logits, self.top_k, self.renormalize)
         else:
             weights, ids = ROUTING[self.routing](router_logits, self.top_k, self.renormalize)
-        return fused_experts(x, self.w13, self.w2, weights, ids, self.activation, self.backend)
+        return fused_experts(x, self.w13, self.w2, weights, ids, self.activation, self.backend,
+                             parts=parts and SUM_IN_NORM)
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
         """Map a checkpoint name relative to this module (`5.gate_proj.weight`, `gate_up_proj`) to a part of w13/w2;

@@ -19,6 +19,8 @@ from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.moe import FusedMoE, is_sparse_layer, moe_checkpoint_target
 from pdserve.model.qwen3 import Qwen3Model
 from pdserve.model.shapes import num_experts
+from pdserve.ops.split_k import PartialSums
+from pdserve.parallel.group import current_tp
 
 __all__ = ["Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeSparseBlock", "is_sparse_layer"]
 
@@ -33,9 +35,12 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.experts = FusedMoE(n_exp, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                                 renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
                                 activation=getattr(cfg, "hidden_act", "silu"))
+        self.tp_size = current_tp().size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSums:
+        """The block's output, which the decoder layer hands to the next add+RMSNorm: on one rank it may stay the
+        experts' rows for that norm to sum (FusedMoE.forward's `parts`)."""
+        return self.experts(x, self.gate(x), parts=self.tp_size == 1)
 
 
 class Qwen3MoeModel(Qwen3Model):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pdserve.ops.fused_moe_config import GemmTile, MoEKernelConfig, get_config
 from pdserve.ops.moe_align import AlignedRows, moe_align
+from pdserve.ops.split_k import NORM_MAX_PARTS, PartialSums
 
 try:
     import triton
@@ -215,8 +216,10 @@ def _precision(dtype: torch.dtype) -> str:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu",
-              config: MoEKernelConfig | None = None) -> torch.Tensor:
-    """The Triton path: x [T, H], topk_weights/topk_ids [T, K] -> [T, H] in x's dtype."""
+              config: MoEKernelConfig | None = None, parts: bool = False) -> torch.Tensor | PartialSums:
+    """The Triton path: x [T, H], topk_weights/topk_ids [T, K] -> [T, H] in x's dtype. `parts`: with 2 to
+    NORM_MAX_PARTS experts a token, the weighted rows of each token's experts as PartialSums ([K, T, H], a view of
+    the down kernel's output), which the add+RMSNorm after the layer sums (pdserve.ops.norm): no reduce kernel."""
     if triton is None:
         raise RuntimeError("fused_moe needs Triton; use fused_moe_ref")
     if activation not in ACTIVATIONS:
@@ -232,4 +235,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     per_row = down(gate_up(x, w13, aligned, K, activation, cfg.gate_up), w2, topk_weights, aligned, cfg.down)
     if K == 1:
         return per_row
+    if parts and K <= NORM_MAX_PARTS:
+        return PartialSums(per_row.view(T, K, H).transpose(0, 1), x.dtype)
     return per_row.view(T, K, H).sum(dim=1)  # float32 accumulation inside the reduction

@@ -4,8 +4,9 @@ float32 accumulation), and the torch reference each kernel is tested against (th
 `offset=1` is Gemma's (1 + weight) form. The fused form is the pre-norm decoder's
 `residual = x + residual; x = norm(residual)`; it returns both. `rows` normalizes only the given rows (the final
 norm of the rows the sampler needs, gathered in the same pass). `x` may also be a product left as float32 partial
-sums over K (pdserve.ops.split_k.PartialSums): the kernel adds the parts, rounds their sum to the model's dtype as
-the product would have been, then adds the residual.
+sums over K (pdserve.ops.split_k.PartialSums), or a MoE layer's rows of its top-k experts (pdserve.ops.fused_moe,
+parts=True): the kernel adds the parts in float32, rounds their sum to the model's dtype as the product (or torch's
+sum over the experts) would have been, then adds the residual.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from pdserve.ops.dispatch import HAS_TRITON, num_warps_for, use_fused
 from pdserve.ops.pdl import pdl_args
-from pdserve.ops.split_k import MAX_PARTS, PartialSums, materialize
+from pdserve.ops.split_k import NORM_MAX_PARTS, PartialSums, materialize
 
 if HAS_TRITON:
     import triton
@@ -34,7 +35,7 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(X + row * s_x + cols, mask=mask, other=0.0)
-        if PARTS > 1:  # float32 partial products over K (pdserve.ops.split_k): their sum, rounded once
+        if PARTS > 1:  # partial products over K (pdserve.ops.split_k) or experts' rows: their sum, rounded once
             xf = x.to(tl.float32)
             for p in tl.static_range(1, PARTS):
                 xf += tl.load(X + p * s_part + row * s_x + cols, mask=mask, other=0.0)
@@ -76,9 +77,8 @@ def _launch(x, residual, weight, eps, offset, rows, store_res):
     if isinstance(x, PartialSums):
         x2 = x.parts if x.parts.stride(-1) == 1 else x.parts.contiguous()
         num_parts, s_part = x2.shape[0], x2.stride(0)
-        if x2.dim() != 3 or x2.stride(1) != x2.shape[2] or num_parts > MAX_PARTS:
-            raise ValueError(f"partial sums of shape {tuple(x2.shape)}: [parts <= {MAX_PARTS}, rows, cols] with "
-                             "row-major parts")
+        if x2.dim() != 3 or num_parts > NORM_MAX_PARTS:
+            raise ValueError(f"partial sums of shape {tuple(x2.shape)}: [parts <= {NORM_MAX_PARTS}, rows, cols]")
         _, n_rows, n = x2.shape
     else:
         x2 = _rows2d(x)

@@ -29,13 +29,15 @@ from pdserve.ops.dispatch import use_fused
 from pdserve.ops.linear import linear
 
 CONFIG_DIR = Path(__file__).parent / "configs" / "split_k"
-MAX_PARTS = 4  # the norm kernel's unrolled loop over parts
+MAX_PARTS = 4  # K slices a table may ask for
+NORM_MAX_PARTS = 8  # parts the add+RMSNorm kernel adds (unrolled): these, or a MoE layer's top-k (Qwen3-30B-A3B's 8)
 
 
 @dataclass(frozen=True)
 class PartialSums:
     """x @ W^T as float32 partial products over K: `parts` [s, rows, N]; their sum, rounded to `dtype`, is the
-    product. Only the add+RMSNorm kernels take one (pdserve.ops.norm); `total()` materializes it elsewhere."""
+    product (also a MoE layer's rows of its top-k experts, in the model's dtype: pdserve.ops.fused_moe). Only the
+    add+RMSNorm kernels take one (pdserve.ops.norm); `total()` materializes it elsewhere."""
 
     parts: torch.Tensor
     dtype: torch.dtype
@@ -49,7 +51,7 @@ class PartialSums:
         return self.parts.device
 
     def total(self) -> torch.Tensor:
-        return self.parts.sum(0).to(self.dtype)
+        return self.parts.sum(0, dtype=torch.float32).to(self.dtype)
 
 
 def materialize(x: torch.Tensor | PartialSums) -> torch.Tensor:

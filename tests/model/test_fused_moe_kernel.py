@@ -150,6 +150,38 @@ def test_fused_moe_matches_reference_interpreted(T, K, E, H, inter, act, cfg, dt
     torch.testing.assert_close(out, ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T, K, E, H, inter, act, cfg", SMALL)
+def test_experts_rows_summed_by_the_next_norm(T, K, E, H, inter, act, cfg, dtype):
+    """parts=True (model.moe.SUM_IN_NORM): the experts' weighted rows as PartialSums [K, T, H], which the add+RMSNorm
+    after the layer sums in float32 and rounds once: what the norm of torch's sum over the experts gives, and
+    total() is that sum. One expert a token (K = 1) stays a tensor."""
+    from pdserve.ops.norm import final_rms_norm, fused_add_rms_norm
+    from pdserve.ops.split_k import PartialSums
+
+    gen = torch.Generator().manual_seed(T + 100 * K + E + 7)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w13, w2 = _weights(E, H, inter, dtype, gen=gen)
+    weights, ids = _routing(T, E, K, gen=gen)
+    summed = fused_moe(x, w13, w2, weights, ids, act, cfg)
+    left = fused_moe(x, w13, w2, weights, ids, act, cfg, parts=True)
+    if K == 1:
+        assert isinstance(left, torch.Tensor) and torch.equal(left, summed)
+        return
+    assert isinstance(left, PartialSums) and left.parts.shape == (K, T, H) and left.shape == (T, H)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(left.total(), summed, **tol)
+    residual = torch.randn(T, H, generator=gen).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(H, generator=gen)).to(dtype)
+    normed, res = fused_add_rms_norm(left, residual, norm_w, 1e-6)
+    ref_normed, ref_res = fused_add_rms_norm(summed, residual, norm_w, 1e-6)
+    torch.testing.assert_close(res, ref_res, **tol)
+    torch.testing.assert_close(normed, ref_normed, **tol)
+    rows = torch.tensor([T - 1])
+    torch.testing.assert_close(final_rms_norm(left, residual, norm_w, 1e-6, rows=rows),
+                               final_rms_norm(summed, residual, norm_w, 1e-6, rows=rows), **tol)
+
+
 def test_fused_moe_rejects_bad_shapes():
     x = torch.randn(3, 32)
     w13, w2 = _weights(8, 32, 16, torch.float32)
@@ -287,6 +319,25 @@ def test_fused_moe_cuda_bf16(E, K, T):
     out = fused_moe(x, w13, w2, weights, ids)
     ref = fused_moe_ref(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("T", [1, 100, 2048])
+def test_experts_rows_summed_by_the_next_norm_cuda(T):
+    """parts=True on CUDA (Qwen3-30B-A3B's 128 experts, top-8, bf16): the add+RMSNorm of the rows against that of
+    torch's sum over the experts, within one bf16 rounding."""
+    from pdserve.ops.norm import fused_add_rms_norm
+
+    x, w13, w2, weights, ids = _gpu_case(128, 8, T, torch.bfloat16)
+    left = fused_moe(x, w13, w2, weights, ids, parts=True)
+    summed = fused_moe(x, w13, w2, weights, ids)
+    residual = torch.randn_like(summed)
+    norm_w = torch.ones(summed.shape[1], dtype=summed.dtype, device=summed.device)
+    a, ra = fused_add_rms_norm(left, residual, norm_w, 1e-6)
+    b, rb = fused_add_rms_norm(summed, residual, norm_w, 1e-6)
+    torch.testing.assert_close(ra.float(), rb.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

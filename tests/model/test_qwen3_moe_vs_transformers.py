@@ -49,6 +49,32 @@ def test_triton_experts_in_the_interpreter_match_transformers(moe_model_dirs, mo
     assert calls and max(calls) > 1 and min(calls) >= 1, "the Triton experts must have run, batched"
 
 
+def test_experts_summed_by_the_next_norm_match_transformers(moe_model_dirs, monkeypatch):
+    """moe.SUM_IN_NORM (an A/B): the sparse block hands the next add+RMSNorm (or the final norm) its experts' rows,
+    which that norm sums; the engine's logits and greedy tokens stay transformers'."""
+    from pdserve.model import moe
+    from pdserve.ops.split_k import PartialSums
+
+    monkeypatch.setattr(moe, "SUM_IN_NORM", True)
+    outs = []
+    real = fused_moe_ops.fused_moe
+
+    def watching(*args, **kwargs):
+        out = real(*args, **kwargs)
+        outs.append(isinstance(out, PartialSums))
+        return out
+
+    monkeypatch.setattr(fused_moe_ops, "fused_moe", watching)
+
+    def use_triton(core):
+        for m in core.model.modules():
+            if isinstance(m, FusedMoE):
+                m.backend = "triton"
+
+    check_against_transformers(moe_model_dirs["qwen3_moe"], "cpu", max_tokens=3, setup=use_triton, num_gpu_blocks=16)
+    assert outs and all(outs), "every sparse block's rows went to the norm after it"
+
+
 # ------------------------------------------------------------------ Qwen3-30B-A3B shapes on CUDA
 def _shipped_30b(tmp_path, layers: int) -> tuple[dict, object]:
     import json
