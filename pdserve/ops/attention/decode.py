@@ -416,23 +416,11 @@ EARLY_V = False
 # spill (ptxas on sm_90, bf16, d=128, GQA 4). 0: as the compiler likes.
 EARLY_V_MAXNREG = 128
 
-# SELF_MERGE: a launch with several splits merges them in the decode kernel, not in a second kernel.
-# - Each program stores its partials, then counts itself done on its (row, KV head)'s counter: an acquire-release
-#   atomic at GPU scope, after a barrier so that every thread's stores are ordered before it.
-# - The program that counts last zeroes the counter and merges the group's partials (read past L1), a chunk of
-#   splits at a time (merge_chunk).
-# - That is one launch a layer less, at the cost of the merge on the last program's path.
-# - The counters are a zeroed buffer of MERGE_COUNTERS per device, allocated outside graph capture; a launch that
-#   needs more takes the merge kernel.
-# - The sums run in another order than the merge kernel's, so the bits differ from it by rounding.
-# False (as shipped, not yet measured): the merge kernel. bench_steps.py --decode-self-merge turns it on for an A/B.
-SELF_MERGE = False
-
 # FP8_V_WIDEN: an fp8 pool's V tiles widened to fp16 by inline PTX (_widen_fp8) rather than by `.to`, so that they
 # reach the PV product through shared memory as fp16 (ldmatrix) instead of a byte at a time (ld.shared.b8: what
 # Triton 3.6 makes of the `.to` on sm_90, benchmarks/attention/kernel_resources.py; it also takes the many-program
-# tile (64, 4, 3) from 196 registers to 128). CUDA devices of compute capability 8.9 or later (the cvt to f16x2 from
-# fp8 pairs); the Triton interpreter runs no inline PTX.
+# tile (64, 4, 3) from 196 registers to 128 at the MoE's GQA 8). CUDA devices of compute capability 8.9 or later
+# (the cvt to f16x2 from fp8 pairs); the Triton interpreter runs no inline PTX.
 # - On in launches that take MANY_PROGRAMS_TILE_FP8 (measured there, above);
 # - in the others (a few rows, the table's tiles) with FP8_V_WIDEN_FEW, off until measured: an A/B
 #   (bench_steps.py --decode-fp8-v-widen-few; sweep_decode.py --v-widen sets both).
@@ -456,6 +444,19 @@ def v_widen(q: torch.Tensor, kv_dtype: torch.dtype, many: bool) -> int:
     if not _fp8_cvt(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return 0
     return 2 if kv_dtype == torch.float8_e5m2 else 1
+
+
+# SELF_MERGE: a launch with several splits merges them in the decode kernel, not in a second kernel.
+# - Each program stores its partials, then counts itself done on its (row, KV head)'s counter: an acquire-release
+#   atomic at GPU scope, after a barrier so that every thread's stores are ordered before it.
+# - The program that counts last zeroes the counter and merges the group's partials (read past L1), a chunk of
+#   splits at a time (merge_chunk).
+# - That is one launch a layer less, at the cost of the merge on the last program's path.
+# - The counters are a zeroed buffer of MERGE_COUNTERS per device, allocated outside graph capture; a launch that
+#   needs more takes the merge kernel.
+# - The sums run in another order than the merge kernel's, so the bits differ from it by rounding.
+# False (as shipped, not yet measured): the merge kernel. bench_steps.py --decode-self-merge turns it on for an A/B.
+SELF_MERGE = False
 MERGE_ELEMS = 8192  # a chunk of partials held at once: query heads x splits x head dim (64 registers a thread, 4 warps)
 MERGE_COUNTERS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -551,8 +552,8 @@ def many_program_rows(num_kv_heads: int, device: torch.device) -> int:
 
 
 def many_program_split_rows(num_kv_heads: int, max_seq_len: int, device: torch.device, fp8: bool = False) -> int:
-    """The fewest rows (2 or more, below many_program_rows) whose step at `max_seq_len` keys takes MANY_PROGRAMS_TILE
-    with several splits (rows x KV heads x splits reach the waves: on an H200 with 8 KV heads, 2 rows of 2112+ keys
+    """The fewest rows (2 or more, below many_program_rows) whose step at `max_seq_len` keys takes the many-program
+    tile (of an fp8 pool: `fp8`) with several splits (rows x KV heads x splits reach the waves: on an H200 with 8 KV heads, 2 rows of 2112+ keys
     take 33 splits, 6 rows of 704+ take 11); 0 where none does. The warm-up runs a mixed step of that many rows: a
     prompt arriving beside 5 decoding requests compiled it while serving (lease_s18)."""
     if many_tile(fp8) is None:
