@@ -553,9 +553,9 @@ def many_program_rows(num_kv_heads: int, device: torch.device) -> int:
 
 def many_program_split_rows(num_kv_heads: int, max_seq_len: int, device: torch.device, fp8: bool = False) -> int:
     """The fewest rows (2 or more, below many_program_rows) whose step at `max_seq_len` keys takes the many-program
-    tile (of an fp8 pool: `fp8`) with several splits (rows x KV heads x splits reach the waves: on an H200 with 8 KV heads, 2 rows of 2112+ keys
-    take 33 splits, 6 rows of 704+ take 11); 0 where none does. The warm-up runs a mixed step of that many rows: a
-    prompt arriving beside 5 decoding requests compiled it while serving (lease_s18)."""
+    tile (of an fp8 pool: `fp8`) with several splits (rows x KV heads x splits reach the waves: on an H200 with 8 KV
+    heads, 2 rows of 2112+ keys take 33 splits, 6 rows of 704+ take 11); 0 where none does. The warm-up runs a mixed
+    step of that many rows: a prompt arriving beside 5 decoding requests compiled it while serving (lease_s18)."""
     if many_tile(fp8) is None:
         return 0
     waves = MANY_PROGRAM_WAVES * num_sms(device)
