@@ -29,39 +29,15 @@ def test_logits_and_greedy_tokens_match_transformers(arch, device, moe_model_dir
         assert type(layer.mlp).__name__.endswith("SparseBlock") == (i in sparse)
 
 
-def test_triton_experts_in_the_interpreter_match_transformers(moe_model_dirs, monkeypatch):
-    """The CUDA path's kernels (align, grouped GEMMs, reduce), run by Triton's interpreter inside the engine."""
+def _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch) -> list:
+    """Run the engine against transformers with every FusedMoE on the Triton path (the interpreter on CPU); returns
+    what each fused_moe call gave (its token count, its output)."""
     calls = []
-    real = fused_moe_ops.fused_moe
-
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fused_moe_ops, "fused_moe", counting)
-
-    def use_triton(core):
-        for m in core.model.modules():
-            if isinstance(m, FusedMoE):
-                m.backend = "triton"
-
-    check_against_transformers(moe_model_dirs["qwen3_moe"], "cpu", max_tokens=3, setup=use_triton, num_gpu_blocks=16)
-    assert calls and max(calls) > 1 and min(calls) >= 1, "the Triton experts must have run, batched"
-
-
-def test_experts_summed_by_the_next_norm_match_transformers(moe_model_dirs, monkeypatch):
-    """moe.SUM_IN_NORM (an A/B): the sparse block hands the next add+RMSNorm (or the final norm) its experts' rows,
-    which that norm sums; the engine's logits and greedy tokens stay transformers'."""
-    from pdserve.model import moe
-    from pdserve.ops.split_k import PartialSums
-
-    monkeypatch.setattr(moe, "SUM_IN_NORM", True)
-    outs = []
     real = fused_moe_ops.fused_moe
 
     def watching(*args, **kwargs):
         out = real(*args, **kwargs)
-        outs.append(isinstance(out, PartialSums))
+        calls.append((args[0].shape[0], out))
         return out
 
     monkeypatch.setattr(fused_moe_ops, "fused_moe", watching)
@@ -72,7 +48,24 @@ def test_experts_summed_by_the_next_norm_match_transformers(moe_model_dirs, monk
                 m.backend = "triton"
 
     check_against_transformers(moe_model_dirs["qwen3_moe"], "cpu", max_tokens=3, setup=use_triton, num_gpu_blocks=16)
-    assert outs and all(outs), "every sparse block's rows went to the norm after it"
+    return calls
+
+
+def test_triton_experts_in_the_interpreter_match_transformers(moe_model_dirs, monkeypatch):
+    """The CUDA path's kernels (align, grouped GEMMs, reduce), run by Triton's interpreter inside the engine."""
+    tokens = [t for t, _ in _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch)]
+    assert tokens and max(tokens) > 1 and min(tokens) >= 1, "the Triton experts must have run, batched"
+
+
+def test_experts_summed_by_the_next_norm_match_transformers(moe_model_dirs, monkeypatch):
+    """moe.SUM_IN_NORM (an A/B): the sparse block hands the next add+RMSNorm (or the final norm) its experts' rows,
+    which that norm sums; the engine's logits and greedy tokens stay transformers'."""
+    from pdserve.model import moe
+    from pdserve.ops.split_k import PartialSums
+
+    monkeypatch.setattr(moe, "SUM_IN_NORM", True)
+    outs = [out for _, out in _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch)]
+    assert outs and all(isinstance(o, PartialSums) for o in outs), "every sparse block's rows went to the norm"
 
 
 # ------------------------------------------------------------------ Qwen3-30B-A3B shapes on CUDA
