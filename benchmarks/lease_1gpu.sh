@@ -202,17 +202,12 @@
 #              against transformers on CUDA; bench_route.py (each against the torch / three-kernel way, in CUDA
 #              graphs); dummy Qwen3-30B-A3B's steps with both and with neither, arms off, on, off, on; then one
 #              `pdserve serve` of it with pdserve's client at 1024/1024 c256 and the kernels it compiled while serving
-#   s36a       (written in session 35, not yet run) the MoE GPU tests session 35's limit cut off: CUDA row grouping at
-#              128 experts, the routing kernel, the graph replay, the shipped tables, the MoE model against transformers
-#              (then, after the staging calls: `SBS_WORKLOADS="1024:1024:512:256 8192:16:16:1" lease_1gpu.sh moe` for
-#              the MoE side by side with the routing kernel)
 #   s36b       the decode kernel on an fp8 pool at dummy Qwen3-30B-A3B's heads (32 over 4, d=128) where rows x KV
 #              heads fill the many-program waves: its GPU tests (the new fp8 many-program tiles among them), then
 #              sweep_decode.py --prefetch at 160-256 rows of 1-2k keys; the best tile with the block table read ahead
-#              (geometric mean over the shapes) goes to /tmp/fp8_many_tile.txt for s36c; then s36a's MoE GPU tests
-#              with what is left of the call
-#   s36c       dummy Qwen3-30B-A3B's batch-256 steps and loop (fp8 KV) with MANY_PROGRAMS_TILE_FP8 as shipped (off)
-#              and set to /tmp/fp8_many_tile.txt's tile (on; FP8_TILE overrides), arms off, on, off, on
+#              (geometric mean over the shapes) goes to /tmp/fp8_many_tile.txt; then the MoE GPU tests session 35's
+#              limit cut off (CUDA row grouping at 128 experts, the routing kernel, graph replay, shipped tables, the
+#              MoE model against transformers) with what is left of the call
 #   s36d       V of an fp8 pool widened by inline PTX in the decode kernel (decode.FP8_V_WIDEN): its GPU tests; the fp8
 #              tile sweep at the MoE's heads with and without it (and the read ahead); the best many-program variant
 #              (tile, widen; read ahead) to /tmp/fp8_many.txt; then dummy Qwen3-30B-A3B's batch-256 step and loop as
@@ -285,6 +280,22 @@ ab_loops() {  # PREFIX PATTERN FLAGS CASES ARMS...: dummy Qwen3-8B steps and ste
     timeout $(( left < 110 ? left : 110 )) $STEPS_8B --max-model-len 16384 --iters 20 $a $cases --loop-steps 100 \
       --loop-temperature 1.0 --out "$W/${prefix}_$v.json" > "$W/${prefix}_$v.txt" 2>&1
     echo "== $v"; grep -E "^(decode|loop)[^ ]*:|Error" "$W/${prefix}_$v.txt" | grep -v "async off" | cut -c1-220
+    save
+  done
+}
+moe_arms() {  # CASES NAME=FLAGS...: dummy Qwen3-30B-A3B's steps and steady loops (fp8 KV, temperature 1; CASES:
+  # bench_steps.py's --decode/--loop arguments) per arm, in order, until 575 s into the call, each at most 110 s; an
+  # arm NAME=FLAGS runs with FLAGS (commas for spaces); results in $W/steps_<i>_<NAME>.json; `save` after each
+  local cases=$1 i=0 spec name flags left; shift
+  for spec in "$@"; do
+    i=$((i + 1)); name=${spec%%=*}; flags=${spec#*=}; flags=${flags//,/ }
+    left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $name"; break; }
+    timeout $(( left < 110 ? left : 110 )) python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b \
+      --kv-cache-dtype fp8 --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 \
+      --iters 10 --loop-steps 60 --loop-temperature 1.0 --prefill= --mixed= $cases $flags \
+      --out "$W/steps_${i}_$name.json" > "$W/steps_${i}_$name.txt" 2>&1
+    grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$name.txt" | grep -v "async off" | cut -c1-150 \
+      | sed "s/^/$name($i) /"
     save
   done
 }
@@ -1376,21 +1387,6 @@ PY
       -k "(align and 128) or route or graph or tables or transformers" > "$W/moe_tests.txt" 2>&1
     grep -v "^\.*$" "$W/moe_tests.txt" | cut -c1-400 | tail -8
     save ;;
-  s36c)  # dummy Qwen3-30B-A3B's batch-256 steps with the fp8 pool's many-program tile off and on
-    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
-    T=${FP8_TILE:-$(cat /tmp/fp8_many_tile.txt 2>/dev/null)}
-    echo "fp8 many-program tile: ${T:?no tile: run s36b first or set FP8_TILE}" | tee "$W/tile.txt"
-    B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
-      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
-      --loop-temperature 1.0 --decode 256x1024,256x2048 --prefill= --mixed= --loop 256x1024"
-    i=0
-    for arm in off on off on; do
-      i=$((i + 1)); F="--many-programs-tile-fp8 none"; [ $arm = on ] && F="--many-programs-tile-fp8 $T"
-      timeout 125 $B $F --out "$W/steps_${i}_$arm.json" > "$W/steps_${i}_$arm.txt" 2>&1
-      grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
-        | sed "s/^/$arm($i) /"
-      save
-    done ;;
   s36d)  # an fp8 pool's V widened by inline PTX: GPU tests, the sweep with and without, the MoE steps off and on
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_attention_decode.py \
@@ -1452,46 +1448,17 @@ PY
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s37b)  # the MoE's batch-1 loops with V by PTX in few-row launches and the rotary in the decode kernel, and without
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
-    B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
-      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
-      --loop-temperature 1.0 --decode 1x1024,1x8192,32x4096 --prefill= --mixed= --loop 1x1024,1x8192"
-    i=0
-    for arm in off wf wfr off wf wfr; do
-      i=$((i + 1)); F="--no-decode-fp8-v-widen-few --no-decode-rope-fp8"
-      [ $arm = wf ] && F="--decode-fp8-v-widen-few --no-decode-rope-fp8"
-      [ $arm = wfr ] && F="--decode-fp8-v-widen-few --decode-rope-fp8"
-      left=$(( 575 - ($(date +%s) - t0) ))
-      [ $left -gt 60 ] && timeout $(( left < 95 ? left : 95 )) $B $F --out "$W/steps_${i}_$arm.json" \
-        > "$W/steps_${i}_$arm.txt" 2>&1
-      grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
-        | sed "s/^/$arm($i) /"
-      save
-    done ;;
+    off="off=--no-decode-fp8-v-widen-few,--no-decode-rope-fp8"
+    wf="wf=--decode-fp8-v-widen-few,--no-decode-rope-fp8"
+    wfr="wfr=--decode-fp8-v-widen-few,--decode-rope-fp8"
+    moe_arms "--decode 1x1024,1x8192,32x4096 --loop 1x1024,1x8192" $off $wf $wfr $off $wf $wfr ;;
   s37c)  # the MoE's experts summed by the next norm: GPU tests, then the steps and loops with it and without
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/model/test_fused_moe_kernel.py \
       -k "summed_by" > "$W/gpu_tests.txt" 2>&1
     grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
-    B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
-      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --loop-steps 60 \
-      --loop-temperature 1.0 --decode 1x1024,256x1024 --prefill= --mixed= --loop 1x1024,256x1024"
-    i=0
-    for arm in off on off on; do
-      i=$((i + 1)); F="--no-moe-sum-in-norm"; [ $arm = on ] && F="--moe-sum-in-norm"
-      left=$(( 575 - ($(date +%s) - t0) ))
-      [ $left -gt 60 ] && timeout $(( left < 110 ? left : 110 )) $B $F --out "$W/steps_${i}_$arm.json" \
-        > "$W/steps_${i}_$arm.txt" 2>&1
-      grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps_${i}_$arm.txt" | grep -v "async off" | cut -c1-150 \
-        | sed "s/^/$arm($i) /"
-      save
-    done ;;
-  s36a)  # (written in session 35, not yet run) the MoE GPU tests session 35 left unrun: the CUDA row grouping at 128
-    # experts (both paths, the one-program path bit for bit), the routing kernel, the graph replay, the shipped tile
-    # tables, the MoE model against transformers on CUDA
-    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/model/test_fused_moe_kernel.py \
-      tests/model/test_qwen3_moe_vs_transformers.py -k "(align and 128) or route or graph or tables or transformers" \
-      > "$W/gpu_tests.txt" 2>&1; grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -8
-    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+    moe_arms "--decode 1x1024,256x1024 --loop 1x1024,256x1024" off=--no-moe-sum-in-norm on=--moe-sum-in-norm \
+      off=--no-moe-sum-in-norm on=--moe-sum-in-norm ;;
   s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     WORKLOADS="1024:1024:512:256" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 OUT=$W/sbs \
