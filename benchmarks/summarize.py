@@ -736,9 +736,22 @@ def session36() -> None:
         print(f"\n- {stage}'s choice over the shapes (the stage's own script, geometric mean, read ahead): "
               f"`{choice.strip()}`\n")
     print("- why V by PTX: Triton 3.6 widens an fp8 V tile written `.to(fp16)` after reading it out of shared memory "
-          "as the PV product's operand, a byte at a time (ld.shared.b8 in the kernel's PTX for sm_90, which "
-          "benchmarks/attention/kernel_resources.py compiles on any machine); widened by inline PTX it goes through "
-          "shared memory as fp16 and comes out by ldmatrix, and the kernel holds fewer registers")
+          "as the PV product's operand, a byte at a time; widened by inline PTX it goes through shared memory as fp16 "
+          "and comes out by ldmatrix. The decode kernel's variants for sm_90 at the MoE's GQA 8 on an e4m3 pool "
+          "(`kernel_resources.py --only \"bf16/fp8e4nv d=128 g=8\" --fp8-v-widen off|on`, run on the development "
+          "VM: ptxas, no GPU; ptxas/):\n")
+    print("| variant | `.to`: registers, spilled bytes, one-byte shared loads in the PTX | V by PTX: the same |\n"
+          "|---|---|---|")
+    kr = {w: load(f"{base}/ptxas/fp8_g8_widen_{w}.json") for w in ("off", "on")}
+    for a, b in zip(kr["off"], kr["on"]):
+        if a["kernel"] != "decode":
+            continue
+        name = ("many-program tile" if a.get("many") else "few-row tile" if a.get("few") else "many-row tile") \
+            + (", one split" if a["single"] else ", splits") + (", mixed" if a["mixed"] else "") \
+            + (", the rotary in it (ROPE_IN_DECODE_FP8)" if a.get("rope") else "")
+        print(f"| {name} | " + " | ".join(f"{r['registers']}, {r['spill_bytes']}, {r['b8_shared_loads']}"
+                                           for r in (a, b)) + " |")
+    print()
     print(f"- GPU tests: s36b, the decode kernel's (fp8 many-program tiles, the CUDA cases against the reference): "
           f"`{_gpu_tests(f'{base}/s36b/decode_tests.txt')}`; the MoE tests session 35's limit had cut off (row "
           f"grouping at 128 experts, the routing kernel, graph replay, shipped tables, the MoE model against "

@@ -41,6 +41,7 @@ from pdserve.ops.attention.kv_write import _write_kv_kernel
 from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, _prefill_kernel, default_g_pack
 
 TARGET = GPUTarget("cuda", 90, 32)
+WIDEN_OVERRIDE: bool | None = None  # --fp8-v-widen: None as paged_decode decides
 SMEM_LIMIT = 227 * 1024
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 FP8 = ("fp8e4nv", "fp8e5")
@@ -73,7 +74,9 @@ def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
             "num_warps": num_warps, "num_stages": num_stages,
             # 16-byte global loads issued before the PDL wait (the decode kernel's early tile: EARLY_TILE)
             "v4_loads_before_wait": ptx[:wait].count("ld.global.v4") if wait >= 0 else 0,
-            "acq_rel_atomics": ptx.count("atom.global.gpu.acq_rel"), "cg_loads": ptx.count("ld.global.cg")}
+            "acq_rel_atomics": ptx.count("atom.global.gpu.acq_rel"), "cg_loads": ptx.count("ld.global.cg"),
+            # shared-memory loads of one byte (an fp8 V tile read out as the PV product's operand: decode.FP8_V_WIDEN)
+            "b8_shared_loads": ptx.count("ld.shared.b8")}
 
 
 def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, window: bool = False,
@@ -109,6 +112,8 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
         block_n, warps, stages = MANY_PROGRAMS_TILE_FP8 if kv in FP8 else MANY_PROGRAMS_TILE
     # decode.v_widen on sm_90; the rotary on an fp8 pool only with V widened (decode.rope_pool: without, it spilled)
     widen = kv in FP8 and dt != "fp32" and (FP8_V_WIDEN if many else (FP8_V_WIDEN_FEW or rope))
+    if WIDEN_OVERRIDE is not None:  # --fp8-v-widen on/off: every fp8 case one way (what the widening changes)
+        widen = kv in FP8 and dt != "fp32" and WIDEN_OVERRIDE
     ce = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs,
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
@@ -205,7 +210,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also the benchmark's prefill sweep configs")
     ap.add_argument("--only", action="append", default=[], help="keep cases whose name has this substring (repeat)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fp8-v-widen", choices=["shipped", "on", "off"], default="shipped",
+                    help="fp8 pools' V widened by inline PTX in the decode kernel (decode.FP8_V_WIDEN): as paged_decode "
+                         "decides, or in every fp8 case, or in none (an off run fails where the rotary spills)")
     args = ap.parse_args(argv)
+    global WIDEN_OVERRIDE
+    WIDEN_OVERRIDE = {"shipped": None, "on": True, "off": False}[args.fp8_v_widen]
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
         return 2
