@@ -226,6 +226,9 @@
 #   s37c       (written in session 36, not yet run) a MoE layer's experts summed by the next add+RMSNorm (model.moe.SUM_IN_NORM):
 #              its GPU tests, then dummy Qwen3-30B-A3B's steps and loops at 1 and 256 rows with it (on) and without
 #              (off), arms off, on, off, on
+#   s37d       session 37's shipped fp8/MoE defaults (V by PTX in few-row launches, the rotary in the fp8 decode kernel
+#              below 8 rows, the experts summed by the norm): the burst and fp8-rotary GPU tests, then dummy
+#              Qwen3-30B-A3B's steps and loops with the three (new) and without (old), arms old, new, old, new
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1459,6 +1462,14 @@ PY
     grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
     moe_arms "--decode 1x1024,256x1024 --loop 1x1024,256x1024" off=--no-moe-sum-in-norm on=--moe-sum-in-norm \
       off=--no-moe-sum-in-norm on=--moe-sum-in-norm ;;
+  s37d)  # the shipped fp8/MoE defaults of session 37: GPU tests, then steps and loops with them (new) and without (old)
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/engine/test_warmup.py \
+      tests/ops/test_attention_decode.py -k "burst or (rope and fp8) or widen" > "$W/gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+    save
+    old="old=--no-decode-fp8-v-widen-few,--no-decode-rope-fp8,--no-moe-sum-in-norm"
+    moe_arms "--decode 1x1024,32x4096,256x1024 --loop 1x1024,1x8192,256x1024" $old new= $old new= ;;
   s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     WORKLOADS="1024:1024:512:256" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 OUT=$W/sbs \

@@ -66,9 +66,10 @@ TRITON_ROUTING: dict[str, Callable[[], Routing]] = {"softmax": _route_topk}
 # SUM_IN_NORM: a MoE layer whose caller allows it (Qwen3-MoE's sparse block on one rank) leaves the sum over each
 # token's top-k experts to the next add+RMSNorm (pdserve.ops.norm adds up to NORM_MAX_PARTS parts) instead of a
 # reduce kernel of its own: at one row that kernel took 222 us of a dummy Qwen3-30B-A3B step's marginal time, at 256
-# rows 337 (48 launches, benchmarks/lease_s35/s35d). False (as shipped, not yet measured on a GPU): an A/B
-# (bench_steps.py --moe-sum-in-norm).
-SUM_IN_NORM = False
+# rows 337 (48 launches, benchmarks/lease_s35/s35d). Measured on an H200 (fp8 pool, async loops at temperature 1, one
+# process an arm, in the order off, on, off, on; benchmarks/lease_s37/s37c): 1 row at 1k 3.36/3.36 ms a step against
+# 3.58/3.58 without, 256 rows at 1k 21.67/21.67 against 21.88/21.89. bench_steps.py --no-moe-sum-in-norm: the A/B.
+SUM_IN_NORM = True
 
 
 def _backend(backend: str, x: torch.Tensor) -> str:

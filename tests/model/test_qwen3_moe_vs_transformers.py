@@ -12,6 +12,7 @@ import torch
 import pdserve.ops.fused_moe as fused_moe_ops
 from pdserve.model.moe import FusedMoE, is_sparse_layer
 from pdserve.model.qwen3_moe import Qwen3MoeSparseBlock
+from pdserve.ops.split_k import PartialSums
 from tests.model.conftest import MOE_ARCHS
 from tests.model.engine_check import check_against_transformers
 
@@ -52,16 +53,21 @@ def _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch) -> list:
 
 
 def test_triton_experts_in_the_interpreter_match_transformers(moe_model_dirs, monkeypatch):
-    """The CUDA path's kernels (align, grouped GEMMs, reduce), run by Triton's interpreter inside the engine."""
-    tokens = [t for t, _ in _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch)]
+    """The CUDA path's kernels (align, grouped GEMMs, reduce), run by Triton's interpreter inside the engine, with
+    the experts' rows summed by the reduce kernel (moe.SUM_IN_NORM off: the next test has it on, as shipped)."""
+    from pdserve.model import moe
+
+    monkeypatch.setattr(moe, "SUM_IN_NORM", False)
+    calls = _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch)
+    assert not any(isinstance(o, PartialSums) for _, o in calls)
+    tokens = [t for t, _ in calls]
     assert tokens and max(tokens) > 1 and min(tokens) >= 1, "the Triton experts must have run, batched"
 
 
 def test_experts_summed_by_the_next_norm_match_transformers(moe_model_dirs, monkeypatch):
-    """moe.SUM_IN_NORM (an A/B): the sparse block hands the next add+RMSNorm (or the final norm) its experts' rows,
+    """moe.SUM_IN_NORM (as shipped): the sparse block hands the next add+RMSNorm (or the final norm) its experts' rows,
     which that norm sums; the engine's logits and greedy tokens stay transformers'."""
     from pdserve.model import moe
-    from pdserve.ops.split_k import PartialSums
 
     monkeypatch.setattr(moe, "SUM_IN_NORM", True)
     outs = [out for _, out in _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch)]

@@ -480,8 +480,11 @@ def test_rope_in_decode_only_where_it_can(monkeypatch):
     assert D.rope_in_decode(p.q, p.kv_layer, rope)
     monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", False)
     assert not D.rope_in_decode(p.q, fp8_pool, rope)
-    monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", True)  # an A/B: on the interpreter, and on CUDA with V by PTX
-    assert D.rope_in_decode(p.q, fp8_pool, rope)
+    monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", True)  # as shipped: on the interpreter, and on CUDA with V by PTX
+    assert p.q.shape[0] >= 8 and D.DECODE_TILES[(True, True)][0] > D.ROPE_FP8_MAX_KEYS
+    assert D.rope_in_decode(p.q[:7], fp8_pool, rope)  # a few rows: the (64, 4, 3) tile
+    assert not D.rope_in_decode(p.q, fp8_pool, rope)  # 8 rows or more: the 128-key tile keeps the rotary kernel
+    assert D.rope_in_decode(p.q, p.kv_layer, rope)  # (a 16-bit pool: any launch below the many-program waves)
     monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", False)
     assert not D.rope_in_decode(p.q, p.kv_layer, QKRope(rope.positions, rope.cos, rope.sin))  # no QK-norm (Llama)
     wide = torch.zeros((1, 2, 256))
@@ -500,15 +503,16 @@ def test_rope_in_decode_only_where_it_can(monkeypatch):
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("lens", [[8192], [1, 17, 1000, 4097, 300], [777] * 64])
 def test_rope_in_the_decode_kernel_on_an_fp8_pool_cuda(kv_dtype, lens, monkeypatch):
-    """ROPE_IN_DECODE_FP8 with FP8_V_WIDEN_FEW (an A/B): Qwen3-30B-A3B's attention shape (32 query heads over 4 KV
-    heads, d=128) on an fp8 pool, the decode kernel's rotary and quantized K/V write against the rotary kernel then
-    the decode kernel: the same pool bytes nearly everywhere, the output within bf16's tolerance."""
+    """ROPE_IN_DECODE_FP8 with FP8_V_WIDEN_FEW (as shipped): Qwen3-30B-A3B's attention shape (32 query heads over 4
+    KV heads, d=128) on an fp8 pool, the decode kernel's rotary and quantized K/V write against the rotary kernel then
+    the decode kernel: the same pool bytes nearly everywhere, the output within bf16's tolerance. The engine takes it
+    below 8 rows (ROPE_FP8_MAX_KEYS); the kernel itself also at 64 rows, with the 128-key tile."""
     monkeypatch.setattr(D, "ROPE_IN_DECODE_FP8", True)
     monkeypatch.setattr(D, "FP8_V_WIDEN_FEW", True)
     p = make_problem(lens, [1] * len(lens), hq=32, hk=4, d=128, bs=16, dtype=torch.bfloat16, kv_dtype=kv_dtype,
                      seed=len(lens) + 17)
     rope = _rope_inputs(p, 128, True, 0.0, seed=13)
-    assert D.rope_in_decode(p.q, p.kv_layer, rope, len(lens) * 4)
+    assert D.rope_in_decode(p.q, p.kv_layer, rope, len(lens) * 4) == (len(lens) < 8)
     ref, ref_layer = _rope_then_decode(p, rope, 128 ** -0.5)
     out, layer = _decode_with_rope(p, rope, 128 ** -0.5)
     assert_close(out, ref, torch.bfloat16, "decode with the rotary in the kernel, fp8 pool")

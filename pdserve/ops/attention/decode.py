@@ -422,10 +422,12 @@ EARLY_V_MAXNREG = 128
 # tile (64, 4, 3) from 196 registers to 128 at the MoE's GQA 8). CUDA devices of compute capability 8.9 or later
 # (the cvt to f16x2 from fp8 pairs); the Triton interpreter runs no inline PTX.
 # - On in launches that take MANY_PROGRAMS_TILE_FP8 (measured there, above);
-# - in the others (a few rows, the table's tiles) with FP8_V_WIDEN_FEW, off until measured: an A/B
-#   (bench_steps.py --decode-fp8-v-widen-few; sweep_decode.py --v-widen sets both).
+# - in the others (a few rows, the table's tiles) with FP8_V_WIDEN_FEW. Dummy Qwen3-30B-A3B (fp8 pool) on an H200, one
+#   process an arm, in the order off, on, (on with ROPE_IN_DECODE_FP8), twice (benchmarks/lease_s37/s37b): batch-1
+#   async loops at 1k 3.49/3.50 ms a step against 3.58/3.58 off, at 8k 3.76/3.77 against 3.84/3.84; the 32-row step at
+#   4k 17.52/17.57 against 18.35/17.83. (bench_steps.py --decode-fp8-v-widen-few; sweep_decode.py --v-widen sets both.)
 FP8_V_WIDEN = True
-FP8_V_WIDEN_FEW = False
+FP8_V_WIDEN_FEW = True
 # ... and the registers a thread of an fp8 pool's launch may hold (ptxas' .maxnreg; 0: as the compiler likes): the
 # many-row fp8 tile (128, 4, 3) takes about 250, two programs an SM. An A/B.
 FP8_MAXNREG = 0
@@ -509,10 +511,13 @@ ROPE_MAXNREG = 128
 ROPE_MANY_PROGRAMS = False
 # ... and on fp8 pools (16-bit queries; with FP8_V_WIDEN_FEW, rope_pool says why): the kernel quantizes the new key
 # and value as the rotary kernel does (the stored 16-bit key / k_scale, saturated, nearest even) and attends to the key
-# as stored. False (as shipped, not yet measured on a GPU): an A/B (bench_steps.py --decode-rope-fp8
-# --decode-fp8-v-widen-few). A MoE batch-1 step's rotary kernel took 210 us of marginal time a step (48 layers,
-# benchmarks/lease_s35/s35d).
-ROPE_IN_DECODE_FP8 = False
+# as stored. Only in launches whose tile has at most ROPE_FP8_MAX_KEYS keys (a few rows: DECODE_TILES' (64, 4, 3)).
+# Dummy Qwen3-30B-A3B on an H200, with FP8_V_WIDEN_FEW, against FP8_V_WIDEN_FEW alone (benchmarks/lease_s37/s37b, two
+# rounds): batch-1 async loops at 1k 3.42/3.42 ms a step against 3.49/3.50, at 8k 3.70/3.70 against 3.76/3.77 (a MoE
+# batch-1 step's rotary kernel took 210 us of marginal time, benchmarks/lease_s35/s35d); but the 32-row step at 4k,
+# whose launches take the (128, 4, 3) tile, 18.30/18.26 ms against 17.52/17.57, hence the bound on the tile.
+ROPE_IN_DECODE_FP8 = True
+ROPE_FP8_MAX_KEYS = 64
 
 
 def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_programs: int = 0) -> bool:
@@ -520,8 +525,11 @@ def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_pr
     QK-norm and rotary (ROPE_IN_DECODE says where)."""
     d = q.shape[-1]
     fp8 = is_fp8(kv_layer.dtype)
+    many = many_programs(q.dtype, fp8, num_programs, q.device)
+    if fp8 and q.dtype != torch.float32 and (many or DECODE_TILES[(True, q.shape[0] >= 8)][0] > ROPE_FP8_MAX_KEYS):
+        return False
     return (ROPE_IN_DECODE and rope_pool(q, kv_layer.dtype) and rope.q_weight is not None and 2 <= d <= 128
-            and d & (d - 1) == 0 and (ROPE_MANY_PROGRAMS or not many_programs(q.dtype, fp8, num_programs, q.device)))
+            and d & (d - 1) == 0 and (ROPE_MANY_PROGRAMS or not many))
 
 
 def rope_pool(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
