@@ -703,6 +703,90 @@ def _sweep_variant(r: dict) -> str:
     return ", ".join(parts)
 
 
+def _arms_table(base: str, arms: list[str]) -> dict[str, list[float]]:
+    """Steps and async loops of `bench_steps.py` runs `steps_<i>_<arm>.json` under `base` (one process an arm, in the
+    order given), ms a step (of the floor) per case; returns each case's times in arm order."""
+    runs = [(a, load(f"{base}/steps_{i}_{a}.json")) for i, a in enumerate(arms, 1)]
+
+    def cases(d: dict) -> dict[str, tuple[float, float]]:
+        out = {r["case"]: (r["step_ms_median"], r["floor_ms"]) for r in d["results"]}
+        out.update({x["case"]: (x["step_ms"], x["floor_ms"]) for x in d["loops"] if x["async"]})
+        return out
+
+    got = [cases(d) for _, d in runs]
+    print("| step | " + " | ".join(f"{a} ({i}) ms (of floor)" for i, (a, _) in enumerate(runs, 1)) + " |\n|---|"
+          + "---|" * len(runs))
+    times = {}
+    for n in got[0]:
+        print(f"| {n} | " + " | ".join(f"{g[n][0]:.2f} ({g[n][1] / g[n][0]:.0%})" for g in got) + " |")
+        times[n] = [g[n][0] for g in got]
+    return times
+
+
+def _arm_deltas(times: dict[str, list[float]], arms: list[str], base_arm: str, cases: list[str]) -> str:
+    """Each arm's mean less `base_arm`'s mean, per case."""
+    out = []
+    for n in cases:
+        mean = {a: sum(t for t, b in zip(times[n], arms) if b == a) / arms.count(a) for a in dict.fromkeys(arms)}
+        out.append(f"{n} " + ", ".join(f"{a} {mean[a] - mean[base_arm]:+.2f} ms" for a in mean if a != base_arm))
+    return "; ".join(out)
+
+
+def session37() -> None:
+    """Session 37 (two H200 machines: the fp8/MoE A/Bs session 36 wrote, shipped; the MoE side by side at them)."""
+    base = "lease_s37"
+    print(f"- GPU tests (s37a, machine 1, `lease_1gpu.sh s37a`): the warm-up's burst test on dummy Qwen3-0.6B and on "
+          f"dummy Qwen3-30B-A3B with an fp8 pool (after session 36's warm-up step: nothing compiled by the burst), fp8 "
+          f"KV's GPU tests, the decode kernel's fp8 ones: `{_gpu_tests(f'{base}/s37a/gpu_tests.txt')}`")
+    print("\nDummy Qwen3-30B-A3B (fp8 KV, temperature 1, async loops) with V widened by PTX in the few-row launches "
+          "too (wf: `--decode-fp8-v-widen-few`) and with the rotary in the fp8 decode kernel besides (wfr: also "
+          "`--decode-rope-fp8`), against neither (off), one process an arm (s37b, machine 1, `lease_1gpu.sh s37b`):\n")
+    arms = ["off", "wf", "wfr", "off", "wf", "wfr"]
+    t = _arm_deltas(_arms_table(f"{base}/s37b", arms), arms, "off", ["loop:1x1024", "loop:1x8192", "decode:32x4096"])
+    print(f"\n- against off, the mean of each arm's two: {t}")
+    print("- the rotary's 32-row step is slower: there the launch takes the (128, 4, 3) tile; shipped: V by PTX in every "
+          "fp8 launch (decode.FP8_V_WIDEN_FEW), the rotary in the fp8 decode kernel only where the tile has at most 64 "
+          "keys, i.e. below 8 rows (decode.ROPE_IN_DECODE_FP8, ROPE_FP8_MAX_KEYS)")
+    print(f"\nA MoE layer's experts summed by the next add+RMSNorm (model.moe.SUM_IN_NORM; s37c, machine 1): GPU tests "
+          f"`{_gpu_tests(f'{base}/s37c/gpu_tests.txt')}`; the steps and loops without it (off) and with it (on):\n")
+    arms = ["off", "on", "off", "on"]
+    t = _arm_deltas(_arms_table(f"{base}/s37c", arms), arms, "off", ["loop:1x1024", "loop:256x1024"])
+    print(f"\n- on against off, the mean of each arm's two: {t}; shipped on")
+    print(f"\nThe three together as shipped (new) against none of them (old: `--no-decode-fp8-v-widen-few "
+          f"--no-decode-rope-fp8 --no-moe-sum-in-norm`) (s37d, machine 2, `lease_1gpu.sh s37d`; first its GPU tests: "
+          f"the burst tests, the fp8 rotary and V-by-PTX tests at the new defaults, "
+          f"`{_gpu_tests(f'{base}/s37d/gpu_tests.txt')}`):\n")
+    arms = ["old", "new", "old", "new"]
+    times = _arms_table(f"{base}/s37d", arms)
+    t = _arm_deltas(times, arms, "old", ["loop:1x1024", "loop:1x8192", "loop:256x1024"])
+    print(f"\n- new against old, the mean of each arm's two: {t}")
+    print("\nThe MoE side by side at the shipped code (moe/, machine 2 after s37d: eleven staging calls, "
+          "`lease_2xh200.sh unpack`, then `SBS_WORKLOADS=\"1024:1024:512:256\" lease_1gpu.sh moe`: vLLM (FLASH_ATTN) "
+          "then pdserve, `--kv-cache-dtype fp8` on both, vLLM's client):\n")
+    _sbs_table(f"{base}/moe")
+    print("\nThe servers' own means over the same runs:\n")
+    _server_side(f"{base}/moe")
+    before = {w["workload"]: w["ratio"] for w in load("lease_s36/moe/comparison.json")["workloads"]}
+    now = {w["workload"]: w["ratio"] for w in load(f"{base}/moe/comparison.json")["workloads"]}
+    print()
+    for k in sorted(now):
+        print(f"- {k}: output {now[k]['output_throughput']:.3f}x vLLM's (session 36: {before[k]['output_throughput']:.3f}x), "
+              f"mean TTFT {now[k]['mean_ttft']:.3f} ({before[k]['mean_ttft']:.3f}), mean TPOT by the client "
+              f"{now[k]['mean_tpot']:.3f} ({before[k]['mean_tpot']:.3f}), the servers' own inter-token latency "
+              f"{now[k]['server_itl']:.3f} ({before[k]['server_itl']:.3f})")
+    log = gzip.decompress((B / f"{base}/moe/pdserve.log.gz").read_bytes()).decode(errors="replace")
+    miss = [ln for ln in log.splitlines() if "compiled a kernel while serving" in ln]
+    print(f"- kernels pdserve compiled while serving: {len(miss)}")
+    dots = (B / f"{base}/s37e/moe_gpu_tests.txt").read_text().strip()
+    print(f"\n- MoE GPU tests at the new defaults (s37e, machine 2, the last of the device budget): the MoE models "
+          f"against transformers on CUDA, `{_gpu_tests(f'{base}/s37e/moe_cuda_tests.txt')}`; "
+          f"test_qwen3_moe_vs_transformers.py and test_fused_moe_kernel.py under `timeout 170`: cut before the summary "
+          f"after {dots.count('.')} passes and {dots.count('F')} failures, the failures the eight cases of "
+          f"test_sparse_block_at_qwen3_30b_shapes_matches_transformers (the {dots.index('F') + 1}th-{dots.rindex('F') + 1}th "
+          f"collected), which called `.float()` "
+          f"on the block's output, now PartialSums (the test sums them as the norm does since; not re-run on a GPU)")
+
+
 def session36() -> None:
     """Session 36 (three H200 machines one after the other: the fp8 pool's decode kernel at the MoE's heads, swept
     and in the engine; the MoE side by side at the shipped result)."""
@@ -3201,6 +3285,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session37()
+    print()
     session36()
     print()
     session35()

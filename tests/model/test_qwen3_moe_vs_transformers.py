@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import pdserve.ops.fused_moe as fused_moe_ops
+from pdserve.model import moe
 from pdserve.model.moe import FusedMoE, is_sparse_layer
 from pdserve.model.qwen3_moe import Qwen3MoeSparseBlock
-from pdserve.ops.split_k import PartialSums
+from pdserve.ops.split_k import PartialSums, materialize
 from tests.model.conftest import MOE_ARCHS
 from tests.model.engine_check import check_against_transformers
 
@@ -55,8 +56,6 @@ def _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch) -> list:
 def test_triton_experts_in_the_interpreter_match_transformers(moe_model_dirs, monkeypatch):
     """The CUDA path's kernels (align, grouped GEMMs, reduce), run by Triton's interpreter inside the engine, with
     the experts' rows summed by the reduce kernel (moe.SUM_IN_NORM off: the next test has it on, as shipped)."""
-    from pdserve.model import moe
-
     monkeypatch.setattr(moe, "SUM_IN_NORM", False)
     calls = _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch)
     assert not any(isinstance(o, PartialSums) for _, o in calls)
@@ -67,8 +66,6 @@ def test_triton_experts_in_the_interpreter_match_transformers(moe_model_dirs, mo
 def test_experts_summed_by_the_next_norm_match_transformers(moe_model_dirs, monkeypatch):
     """moe.SUM_IN_NORM (as shipped): the sparse block hands the next add+RMSNorm (or the final norm) its experts' rows,
     which that norm sums; the engine's logits and greedy tokens stay transformers'."""
-    from pdserve.model import moe
-
     monkeypatch.setattr(moe, "SUM_IN_NORM", True)
     outs = [out for _, out in _triton_experts_in_the_interpreter(moe_model_dirs, monkeypatch)]
     assert outs and all(isinstance(o, PartialSums) for o in outs), "every sparse block's rows went to the norm"
@@ -93,7 +90,8 @@ def _shipped_30b(tmp_path, layers: int) -> tuple[dict, object]:
 @pytest.mark.parametrize("T", [1, 8, 100, 2048])
 def test_sparse_block_at_qwen3_30b_shapes_matches_transformers(T, dtype, tmp_path):
     """One sparse block, 128 experts top-8 at hidden 2048 / expert width 768: pdserve's (routing + Triton experts)
-    against transformers' on the same weights and input (identical router GEMM, so identical routing)."""
+    against transformers' on the same weights and input (identical router GEMM, so identical routing); the rows it
+    hands the next norm (moe.SUM_IN_NORM) summed as that norm sums them."""
     import transformers
 
     from pdserve.model.loader import _config_from_dict
@@ -114,7 +112,9 @@ def test_sparse_block_at_qwen3_30b_shapes_matches_transformers(T, dtype, tmp_pat
         ours.experts.w2.copy_(ref.experts.down_proj)
         x = torch.randn(T, raw["hidden_size"], device="cuda", generator=g).to(dtype)
         expect = ref(x[None])[0].float()
-        got = ours(x).float()
+        out = ours(x)  # as shipped (moe.SUM_IN_NORM): the experts' rows, which the next add+RMSNorm would sum
+        got = materialize(out).float()
+    assert isinstance(out, PartialSums) == moe.SUM_IN_NORM
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=2e-2)
     torch.testing.assert_close(got, expect, **tol)
 
