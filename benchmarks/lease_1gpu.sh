@@ -229,6 +229,9 @@
 #   s37d       session 37's shipped fp8/MoE defaults (V by PTX in few-row launches, the rotary in the fp8 decode kernel
 #              below 8 rows, the experts summed by the norm): the burst and fp8-rotary GPU tests, then dummy
 #              Qwen3-30B-A3B's steps and loops with the three (new) and without (old), arms old, new, old, new
+#   s38a       (written in session 37, not yet run) the MoE GPU tests in full at session 37's defaults (s37e's were cut
+#              by the device budget; the 30B sparse-block test since sums the PartialSums the block returns), then
+#              dummy Qwen3-8B's batch-256 and batch-1 async loops at temperature 1 (the dense criterion's numbers)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1470,6 +1473,16 @@ PY
     save
     old="old=--no-decode-fp8-v-widen-few,--no-decode-rope-fp8,--no-moe-sum-in-norm"
     moe_arms "--decode 1x1024,32x4096,256x1024 --loop 1x1024,1x8192,256x1024" $old new= $old new= ;;
+  s38a)  # the MoE GPU tests in full, then dummy Qwen3-8B's loops
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/model/test_qwen3_moe_vs_transformers.py \
+      tests/model/test_fused_moe_kernel.py > "$W/moe_gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/moe_gpu_tests.txt" | cut -c1-400 | tail -6
+    save
+    timeout $(( 575 - ($(date +%s) - t0) )) $STEPS_8B --max-model-len 16384 --iters 10 --decode 256x1024 \
+      --loop 256x1024,1x8192 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(decode|loop)[^ ]*:|Error|ceilings" "$W/steps.txt" | grep -v "async off" | cut -c1-200
+    save ;;
   s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     WORKLOADS="1024:1024:512:256" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 OUT=$W/sbs \
