@@ -457,7 +457,9 @@ def v_widen(q: torch.Tensor, kv_dtype: torch.dtype, many: bool) -> int:
 # - The counters are a zeroed buffer of MERGE_COUNTERS per device, allocated outside graph capture; a launch that
 #   needs more takes the merge kernel.
 # - The sums run in another order than the merge kernel's, so the bits differ from it by rounding.
-# False (as shipped, not yet measured): the merge kernel. bench_steps.py --decode-self-merge turns it on for an A/B.
+# False (as shipped): the merge kernel. Dummy Qwen3-8B's batch-1 loops were slower with it, one process an arm, twice
+# (benchmarks/lease_s31/s31d): 8k 4.50/4.50 ms a step against 4.47/4.47, 32k 5.29/5.30 against 5.27/5.27.
+# bench_steps.py --decode-self-merge turns it on for an A/B.
 SELF_MERGE = False
 MERGE_ELEMS = 8192  # a chunk of partials held at once: query heads x splits x head dim (64 registers a thread, 4 warps)
 MERGE_COUNTERS = 1 << 16
@@ -507,7 +509,8 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
 # against 5.27/5.27, 64 rows at 2k 9.69/9.68 against 9.68/9.68. Without the register limit, 32k took 5.64/5.64.
 ROPE_IN_DECODE = True
 ROPE_MAXNREG = 128
-# ... and in launches of MANY_PROGRAM_WAVES waves too (an A/B: bench_steps.py --decode-rope-many; not yet measured).
+# ... and in launches of MANY_PROGRAM_WAVES waves too (an A/B: bench_steps.py --decode-rope-many). Off: dummy
+# Qwen3-8B's batch-256 loop took 17.17/17.16 ms a step with it against 16.81/16.80 without (benchmarks/lease_s32/s32a).
 ROPE_MANY_PROGRAMS = False
 # ... and on fp8 pools (16-bit queries; with FP8_V_WIDEN_FEW, rope_pool says why): the kernel quantizes the new key
 # and value as the rotary kernel does (the stored 16-bit key / k_scale, saturated, nearest even) and attends to the key
