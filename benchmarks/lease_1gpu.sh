@@ -232,6 +232,9 @@
 #   s38a       (written in session 37, not yet run) the MoE GPU tests in full at session 37's defaults (s37e's were cut
 #              by the device budget; the 30B sparse-block test since sums the PartialSums the block returns), then
 #              dummy Qwen3-8B's batch-256 and batch-1 async loops at temperature 1 (the dense criterion's numbers)
+#   s38b       (written in session 37, not yet run) a sparse block's router product through the skinny kernel
+#              (model.moe.ROUTER_SKINNY): its GPU tests, then dummy Qwen3-30B-A3B's batch-1 steps and loops with it (on)
+#              and without (off), arms off, on, off, on
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1483,6 +1486,13 @@ PY
       --loop 256x1024,1x8192 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|loop)[^ ]*:|Error|ceilings" "$W/steps.txt" | grep -v "async off" | cut -c1-200
     save ;;
+  s38b)  # the MoE router through the skinny kernel: GPU tests, then the batch-1 steps and loops with it and without
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/model/test_qwen3_moe_vs_transformers.py \
+      -k "router" > "$W/gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+    moe_arms "--decode 1x1024,4x1024 --loop 1x1024,1x8192" off=--no-moe-router-skinny on=--moe-router-skinny \
+      off=--no-moe-router-skinny on=--moe-router-skinny ;;
   s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     WORKLOADS="1024:1024:512:256" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 OUT=$W/sbs \

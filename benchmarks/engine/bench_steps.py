@@ -568,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-sum-in-norm", action=argparse.BooleanOptionalAction, default=None,
                     help="a MoE layer leaves the sum over each token's experts to the next add+RMSNorm (pdserve.model."
                          "moe.SUM_IN_NORM; default: as shipped): an A/B")
+    ap.add_argument("--moe-router-skinny", action=argparse.BooleanOptionalAction, default=None,
+                    help="a sparse block's router product through pdserve.ops.linear (the skinny kernel for a few "
+                         "rows; pdserve.model.moe.ROUTER_SKINNY; default: as shipped): an A/B")
     ap.add_argument("--moe-align-one-program", action=argparse.BooleanOptionalAction, default=True,
                     help="moe_align in one program up to moe_align.ONE_PROGRAM_PAIRS routed rows; "
                          "--no-moe-align-one-program: its three kernels always (an A/B)")
@@ -629,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe_sum_in_norm is not None:
         from pdserve.model import moe
         moe.SUM_IN_NORM = args.moe_sum_in_norm
+    if args.moe_router_skinny is not None:
+        from pdserve.model import moe
+        moe.ROUTER_SKINNY = args.moe_router_skinny
     if not args.kv_write_early:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.writes_kv_early = False

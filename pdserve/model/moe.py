@@ -71,6 +71,23 @@ TRITON_ROUTING: dict[str, Callable[[], Routing]] = {"softmax": _route_topk}
 # 3.58/3.58 without, 256 rows at 1k 21.67/21.67 against 21.88/21.89. bench_steps.py --no-moe-sum-in-norm: the A/B.
 SUM_IN_NORM = True
 
+# ROUTER_SKINNY: a sparse block's router product (`gate`, [E, H]) through pdserve.ops.linear.linear, which sends a
+# few rows of a 16-bit CUDA tensor to the skinny kernel (launched with PDL: its first weight tile loads while the norm
+# before it finishes) where the card's table or the one-row default says so, in place of nn.Linear's cuBLAS call. At
+# one row that call (nvjet, [128, 2048]) took 251 us of a dummy Qwen3-30B-A3B step's marginal time over 48 layers
+# (benchmarks/lease_s35/s35d). False (as shipped, not yet measured on a GPU): an A/B (bench_steps.py
+# --moe-router-skinny).
+ROUTER_SKINNY = False
+
+
+def router_logits(gate: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A sparse block's router logits `gate(x)` [T, E] (ROUTER_SKINNY says by which kernel)."""
+    if ROUTER_SKINNY and gate.bias is None:
+        from pdserve.ops.linear import linear
+
+        return linear(x, gate.weight)
+    return gate(x)
+
 
 def _backend(backend: str, x: torch.Tensor) -> str:
     return ("triton" if x.is_cuda else "torch") if backend == "auto" else backend

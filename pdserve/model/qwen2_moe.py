@@ -11,7 +11,7 @@ from torch import nn
 
 from pdserve.model.layers import GatedMLP
 from pdserve.model.llama import LlamaForCausalLM, LlamaModel
-from pdserve.model.moe import FusedMoE, is_sparse_layer, moe_checkpoint_target
+from pdserve.model.moe import FusedMoE, is_sparse_layer, moe_checkpoint_target, router_logits
 from pdserve.model.shapes import num_experts
 
 
@@ -30,7 +30,7 @@ class Qwen2MoeSparseBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, self.gate(x)) + shared
+        return self.experts(x, router_logits(self.gate, x)) + shared
 
 
 class Qwen2MoeModel(LlamaModel):

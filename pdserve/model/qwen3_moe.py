@@ -16,7 +16,7 @@ from torch import nn
 
 from pdserve.model.layers import GatedMLP
 from pdserve.model.llama import LlamaForCausalLM
-from pdserve.model.moe import FusedMoE, is_sparse_layer, moe_checkpoint_target
+from pdserve.model.moe import FusedMoE, is_sparse_layer, moe_checkpoint_target, router_logits
 from pdserve.model.qwen3 import Qwen3Model
 from pdserve.model.shapes import num_experts
 from pdserve.ops.split_k import PartialSums
@@ -40,7 +40,7 @@ class Qwen3MoeSparseBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSums:
         """The block's output, which the decoder layer hands to the next add+RMSNorm: on one rank it may stay the
         experts' rows for that norm to sum (FusedMoE.forward's `parts`)."""
-        return self.experts(x, self.gate(x), parts=self.tp_size == 1)
+        return self.experts(x, router_logits(self.gate, x), parts=self.tp_size == 1)
 
 
 class Qwen3MoeModel(Qwen3Model):

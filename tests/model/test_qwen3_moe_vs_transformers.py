@@ -165,3 +165,45 @@ def test_two_layers_of_qwen3_30b_a3b_in_the_engine_match_transformers(tmp_path):
     assert close >= 0.9 * total, f"only {close} of {total} sampled positions match transformers"
     assert greedy_ok >= 0.9 * sum(len(o) for o in outs.values())
     core.check_whole()
+
+
+def test_router_through_linear_where_switched_on(monkeypatch):
+    """moe.ROUTER_SKINNY (an A/B): the sparse blocks' router product goes through pdserve.ops.linear.linear (the
+    skinny kernel for a few rows on CUDA, F.linear here), with the same logits as nn.Linear's; off: nn.Linear."""
+    import pdserve.ops.linear as lin
+
+    seen = []
+    real = lin.linear
+    monkeypatch.setattr(lin, "linear", lambda x, w, b=None: seen.append(tuple(w.shape)) or real(x, w, b))
+    gate = torch.nn.Linear(64, 16, bias=False)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(moe, "ROUTER_SKINNY", False)
+    assert torch.equal(moe.router_logits(gate, x), gate(x)) and not seen
+    monkeypatch.setattr(moe, "ROUTER_SKINNY", True)
+    assert torch.equal(moe.router_logits(gate, x), gate(x)) and seen == [(16, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 2, 8, 16])
+def test_router_through_the_skinny_kernel_cuda(T, monkeypatch):
+    """moe.ROUTER_SKINNY at Qwen3-30B-A3B's router ([128 experts, 2048], bf16): the logits within bf16's rounding of
+    cuBLAS's; one row runs the skinny kernel (the one-row default or the card's table)."""
+    import pdserve.ops.linear as lin
+
+    calls = []
+    real = lin.skinny_linear
+    monkeypatch.setattr(lin, "skinny_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(moe, "ROUTER_SKINNY", True)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    with torch.device("cuda"):
+        gate = torch.nn.Linear(2048, 128, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, device="cuda", generator=g) * 0.05)
+        x = torch.randn(T, 2048, device="cuda", generator=g).to(torch.bfloat16)
+        got = moe.router_logits(gate, x)
+        want = torch.nn.functional.linear(x, gate.weight)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+    assert (got == want).float().mean() > 0.9, "nearly every logit the same bf16 value"
+    if T == 1:
+        assert calls == [1], "one row through the skinny kernel"
