@@ -235,6 +235,9 @@
 #   s38b       (written in session 37, not yet run) a sparse block's router product through the skinny kernel
 #              (model.moe.ROUTER_SKINNY): its GPU tests, then dummy Qwen3-30B-A3B's batch-1 steps and loops with it (on)
 #              and without (off), arms off, on, off, on
+#   s38c       (written in session 37, not yet run) dummy Qwen3-30B-A3B's batch-1 decode splits: the shipped rule
+#              (at least 64 keys a split: 16 splits at 1k, 64 at 8k over its 4 KV heads) against at least 256 and 512
+#              keys a split (bench_steps.py --min-split-keys), arms base, k256, k512, base, k256, k512
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1493,6 +1496,10 @@ PY
     grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
     moe_arms "--decode 1x1024,4x1024 --loop 1x1024,1x8192" off=--no-moe-router-skinny on=--moe-router-skinny \
       off=--no-moe-router-skinny on=--moe-router-skinny ;;
+  s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \
+      base= k256=--min-split-keys,256 k512=--min-split-keys,512 ;;
   s34b)  # vLLM then pdserve at 1024/1024 c256 on the one GPU, then the run's steps against their bounds
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     WORKLOADS="1024:1024:512:256" CLIENTS=vllm SINGLE_GPU=1 SERVERS="vllm pdserve" CLIENT_ROUNDS=1 OUT=$W/sbs \
