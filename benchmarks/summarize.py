@@ -732,6 +732,24 @@ def _arm_deltas(times: dict[str, list[float]], arms: list[str], base_arm: str, c
     return "; ".join(out)
 
 
+def _moe_sbs(folder: str, before_folder: str, before_label: str) -> list[str]:
+    """A MoE side by side's tables (`_sbs_table`, `_server_side`) and each workload's ratios against an earlier
+    session's (`before_label` names it); returns pdserve's log lines."""
+    _sbs_table(folder)
+    print("\nThe servers' own means over the same runs:\n")
+    _server_side(folder)
+    before = {w["workload"]: w["ratio"] for w in load(f"{before_folder}/comparison.json")["workloads"]}
+    now = {w["workload"]: w["ratio"] for w in load(f"{folder}/comparison.json")["workloads"]}
+    print()
+    for k in sorted(now):
+        print(f"- {k}: output {now[k]['output_throughput']:.3f}x vLLM's ({before_label}"
+              f"{before[k]['output_throughput']:.3f}x), mean TTFT {now[k]['mean_ttft']:.3f} "
+              f"({before[k]['mean_ttft']:.3f}), mean TPOT by the client {now[k]['mean_tpot']:.3f} "
+              f"({before[k]['mean_tpot']:.3f}), the servers' own inter-token latency {now[k]['server_itl']:.3f} "
+              f"({before[k]['server_itl']:.3f})")
+    return gzip.decompress((B / f"{folder}/pdserve.log.gz").read_bytes()).decode(errors="replace").splitlines()
+
+
 def session37() -> None:
     """Session 37 (two H200 machines: the fp8/MoE A/Bs session 36 wrote, shipped; the MoE side by side at them)."""
     base = "lease_s37"
@@ -763,19 +781,8 @@ def session37() -> None:
     print("\nThe MoE side by side at the shipped code (moe/, machine 2 after s37d: eleven staging calls, "
           "`lease_2xh200.sh unpack`, then `SBS_WORKLOADS=\"1024:1024:512:256\" lease_1gpu.sh moe`: vLLM (FLASH_ATTN) "
           "then pdserve, `--kv-cache-dtype fp8` on both, vLLM's client):\n")
-    _sbs_table(f"{base}/moe")
-    print("\nThe servers' own means over the same runs:\n")
-    _server_side(f"{base}/moe")
-    before = {w["workload"]: w["ratio"] for w in load("lease_s36/moe/comparison.json")["workloads"]}
-    now = {w["workload"]: w["ratio"] for w in load(f"{base}/moe/comparison.json")["workloads"]}
-    print()
-    for k in sorted(now):
-        print(f"- {k}: output {now[k]['output_throughput']:.3f}x vLLM's (session 36: {before[k]['output_throughput']:.3f}x), "
-              f"mean TTFT {now[k]['mean_ttft']:.3f} ({before[k]['mean_ttft']:.3f}), mean TPOT by the client "
-              f"{now[k]['mean_tpot']:.3f} ({before[k]['mean_tpot']:.3f}), the servers' own inter-token latency "
-              f"{now[k]['server_itl']:.3f} ({before[k]['server_itl']:.3f})")
-    log = gzip.decompress((B / f"{base}/moe/pdserve.log.gz").read_bytes()).decode(errors="replace")
-    miss = [ln for ln in log.splitlines() if "compiled a kernel while serving" in ln]
+    lines = _moe_sbs(f"{base}/moe", "lease_s36/moe", "session 36: ")
+    miss = [ln for ln in lines if "compiled a kernel while serving" in ln]
     print(f"- kernels pdserve compiled while serving: {len(miss)}")
     dots = (B / f"{base}/s37e/moe_gpu_tests.txt").read_text().strip()
     print(f"\n- MoE GPU tests at the new defaults (s37e, machine 2, the last of the device budget): the MoE models "
@@ -865,19 +872,7 @@ def session36() -> None:
 
     print("\nThe MoE side by side at the shipped code (moe/, machine 3, eleven staging calls then `lease_1gpu.sh s36e`: "
           "vLLM (FLASH_ATTN) then pdserve, `--kv-cache-dtype fp8` on both, vLLM's client):\n")
-    _sbs_table(f"{base}/moe")
-    print("\nThe servers' own means over the same runs:\n")
-    _server_side(f"{base}/moe")
-    before = {w["workload"]: w["ratio"] for w in load("lease_s35/moe/comparison.json")["workloads"]}
-    now = {w["workload"]: w["ratio"] for w in load(f"{base}/moe/comparison.json")["workloads"]}
-    print()
-    for k in sorted(now):
-        print(f"- {k}: output {now[k]['output_throughput']:.3f}x vLLM's (session 35, before the routing kernel and this: "
-              f"{before[k]['output_throughput']:.3f}x), mean TTFT {now[k]['mean_ttft']:.3f} ({before[k]['mean_ttft']:.3f}), "
-              f"mean TPOT by the client {now[k]['mean_tpot']:.3f} ({before[k]['mean_tpot']:.3f}), the servers' own "
-              f"inter-token latency {now[k]['server_itl']:.3f} ({before[k]['server_itl']:.3f})")
-    log = gzip.decompress((B / f"{base}/moe/pdserve.log.gz").read_bytes()).decode(errors="replace")
-    lines = log.splitlines()
+    lines = _moe_sbs(f"{base}/moe", "lease_s35/moe", "session 35, before the routing kernel and this: ")
     miss = [ln.split("did not cover it): ", 1)[-1] for ln in lines if "compiled a kernel while serving" in ln]
     at = next(i for i, ln in enumerate(lines) if "compiled a kernel while serving" in ln)
     after = next(ln for ln in lines[at:] if "running " in ln and "engine:" in ln)

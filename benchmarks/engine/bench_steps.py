@@ -472,6 +472,14 @@ DECODE_SWITCHES = [
     ("decode-rope-maxnreg", "ROPE_MAXNREG", int,
      "the registers a thread of the one-row decode tile may hold with the rotary in it (0: no limit)"),
 ]
+# ... and pdserve.model.moe's
+MOE_SWITCHES = [
+    ("moe-sum-in-norm", "SUM_IN_NORM", bool, "a MoE layer leaves the sum over each token's experts to the next "
+     "add+RMSNorm"),
+    ("moe-router-skinny", "ROUTER_SKINNY", bool, "a sparse block's router product through pdserve.ops.linear (the "
+     "skinny kernel for a few rows)"),
+]
+SWITCHES = {"decode": DECODE_SWITCHES, "moe": MOE_SWITCHES}  # by the module's short name in the help
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -553,9 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-prefetch", action=argparse.BooleanOptionalAction, default=True,
                     help="the many-program decode tile reads the block table a tile ahead (decode.MANY_PROGRAMS_"
                          "PREFETCH, tile (64, 4, 2)); --no-decode-prefetch: session 22's (64, 4, 3) without (an A/B)")
-    for flag, name, kind, what in DECODE_SWITCHES:
-        ap.add_argument(f"--{flag}", default=None, help=f"{what} (decode.{name}; default: as shipped): an A/B",
-                        **({"type": int} if kind is int else {"action": argparse.BooleanOptionalAction}))
+    for mod, switches in SWITCHES.items():
+        for flag, name, kind, what in switches:
+            ap.add_argument(f"--{flag}", default=None, help=f"{what} ({mod}.{name}; default: as shipped): an A/B",
+                            **({"type": int} if kind is int else {"action": argparse.BooleanOptionalAction}))
     ap.add_argument("--few-rows-tile", default=None,
                     help="the decode kernel's tile below 8 rows on a 16-bit pool (decode.DECODE_TILES[(False, "
                          "False)]): 'keys,warps,stages' (an A/B)")
@@ -565,12 +574,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-route-kernel", action=argparse.BooleanOptionalAction, default=True,
                     help="a MoE layer's routing in one Triton launch (pdserve.ops.moe_route); --no-moe-route-kernel: "
                          "torch's softmax, top-k and renormalisation (an A/B)")
-    ap.add_argument("--moe-sum-in-norm", action=argparse.BooleanOptionalAction, default=None,
-                    help="a MoE layer leaves the sum over each token's experts to the next add+RMSNorm (pdserve.model."
-                         "moe.SUM_IN_NORM; default: as shipped): an A/B")
-    ap.add_argument("--moe-router-skinny", action=argparse.BooleanOptionalAction, default=None,
-                    help="a sparse block's router product through pdserve.ops.linear (the skinny kernel for a few "
-                         "rows; pdserve.model.moe.ROUTER_SKINNY; default: as shipped): an A/B")
     ap.add_argument("--moe-align-one-program", action=argparse.BooleanOptionalAction, default=True,
                     help="moe_align in one program up to moe_align.ONE_PROGRAM_PAIRS routed rows; "
                          "--no-moe-align-one-program: its three kernels always (an A/B)")
@@ -596,10 +599,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.decode_prefetch:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
-    for flag, name, _, _ in DECODE_SWITCHES:
-        value = getattr(args, flag.replace("-", "_"))
-        if value is not None:  # an A/B of a decode.py switch; None: as shipped
-            setattr(decode_mod, name, value)
+    from pdserve.model import moe as moe_mod
+    modules = {"decode": decode_mod, "moe": moe_mod}
+    for mod, switches in SWITCHES.items():
+        for flag, name, _, _ in switches:
+            value = getattr(args, flag.replace("-", "_"))
+            if value is not None:  # an A/B of a module's switch; None: as shipped
+                setattr(modules[mod], name, value)
     if args.few_rows_tile:
         decode_mod.DECODE_TILES[(False, False)] = tuple(int(x) for x in args.few_rows_tile.split(","))
     if args.decode_waves:
@@ -629,12 +635,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.moe_align_one_program:
         from pdserve.ops import moe_align
         moe_align.ONE_PROGRAM_PAIRS = -1
-    if args.moe_sum_in_norm is not None:
-        from pdserve.model import moe
-        moe.SUM_IN_NORM = args.moe_sum_in_norm
-    if args.moe_router_skinny is not None:
-        from pdserve.model import moe
-        moe.ROUTER_SKINNY = args.moe_router_skinny
     if not args.kv_write_early:
         from pdserve.ops.attention.triton_backend import TritonAttentionBackend
         TritonAttentionBackend.writes_kv_early = False

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import pdserve.ops.linear as linear_ops
 from pdserve.model.loader import WeightTarget
 from pdserve.model.shapes import num_experts
 from pdserve.ops.fused_moe import ACTIVATIONS, fused_moe_ref
@@ -83,9 +84,7 @@ ROUTER_SKINNY = False
 def router_logits(gate: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A sparse block's router logits `gate(x)` [T, E] (ROUTER_SKINNY says by which kernel)."""
     if ROUTER_SKINNY and gate.bias is None:
-        from pdserve.ops.linear import linear
-
-        return linear(x, gate.weight)
+        return linear_ops.linear(x, gate.weight)
     return gate(x)
 
 

@@ -529,7 +529,8 @@ def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_pr
     d = q.shape[-1]
     fp8 = is_fp8(kv_layer.dtype)
     many = many_programs(q.dtype, fp8, num_programs, q.device)
-    if fp8 and q.dtype != torch.float32 and (many or DECODE_TILES[(True, q.shape[0] >= 8)][0] > ROPE_FP8_MAX_KEYS):
+    if fp8 and q.dtype != torch.float32 and (
+            many or decode_tile(d, q.dtype, True, q.shape[0], num_programs, q.device)[0] > ROPE_FP8_MAX_KEYS):
         return False
     return (ROPE_IN_DECODE and rope_pool(q, kv_layer.dtype) and rope.q_weight is not None and 2 <= d <= 128
             and d & (d - 1) == 0 and (ROPE_MANY_PROGRAMS or not many))
