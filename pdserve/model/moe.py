@@ -76,9 +76,9 @@ SUM_IN_NORM = True
 # few rows of a 16-bit CUDA tensor to the skinny kernel (launched with PDL: its first weight tile loads while the norm
 # before it finishes) where the card's table or the one-row default says so, in place of nn.Linear's cuBLAS call. At
 # one row that call (nvjet, [128, 2048]) took 251 us of a dummy Qwen3-30B-A3B step's marginal time over 48 layers
-# (benchmarks/lease_s35/s35d). False (as shipped, not yet measured on a GPU): an A/B (bench_steps.py
-# --moe-router-skinny).
-ROUTER_SKINNY = False
+# (benchmarks/lease_s35/s35d). Measured in benchmarks/lease_s38/s38b (arms off, on, off, on, one process each): the
+# batch-1 loop at 1k context 3.24 -> 3.12 ms a step and at 8k 3.52 -> 3.41 ms, the 4-row step 5.12 -> 4.79 ms. On.
+ROUTER_SKINNY = True
 
 
 def router_logits(gate: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -168,7 +168,7 @@ def test_two_layers_of_qwen3_30b_a3b_in_the_engine_match_transformers(tmp_path):
 
 
 def test_router_through_linear_where_switched_on(monkeypatch):
-    """moe.ROUTER_SKINNY (an A/B): the sparse blocks' router product goes through pdserve.ops.linear.linear (the
+    """moe.ROUTER_SKINNY (on as shipped): the sparse blocks' router product goes through pdserve.ops.linear.linear (the
     skinny kernel for a few rows on CUDA, F.linear here), with the same logits as nn.Linear's; off: nn.Linear."""
     import pdserve.ops.linear as lin
 
