@@ -9,6 +9,10 @@ request), pdserve's output deltas as its HTTP server takes them (`pdserve:inter_
 whose requests all generate the same number of tokens (--ignore-eos), the mean inter-token latency equals the mean of
 the requests' TPOTs (each request adds tokens - 1 gaps that sum to its last token's time less its first's).
 
+Where the clocks start: vLLM's at its renderer's arrival_time, stamped before it tokenizes the prompt; pdserve's once
+the request's body is read, before it tokenizes (until session 37 after it, so its server TTFT and E2E then left out
+a long prompt's tokenization, tens of ms at 32k tokens, which vLLM's held).
+
 The difference counts every request between the scrapes, the client's warm-up requests too (`requests` says how
 many finished).
 

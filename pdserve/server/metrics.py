@@ -124,16 +124,15 @@ class ServerMetrics:
         self._engine.stats = stats
         return generate_latest(self.registry)
 
-    def track(self) -> RequestTracker:
-        return RequestTracker(self)
-
 
 class RequestTracker:
     """Timings of one request, recorded from the output deltas as they arrive."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, start: float | None = None):
         self.m = metrics
-        self.start = time.perf_counter()
+        # the request's arrival (time.perf_counter()): its body read and parsed, before it is tokenized, as vLLM's
+        # renderer stamps arrival_time before it tokenizes; now when not given
+        self.start = time.perf_counter() if start is None else start
         self.last: float | None = None
         self.prompt_tokens = 0
         self.output_tokens = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from aiohttp import web
@@ -64,8 +65,10 @@ def check_chars(s: ServerState, num_chars: int, param: str) -> None:
 
 
 def children_for(s: ServerState, req: P.GenerateRequest, fmt: OutputFormat,
-                 prompts: list[tuple[list[int], str]]) -> list[Child]:
-    """One Child per choice: prompt p's i-th choice has index p * n + i (OpenAI's and vLLM's order)."""
+                 prompts: list[tuple[list[int], str]], arrival: float) -> list[Child]:
+    """One Child per choice: prompt p's i-th choice has index p * n + i (OpenAI's and vLLM's order). `arrival`
+    (time.perf_counter(), taken once the body was read) starts each choice's latency clock, so the server's TTFT and
+    E2E histograms hold the prompt's tokenization."""
     total = len(prompts) * req.n
     try:
         pd = import_params(req.pd)
@@ -80,7 +83,7 @@ def children_for(s: ServerState, req: P.GenerateRequest, fmt: OutputFormat,
             kv = pd
             if kv is not None and total > 1 and kv.router_request_id is not None:  # each choice: its own handover
                 kv = dataclasses.replace(kv, router_request_id=f"{kv.router_request_id}-{k}")
-            tracker = RequestTracker(s.metrics)
+            tracker = RequestTracker(s.metrics, arrival)
             tracker.prompt_tokens = len(ids)
             children.append(Child(fmt.new_choice(k, echo), rid, ids, P.child_sampling(base, i), kv, i == 0, tracker))
     return children
@@ -101,6 +104,7 @@ async def admit(request: web.Request, s: ServerState, raw: bytes, req: P.Generat
 async def completions(request: web.Request) -> web.StreamResponse:
     s = state(request)
     raw, body = await read_request(request, s)
+    arrival = time.perf_counter()
     req = P.parse_completion(body, s.config.max_choices)
     await admit(request, s, raw, req, len(req.prompts) * req.n)
     for prompt in req.prompts:
@@ -121,7 +125,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompts.append((ids, echo))
     fmt = CompletionFormat(P.new_id("cmpl"), s.model_name, s.llm.tokenizer, req.sampling.logprobs,
                            req.tokens_as_ids)
-    return await generate(request, s, req, children_for(s, req, fmt, prompts), fmt)
+    return await generate(request, s, req, children_for(s, req, fmt, prompts, arrival), fmt)
 
 
 async def encode_chat(s: ServerState, messages: list[dict], add_generation_prompt: bool,
@@ -142,11 +146,12 @@ async def encode_chat(s: ServerState, messages: list[dict], add_generation_promp
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     s = state(request)
     raw, body = await read_request(request, s)
+    arrival = time.perf_counter()
     req = P.parse_chat(body, s.config.max_choices)
     await admit(request, s, raw, req, req.n)
     ids = await encode_chat(s, req.messages, req.add_generation_prompt, req.continue_final_message)
     fmt = ChatFormat(P.new_id("chatcmpl"), s.model_name, s.llm.tokenizer, req.logprobs, req.tokens_as_ids)
-    return await generate(request, s, req, children_for(s, req, fmt, [(ids, "")]), fmt)
+    return await generate(request, s, req, children_for(s, req, fmt, [(ids, "")], arrival), fmt)
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from pdserve.engine.outputs import RequestOutput
-from pdserve.server.metrics import ServerMetrics
+from pdserve.server.metrics import RequestTracker, ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("server_latency", ROOT / "benchmarks/vs_vllm/server_latency.py")
@@ -66,7 +66,7 @@ def test_pdserve_server_itl_mean_is_the_request_tpot(tmp_path, monkeypatch):
     clock = iter([0.0, 0.100, 0.110, 0.130, 0.140, 0.140])  # start, first token, +1, +2 tokens, +1, finish
     monkeypatch.setattr("pdserve.server.metrics.time.perf_counter", lambda: next(clock))
     before = m.render({}).decode()
-    t = m.track()
+    t = RequestTracker(m)
     t.on_output(_out(1, True))
     t.on_output(_out(1, False))
     t.on_output(_out(2, False))

@@ -330,6 +330,26 @@ def test_metrics_after_traffic():
     serve(t)
 
 
+def test_latency_clock_starts_before_tokenization():
+    """The TTFT and E2E histograms run from the request's arrival (its body read), so a slow tokenization counts,
+    as in vLLM's, whose renderer stamps arrival_time before it tokenizes."""
+    async def t(s, url, llm):
+        llm.tokenizer.delay_s = 0.4
+        for path, body in (("/v1/completions", {"prompt": "abc", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+            async with s.post(url + path, json=body) as r:
+                assert r.status == 200
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        label = 'model_name="scripted"'
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+            assert float(values[f"pdserve:{name}_count{{{label}}}"]) == 2
+            assert float(values[f"pdserve:{name}_sum{{{label}}}"]) >= 2 * 0.4, name
+
+    serve(t)
+
+
 def test_tokenization_does_not_block_the_event_loop():
     async def t(s, url, llm):
         llm.tokenizer.delay_s = 1.0
