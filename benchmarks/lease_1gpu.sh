@@ -238,6 +238,10 @@
 #   s38c       (written in session 37, not yet run) dummy Qwen3-30B-A3B's batch-1 decode splits: the shipped rule
 #              (at least 64 keys a split: 16 splits at 1k, 64 at 8k over its 4 KV heads) against at least 256 and 512
 #              keys a split (bench_steps.py --min-split-keys), arms base, k256, k512, base, k256, k512
+#   s39a       (written in session 38, not yet run) long prefill rows over an fp8 pool through cuDNN
+#              (library_prefill.FP8_POOLS, the prefix dequantized as it is gathered): the library's GPU tests, then
+#              dummy Qwen3-30B-A3B's (fp8 KV) fresh 8k prompt and 8k chunk on a 24k prefix with it (on) and without
+#              (off), arms off, on, off, on (session 38's p32: that chunk took 768 ms, 675 in the Triton kernel)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1496,6 +1500,22 @@ PY
     grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
     moe_arms "--decode 1x1024,4x1024 --loop 1x1024,1x8192" off=--no-moe-router-skinny on=--moe-router-skinny \
       off=--no-moe-router-skinny on=--moe-router-skinny ;;
+  s39a)  # long prefill rows over an fp8 pool through cuDNN: GPU tests, then the MoE's prefill steps with it and without
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
+      > "$W/gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+    save
+    i=0
+    for v in off on off on; do
+      i=$((i + 1)); left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 60 ] && { echo "no time left for $v"; break; }
+      timeout $(( left < 110 ? left : 110 )) python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b \
+        --kv-cache-dtype fp8 --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960 \
+        --iters 5 --decode= --mixed= --loop= --prefill 8192,24576+8192 --$([ $v = on ] || echo no-)library-fp8-pools \
+        --out "$W/steps_${i}_$v.json" > "$W/steps_${i}_$v.txt" 2>&1
+      grep -E "^prefill[^ ]*:|Error|KV sizing" "$W/steps_${i}_$v.txt" | cut -c1-200 | sed "s/^/$v($i) /"
+      save
+    done ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \

@@ -38,6 +38,7 @@ from pdserve.ops.attention.decode import (
     merge_chunk,
 )
 from pdserve.ops.attention.kv_write import _write_kv_kernel
+from pdserve.ops.attention.library_prefill import _gather_blocks_kernel
 from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, _prefill_kernel, default_g_pack
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -139,6 +140,16 @@ def kv_write(dt: str, kv: str, hk: int, d: int) -> dict:
     return _compile(_write_kv_kernel, types, ce, 4, 1, ["K", "V", "KV", "SLOTS"])
 
 
+def gather(dt: str, kv: str, hk: int, d: int) -> dict:
+    """library_prefill's prefix gather (an fp8 pool's values dequantized into dt)."""
+    types = dict(KV=f"*{kv}", TABLE="*i32", Out=f"*{dt}", KS="*fp32", VS="*fp32", s_b="i32", s_kv="i32", s_t="i32",
+                 s_h="i32", s_okv="i32")  # a pool's strides, as Triton types them (they fit 32 bits)
+    fp8 = kv in FP8
+    ce = dict(HK=hk, D=d, BS=16, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d),
+              DEQUANT=fp8, HAS_KS=fp8, HAS_VS=fp8)
+    return _compile(_gather_blocks_kernel, types, ce, 4, 1, ["KV", "Out"])
+
+
 def default_cases() -> list[tuple[str, dict, callable]]:
     """(name, description, thunk) of the configurations prefill_config / paged_decode / write_kv choose on sm_90."""
     from pdserve.ops.attention.prefill import prefill_config
@@ -190,6 +201,10 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                                       lambda dt=dt, kv=kv, d=d, g=g, m=mixed: decode(dt, kv, d, g, True, m, many=True)))
             desc = dict(kernel="kv_write", dtype=dt, kv=kv)
             cases.append((f"kv_write {dt}/{kv}", desc, lambda dt=dt, kv=kv: kv_write(dt, kv, 8, 128)))
+            for hk in ((4, 8) if dt != "fp32" else ()):  # library_prefill's prefix gather (16-bit models; fp8
+                # pools where FP8_POOLS) at Qwen3-30B-A3B's and Qwen3-8B's KV heads
+                desc = dict(kernel="gather", dtype=dt, kv=kv, hk=hk)
+                cases.append((f"gather {dt}/{kv} hk={hk}", desc, lambda dt=dt, kv=kv, hk=hk: gather(dt, kv, hk, 128)))
     return cases
 
 

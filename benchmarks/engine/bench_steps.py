@@ -479,7 +479,13 @@ MOE_SWITCHES = [
     ("moe-router-skinny", "ROUTER_SKINNY", bool, "a sparse block's router product through pdserve.ops.linear (the "
      "skinny kernel for a few rows)"),
 ]
-SWITCHES = {"decode": DECODE_SWITCHES, "moe": MOE_SWITCHES}  # by the module's short name in the help
+# ... and pdserve.ops.attention.library_prefill's
+LIBRARY_SWITCHES = [
+    ("library-fp8-pools", "FP8_POOLS", bool, "long prefill rows over an fp8 pool through cuDNN, the prefix "
+     "dequantized as it is gathered"),
+]
+SWITCHES = {"decode": DECODE_SWITCHES, "moe": MOE_SWITCHES,
+            "library_prefill": LIBRARY_SWITCHES}  # by the module's short name in the help
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -600,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
     from pdserve.model import moe as moe_mod
-    modules = {"decode": decode_mod, "moe": moe_mod}
+    from pdserve.ops.attention import library_prefill as library_mod
+    modules = {"decode": decode_mod, "moe": moe_mod, "library_prefill": library_mod}
     for mod, switches in SWITCHES.items():
         for flag, name, _, _ in switches:
             value = getattr(args, flag.replace("-", "_"))

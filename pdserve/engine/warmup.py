@@ -201,7 +201,7 @@ def warm_library(worker, max_tokens: int, max_model_len: int, chunk: int = 0) ->
     from pdserve.parallel.ranges import local_kv_heads
 
     runner = worker.runner
-    if runner is None or runner.kv_dtype != worker.dtype or worker.device.type != "cuda":
+    if runner is None or not library_prefill.pool_ok(runner.kv_dtype, worker.dtype) or worker.device.type != "cuda":
         return 0
     cfg, tp = worker.hf_config, worker.tp.size
     return library_prefill.warm_up(worker.device, worker.dtype, max(1, cfg.num_attention_heads // tp),

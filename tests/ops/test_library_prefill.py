@@ -13,7 +13,7 @@ from pdserve import envs
 from pdserve.model.forward_context import layer_view
 from pdserve.ops.attention import library_prefill as lib
 from pdserve.ops.attention.merge import merge_two, merge_two_reference
-from pdserve.ops.attention.torch_ref import TorchAttentionBackend, gather_seq
+from pdserve.ops.attention.torch_ref import TorchAttentionBackend, dequantize, gather_seq
 from pdserve.ops.dispatch import force_fused
 from tests.ops.attention_helpers import assert_close, make_problem, poisoned
 
@@ -166,6 +166,43 @@ def test_gather_prefix_reads_the_real_pool_layout(fused, hk):
         assert torch.equal(k, rk) and torch.equal(v, rv)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scales", ["both", "none", "k only"])
+def test_gather_prefix_dequantizes_an_fp8_pool(fused, kv_dtype, scales):
+    """An fp8 pool's prefix comes out in the model's dtype, times its scales in fp32: bit for bit what the reference
+    dequantizes (torch's path; the Triton kernel's on CUDA, where the rounding to 16 bits is to nearest even, as
+    torch's). Triton's interpreter rounds fp32 to bfloat16 toward zero whatever the kernel asks, so there the
+    kernel's values are held to one unit in the last place."""
+    g = torch.Generator().manual_seed(4)
+    nb, layers, bs, hk, d = 9, 2, 4, 3, 8
+    pool = (torch.randn((nb, hk, layers, 2, bs, d), generator=g) * 3).to(kv_dtype)
+    layer = layer_view(pool, 0)
+    table = torch.tensor([4, 1, 8, 6], dtype=torch.int32)
+    k_scale = torch.tensor(0.37) if scales != "none" else None
+    v_scale = torch.tensor(1.9) if scales == "both" else None
+    for dtype in (torch.bfloat16, torch.float16):
+        for ctx in (13, 16, 1):
+            with force_fused(fused):
+                k, v = lib.gather_prefix(layer, table, ctx, dtype, k_scale, v_scale)
+            rk, rv = gather_seq(layer.contiguous(), table, ctx)
+            assert k.dtype == v.dtype == dtype and k.shape == (ctx, hk, d) and k.is_contiguous()
+            for got, want in ((k, dequantize(rk, dtype, k_scale)), (v, dequantize(rv, dtype, v_scale))):
+                if fused and k.device.type == "cpu" and dtype == torch.bfloat16:
+                    torch.testing.assert_close(got, want, rtol=2.0 ** -7, atol=0)
+                else:
+                    assert torch.equal(got, want)
+
+
+def test_fp8_pools_take_the_library_only_where_switched_on(monkeypatch):
+    monkeypatch.setattr(lib, "FP8_POOLS", False)
+    assert lib.pool_ok(torch.bfloat16, torch.bfloat16) and not lib.pool_ok(torch.float8_e4m3fn, torch.bfloat16)
+    assert not lib.pool_ok(torch.float16, torch.bfloat16)
+    monkeypatch.setattr(lib, "FP8_POOLS", True)
+    assert lib.pool_ok(torch.float8_e4m3fn, torch.bfloat16) and lib.pool_ok(torch.float8_e5m2, torch.float16)
+    assert not lib.pool_ok(torch.float16, torch.bfloat16)
+
+
 def test_padded_inputs_zero_only_uncovered_rows_and_pass_packed_ones():
     g = torch.Generator().manual_seed(3)
     x = torch.randn((5, 2, 4), generator=g)
@@ -206,6 +243,27 @@ def test_library_path_matches_the_reference_backend(monkeypatch, buckets):
     assert out[130:].isnan().all()  # the decode row is not the library's
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_library_path_over_an_fp8_pool_matches_the_reference_backend(monkeypatch, kv_dtype):
+    """The same path over an fp8 pool (scales not 1): the prefix dequantized as it is gathered, the step's own K/V
+    unquantized, as the reference attends (small buckets: both calls and the merge)."""
+    monkeypatch.setattr(lib, "_cudnn", _torch_cudnn)
+    monkeypatch.setattr(lib, "QUERY_BUCKET", 16)
+    monkeypatch.setattr(lib, "PREFIX_BUCKET", 32)
+    seq_lens, q_lens = [70, 93, 84], [70, 40, 20]
+    p = make_problem(seq_lens, q_lens, hq=8, hk=2, d=32, bs=16, kv_dtype=kv_dtype, write_new=True)
+    assert p.k_scale is not None and p.v_scale is not None
+    rows = [(0, 0, 70, 0), (1, 70, 40, 53), (2, 110, 20, 64)]
+    out = poisoned(p.q)
+    lib.library_prefill(p.q, p.kv_layer, p.meta, rows, 0.3, p.k, p.v, out, p.k_scale, p.v_scale)
+    ref = TorchAttentionBackend().attend(p.q, p.kv_layer, p.meta, 0.3, k_scale=p.k_scale, v_scale=p.v_scale,
+                                         k_new=p.k, v_new=p.v)
+    assert_close(out, ref, torch.float32, f"library path over {kv_dtype}")
+    unscaled = poisoned(p.q)  # the scales are applied: leaving them out changes the answer
+    lib.library_prefill(p.q, p.kv_layer, p.meta, rows, 0.3, p.k, p.v, unscaled)
+    assert (unscaled[70:] - ref[70:]).abs().max() > 1e-3
+
+
 def test_bucketed_shapes():
     assert lib.bucketed_shapes(8192, 0) == (0, 8192, 8192, 0)
     assert lib.bucketed_shapes(8000, 24576) == (24576, 8192, 8192, 0)
@@ -240,6 +298,34 @@ def test_triton_backend_takes_cudnn_for_long_rows(dtype):
         ref = TorchAttentionBackend().attend(p.q.float(), p.kv_layer.float(), p.meta, 128 ** -0.5,
                                              k_new=p.k.float(), v_new=p.v.float())
         assert_close(out.float(), ref, dtype, f"cuDNN rows {q_lens}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_triton_backend_takes_cudnn_for_long_rows_over_an_fp8_pool(kv_dtype, monkeypatch):
+    """FP8_POOLS on CUDA (sm_90+): the Triton backend's forward sends long prefill rows over an fp8 pool to cuDNN
+    (the prefix dequantized by the gather kernel), and the output matches the reference and the Triton kernel's."""
+    from pdserve.ops.attention.triton_backend import TritonAttentionBackend
+
+    if not lib.enabled(torch.device("cuda")):
+        pytest.skip("cuDNN attention needs compute capability 9.0+")
+    dev = torch.device("cuda")
+    cases = (([lib.MIN_FRESH + 5], [lib.MIN_FRESH + 5]), ([lib.MIN_CHUNK + 2500, 300, 77], [lib.MIN_CHUNK, 1, 1]),
+             ([8192 + 1000], [8192]))
+    for seq_lens, q_lens in cases:
+        outs = {}
+        for on in (True, False):
+            monkeypatch.setattr(lib, "FP8_POOLS", on)
+            p = make_problem(seq_lens, q_lens, hq=32, hk=4, d=128, bs=16, dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                             device=dev)
+            outs[on] = TritonAttentionBackend().forward(p.q, p.k, p.v, p.kv_layer, p.meta, 128 ** -0.5,
+                                                        k_scale=p.k_scale, v_scale=p.v_scale)
+            assert (p.meta.library is not None and p.meta.library[0] is not None) == on
+        ref = TorchAttentionBackend().attend(p.q.float(), p.kv_layer, p.meta, 128 ** -0.5, k_scale=p.k_scale,
+                                             v_scale=p.v_scale, k_new=p.k.float(), v_new=p.v.float())
+        assert_close(outs[True].float(), ref, torch.bfloat16, f"cuDNN rows over {kv_dtype}, {q_lens}")
+        assert_close(outs[True].float(), outs[False].float(), torch.bfloat16, f"cuDNN against Triton, {q_lens}")
 
 
 def test_warm_shapes_cover_fresh_buckets_and_full_chunks():

@@ -28,8 +28,9 @@ cuDNN as they are (no repeat of K/V).
 Which rows: a step uses the library only if every prefill row in it qualifies (decode rows still go to the Triton
 decode kernel): a fresh prompt of at least MIN_FRESH tokens, or a chunk of at least MIN_CHUNK tokens on a prefix, or of
 at least MIN_PLANNED whose call shapes have plans already (the warm-up's: --max-long-prefill-tokens' chunks);
-bf16/fp16, an unquantized pool, head dim <= 128, no sliding window or softcapping, the step's K/V given, a CUDA
-device of compute capability 9.0 or later with cuDNN. `PDSERVE_PREFILL_LIBRARY=none` turns it off.
+bf16/fp16, a pool of the model's dtype (or an fp8 one, where FP8_POOLS: the prefix is dequantized as it is gathered),
+head dim <= 128, no sliding window or softcapping, the step's K/V given, a CUDA device of compute capability 9.0 or
+later with cuDNN. `PDSERVE_PREFILL_LIBRARY=none` turns it off.
 
 Memory: the gathered prefix, the padded inputs, the partial outputs and their log-sum-exps live for one layer's
 attention. The KV sizing probe measures them with a prompt of the model's length whose last chunk is a whole step
@@ -55,10 +56,12 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _gather_blocks_kernel(KV, TABLE, Out, s_b, s_kv, s_t, s_h, s_okv, HK: tl.constexpr, D: tl.constexpr,
-                              BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _gather_blocks_kernel(KV, TABLE, Out, KS, VS, s_b, s_kv, s_t, s_h, s_okv, HK: tl.constexpr,
+                              D: tl.constexpr, BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                              DEQUANT: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr):
         """Program (i, w): the row's i-th block of K (w = 0) or V (w = 1), [BS, HK, D] out of the strided layer view,
-        into rows i * BS ... of Out[w] ([rows, HK, D], contiguous)."""
+        into rows i * BS ... of Out[w] ([rows, HK, D], contiguous). DEQUANT (an fp8 pool): each value times its
+        scale (KS for K, VS for V, where given) in fp32, rounded to Out's dtype, as torch_ref.dequantize does."""
         i = tl.program_id(0)
         w = tl.program_id(1)
         blk = tl.load(TABLE + i).to(tl.int64)
@@ -67,6 +70,13 @@ if HAS_TRITON:
         d = tl.arange(0, BLOCK_D)[None, None, :]
         mask = (h < HK) & (d < D) & (t < BS)
         x = tl.load(KV + blk * s_b + w * s_kv + t * s_t + h * s_h + d, mask=mask)
+        if DEQUANT:
+            y = x.to(tl.float32)
+            ks = tl.load(KS).to(tl.float32) if HAS_KS else 1.0
+            vs = tl.load(VS).to(tl.float32) if HAS_VS else 1.0
+            if HAS_KS or HAS_VS:
+                y = y * tl.where(w == 0, ks, vs)
+            x = y.to(Out.dtype.element_ty, fp_downcast_rounding="rtne")
         dst = Out + w.to(tl.int64) * s_okv + (i.to(tl.int64) * BS + t) * (HK * D) + h * D + d
         tl.store(dst, x, mask=mask)
 
@@ -85,6 +95,13 @@ QUERY_BUCKET = 256  # calls' query (and causal key) counts are rounded up to thi
 PREFIX_BUCKET = 1024  # the unmasked call's prefix length is rounded down to this; the rest joins the causal call
 WARM_MAX_PREFIXES = 64  # start-up builds chunk shapes for prefixes up to this many PREFIX_BUCKETs (warm_shapes)
 DTYPES = (torch.bfloat16, torch.float16)
+# FP8_POOLS: rows over an fp8 pool go to cuDNN too, the prefix dequantized into the model's dtype as it is gathered
+# (the step's own K/V are unquantized, as the Triton kernel reads them). Why: on an H200, dummy Qwen3-30B-A3B's last
+# 8192-token chunk on a 24576-token prefix took 768 ms with an fp8 pool, 675 of them in the Triton prefill kernel
+# (~274 TFLOP/s), against 407 ms for the whole step on a bf16 pool through cuDNN (benchmarks/lease_s38/p32); its
+# 32k prompt's TTFT was 1.64x vLLM's (lease_s38/moe, moe2). False (as shipped, not yet run on a GPU): an A/B
+# (bench_steps.py --library-fp8-pools).
+FP8_POOLS = False
 
 
 @lru_cache(maxsize=8)
@@ -114,14 +131,19 @@ def row_qualifies(q_len: int, ctx: int) -> bool:
     return ctx > 0 and q_len >= MIN_PLANNED and bucketed_shapes(q_len, ctx)[:3] in _planned_shapes
 
 
+def pool_ok(kv_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether the library takes rows of a pool of `kv_dtype` for a model of `dtype`: the model's own dtype, or fp8
+    where FP8_POOLS says so (the prefix is then dequantized as it is gathered)."""
+    return kv_dtype == dtype or (FP8_POOLS and is_fp8(kv_dtype))
+
+
 def library_rows(meta: AttentionMetadata, q: torch.Tensor, kv_layer: torch.Tensor, k_new: torch.Tensor | None,
                  sliding_window: int | None, softcap: float | None) -> list[tuple[int, int, int, int]] | None:
     """[(row, first token, new tokens, prefix length)] of every prefill row of the step, when all of them
     qualify and the step's shapes allow the library; None otherwise (the Triton kernel takes the step). The
     answer for the rows is kept on `meta` (every layer of the step asks)."""
     if (k_new is None or sliding_window or softcap is not None or q.dtype not in DTYPES
-            or kv_layer.dtype != q.dtype or is_fp8(kv_layer.dtype) or q.shape[-1] > MAX_HEAD_DIM
-            or not enabled(q.device)):
+            or not pool_ok(kv_layer.dtype, q.dtype) or q.shape[-1] > MAX_HEAD_DIM or not enabled(q.device)):
         return None
     if meta.library is None:
         meta.library = (_qualifying_rows(meta.query_start_loc, meta.seq_lens),)
@@ -198,23 +220,33 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def gather_prefix(kv_layer: torch.Tensor, block_table_row: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_prefix(kv_layer: torch.Tensor, block_table_row: torch.Tensor, ctx: int, dtype: torch.dtype | None = None,
+                  k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ctx tokens' K and V of one row, [ctx, Hk, D] each (contiguous), copied out of the pool
-    ([num_blocks, 2, block_size, Hk, D]) in block-table order."""
+    ([num_blocks, 2, block_size, Hk, D]) in block-table order. An fp8 pool's values come out in `dtype`, times
+    k_scale / v_scale (where given) in fp32, as the reference dequantizes them."""
     bs, hk, d = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
     nblk = -(-ctx // bs)
+    fp8 = is_fp8(kv_layer.dtype)
+    out_dtype = dtype if fp8 and dtype is not None else kv_layer.dtype
     if use_fused(kv_layer) and bs & (bs - 1) == 0 and kv_layer.stride(-1) == 1:
         table = block_table_row[:nblk].to(device=kv_layer.device, dtype=torch.int32).contiguous()
-        out = torch.empty((2, nblk * bs, hk, d), dtype=kv_layer.dtype, device=kv_layer.device)
+        out = torch.empty((2, nblk * bs, hk, d), dtype=out_dtype, device=kv_layer.device)
         if nblk:
+            has_ks, has_vs = fp8 and k_scale is not None, fp8 and v_scale is not None
             _gather_blocks_kernel[(nblk, 2)](
-                kv_layer, table, out, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-                out.stride(0), HK=hk, D=d, BS=bs, BLOCK_H=triton.next_power_of_2(hk),
-                BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+                kv_layer, table, out, k_scale if has_ks else table, v_scale if has_vs else table,
+                kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), out.stride(0),
+                HK=hk, D=d, BS=bs, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d),
+                DEQUANT=out_dtype != kv_layer.dtype, HAS_KS=has_ks, HAS_VS=has_vs, num_warps=4)
         return out[0, :ctx], out[1, :ctx]
     blocks = block_table_row[:nblk].long()
     k = kv_layer[:, 0].index_select(0, blocks).view(-1, hk, d)[:ctx]
     v = kv_layer[:, 1].index_select(0, blocks).view(-1, hk, d)[:ctx]
+    if out_dtype != kv_layer.dtype:
+        k, v = (x.float() * s.float() if s is not None else x.float() for x, s in ((k, k_scale), (v, v_scale)))
+        k, v = k.to(out_dtype), v.to(out_dtype)
     return k, v
 
 
@@ -255,12 +287,14 @@ def bucketed_shapes(q_len: int, ctx: int) -> tuple[int, int, int, int]:
 
 def library_prefill(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                     rows: list[tuple[int, int, int, int]], scale: float, k_new: torch.Tensor, v_new: torch.Tensor,
-                    out: torch.Tensor) -> None:
-    """Attention of the given prefill rows (library_rows) into their rows of `out` ([T, Hq, D])."""
+                    out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """Attention of the given prefill rows (library_rows) into their rows of `out` ([T, Hq, D]); an fp8 pool's
+    prefix is dequantized into q's dtype as it is gathered (k_scale, v_scale)."""
     for row, q0, q_len, ctx in rows:
         kp = vp = None
         if ctx:
-            kp, vp = gather_prefix(kv_layer, meta.block_tables[row], ctx)
+            kp, vp = gather_prefix(kv_layer, meta.block_tables[row], ctx, q.dtype, k_scale, v_scale)
         attend_row(q[q0: q0 + q_len], k_new[q0: q0 + q_len], v_new[q0: q0 + q_len], kp, vp, scale,
                    out[q0: q0 + q_len])
 

@@ -93,7 +93,7 @@ class TritonAttentionBackend:
                          query_start_loc=meta.query_start_loc_t, **common)
         rows = library_rows(meta, q, kv_layer, k_new, sliding_window, softcap)
         if rows is not None:  # every prefill row is long: cuDNN's kernel (library_prefill.py says when and why)
-            library_prefill(q, kv_layer, meta, rows, scale, k_new, v_new, out)
+            library_prefill(q, kv_layer, meta, rows, scale, k_new, v_new, out, k_scale, v_scale)
             return out
         return paged_prefill(q, kv_layer, meta.block_tables, meta.seq_lens_t, meta.query_start_loc_t,
                              meta.prefill_tiles, scale, config=self.prefill_config, k_new=k_new, v_new=v_new,
