@@ -750,6 +750,75 @@ def _moe_sbs(folder: str, before_folder: str, before_label: str) -> list[str]:
     return gzip.decompress((B / f"{folder}/pdserve.log.gz").read_bytes()).decode(errors="replace").splitlines()
 
 
+def session38() -> None:
+    """Session 38 (one H200: session 37's three stages, the MoE side by side with 8k and 32k prompts, and where the
+    MoE's 32k prefill goes on an fp8 pool)."""
+    base = "lease_s38"
+    dots = (B / f"{base}/s38a/moe_gpu_tests.txt").read_text()
+    print(f"- MoE GPU tests at session 37's defaults (s38a, `lease_1gpu.sh s38a`: test_qwen3_moe_vs_transformers.py and "
+          f"test_fused_moe_kernel.py under `timeout 330`): {dots.count('.')} passes and {dots.count('F')} failures "
+          f"before the cut, among them the 30B sparse-block test session 37 fixed (collected 4th-11th)")
+    d = load(f"{base}/s38a/steps.json")
+    print("- dummy Qwen3-8B, the same call (async loops at temperature 1): " + "; ".join(
+        f"{x['case']} {x['step_ms']:.2f} ms a step ({x['floor_ms'] / x['step_ms']:.0%} of its floor, "
+        f"{x['floor_ms']:.2f} ms)" for x in d["loops"] if x["async"]))
+    print("\nA sparse block's router product through the skinny kernel (model.moe.ROUTER_SKINNY; s38b): GPU tests "
+          f"`{_gpu_tests(f'{base}/s38b/gpu_tests.txt')}`; dummy Qwen3-30B-A3B (fp8 KV) without it (off) and with it "
+          "(on), one process an arm:\n")
+    arms = ["off", "on", "off", "on"]
+    t = _arm_deltas(_arms_table(f"{base}/s38b", arms), arms, "off",
+                    ["decode:4x1024", "loop:1x1024", "loop:1x8192"])
+    print(f"\n- on against off, the mean of each arm's two: {t}; shipped on")
+    print("\nThe MoE's batch-1 decode splits (s38c): the shipped rule (base: at least 64 keys a split) against at "
+          "least 256 and 512 (`--min-split-keys`):\n")
+    arms = ["base", "k256", "k512", "base", "k256", "k512"]
+    t = _arm_deltas(_arms_table(f"{base}/s38c", arms), arms, "base", ["loop:1x1024", "loop:1x8192", "decode:1x8192"])
+    print(f"\n- against base, the mean of each arm's two: {t}; not changed")
+    print("\nDummy Qwen3-30B-A3B beside vLLM at the shipped code (moe/: eleven staging calls, `lease_2xh200.sh unpack`, "
+          "then `SBS_WORKLOADS=\"1024:1024:512:256 8192:16:16:1 32768:16:8:1\" lease_1gpu.sh moe`, `--kv-cache-dtype "
+          "fp8` on both, vLLM's client; the stage's limit cut pdserve's 8k and 32k runs, which moe2/ ran next on the "
+          "same machine, pdserve alone):\n")
+    c = load(f"{base}/moe/comparison.json")
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT "
+          "vLLM / pdserve ms | ratio | median TTFT vLLM / pdserve ms | server TTFT vLLM / pdserve ms | server "
+          "inter-token vLLM / pdserve ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for w in sorted(c["workloads"], key=lambda w: w["workload"]):
+        name = w["workload"]
+        vj = load(f"{base}/moe/vllm_single_{name}.json")
+        pdir = "moe" if name.startswith("1024x") else "moe2"
+        pj = load(f"{base}/{pdir}/pdserve_single_{name}.json")
+        vs = load(f"{base}/moe/vllm_single_{name}.server.json")
+        ps = load(f"{base}/{pdir}/pdserve_single_{name}.server.json")
+        print(f"| {name}{'' if pdir == 'moe' else ' (pdserve: moe2)'} | {_sbs_cells(vj, pj)} "
+              f"{vj['median_ttft_ms']:.1f} / {pj['median_ttft_ms']:.1f} | {vs['ttft']['mean_ms']:.1f} / "
+              f"{ps['ttft']['mean_ms']:.1f} | {vs['itl']['mean_ms']:.2f} / {ps['itl']['mean_ms']:.2f} |")
+    v, p = (load(f"{base}/moe/{n}_single_server.json") for n in ("vllm", "pdserve"))
+    p2 = load(f"{base}/moe2/pdserve_single_server.json")
+    print(f"\nKV tokens: vLLM {v['kv_tokens']:,}, pdserve {p['kv_tokens']:,} ({p['kv_tokens'] / v['kv_tokens']:.4f}x); "
+          f"start-up (launch to first completion): vLLM {v['startup_s']:.1f} s, pdserve {p['startup_s']:.1f} s (the "
+          f"machine's first pdserve start: Triton's cache empty; moe2's, after it: {p2['startup_s']:.1f} s)")
+    miss = sum("compiled a kernel while serving" in ln for f in ("moe", "moe2") for ln in gzip.decompress(
+        (B / f"{base}/{f}/pdserve.log.gz").read_bytes()).decode(errors="replace").splitlines())
+    print(f"- kernels pdserve compiled while serving: {miss}")
+    print("- the servers' TTFT clocks: vLLM's from its renderer's arrival_time (before tokenizing); pdserve's, in this "
+          "tree, from its body read (before tokenizing; until this session after it)")
+    prof = load(f"{base}/p32/fp8_profile.json")["profiles"][0]["graphs"]
+    bf = load(f"{base}/p32/bf16.json")
+    r = bf["results"][0]
+    kern = next(t for t in prof["top"] if t["name"] == "_prefill_kernel")
+    rate = bf["ceilings"]["bf16_matmul_tflops"]
+    print(f"\nWhere the MoE's 32k prefill goes (p32, the same machine after moe2): dummy Qwen3-30B-A3B's last 8192-token "
+          f"chunk on a 24576-token prefix (`bench_steps.py --prefill 24576+8192`). With an fp8 pool, under the profiler "
+          f"(`--kv-cache-dtype fp8 --profile`): {prof['gpu_us_per_step'] / 1e3:.1f} ms of kernel time a step, the Triton "
+          f"prefill kernel {kern['us_per_step'] / 1e3:.1f} ms of it ({kern['share']:.0%}) over {kern['count_per_step']:.0f} "
+          f"layers: the chunk's {r['attn_flops'] / 1e12:.0f} TFLOP of attention at "
+          f"{r['attn_flops'] / kern['us_per_step'] / 1e6:.0f} TFLOP/s. With a bf16 pool (cuDNN's attention, "
+          f"library_prefill.py), timed: {r['step_ms_median']:.1f} ms the whole step ({r['fraction_of_floor']:.0%} of "
+          f"its compute floor, {r['floor_ms']:.1f} ms at the run's {rate:.0f} TFLOP/s)")
+    top = [f"{t['name'][:40]} {t['us_per_step'] / 1e3:.1f} ms" for t in prof["top"][:6]]
+    print(f"- the fp8 step's largest kernels a step: {', '.join(top)}")
+
+
 def session37() -> None:
     """Session 37 (two H200 machines: the fp8/MoE A/Bs session 36 wrote, shipped; the MoE side by side at them)."""
     base = "lease_s37"
@@ -3280,6 +3349,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session38()
+    print()
     session37()
     print()
     session36()
