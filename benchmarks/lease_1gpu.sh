@@ -241,7 +241,9 @@
 #   s39a       (written in session 38, not yet run) long prefill rows over an fp8 pool through cuDNN
 #              (library_prefill.FP8_POOLS, the prefix dequantized as it is gathered): the library's GPU tests, then
 #              dummy Qwen3-30B-A3B's (fp8 KV) fresh 8k prompt and 8k chunk on a 24k prefix with it (on) and without
-#              (off), arms off, on, off, on (session 38's p32: that chunk took 768 ms, 675 in the Triton kernel)
+#              (off), arms off, on, off, on (session 38's p32: that chunk took 768 ms, 675 in the Triton kernel);
+#              then the MoE beside vLLM with it, before shipping it on: `PDSERVE_PREFILL_LIBRARY_FP8=1
+#              SBS_WORKLOADS="8192:16:16:1 32768:16:8:1" lease_1gpu.sh moe` after the staging calls
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail

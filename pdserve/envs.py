@@ -96,6 +96,17 @@ def prefill_library_min_chunk(default: int) -> int:
     return v
 
 
+def prefill_library_fp8(default: bool) -> bool:
+    """`PDSERVE_PREFILL_LIBRARY_FP8`: `1` / `0` sends long prefill rows over an fp8 pool to cuDNN too, or not
+    (default: library_prefill.FP8_POOLS; an A/B knob for serving benchmarks, read once at import)."""
+    v = os.environ.get("PDSERVE_PREFILL_LIBRARY_FP8", "").strip().lower()
+    if not v:
+        return default
+    if v not in ("0", "1"):
+        raise ValueError(f"PDSERVE_PREFILL_LIBRARY_FP8 must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def prefill_config_file() -> str | None:
     """`PDSERVE_PREFILL_CONFIG`: a JSON file ({block_m, block_n, num_warps, num_stages[, g_pack]}) whose tiles replace
     the prefill attention kernel's default choice for bf16/fp16 models with head dim <= 128 on CUDA: what

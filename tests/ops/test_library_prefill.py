@@ -6,6 +6,10 @@ Triton backend's forward taking that path with cuDNN itself."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -147,6 +151,24 @@ def test_min_chunk_from_the_environment(monkeypatch):
     monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_MIN_CHUNK", "0")
     with pytest.raises(ValueError, match="PDSERVE_PREFILL_LIBRARY_MIN_CHUNK"):
         envs.prefill_library_min_chunk(4096)
+
+
+def test_fp8_pools_from_the_environment(monkeypatch):
+    """PDSERVE_PREFILL_LIBRARY_FP8 (read at import, so a server's engine processes take it): 1 / 0 / unset."""
+    monkeypatch.delenv("PDSERVE_PREFILL_LIBRARY_FP8", raising=False)
+    assert envs.prefill_library_fp8(False) is False and envs.prefill_library_fp8(True) is True
+    monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_FP8", "1")
+    assert envs.prefill_library_fp8(False) is True
+    monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_FP8", "0")
+    assert envs.prefill_library_fp8(True) is False
+    monkeypatch.setenv("PDSERVE_PREFILL_LIBRARY_FP8", "yes")
+    with pytest.raises(ValueError, match="PDSERVE_PREFILL_LIBRARY_FP8"):
+        envs.prefill_library_fp8(False)
+    code = "from pdserve.ops.attention import library_prefill as lib; print(lib.FP8_POOLS)"
+    for value, want in (("1", "True"), ("0", "False")):
+        env = {**os.environ, "PDSERVE_PREFILL_LIBRARY_FP8": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == want, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -100,8 +100,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # 8192-token chunk on a 24576-token prefix took 768 ms with an fp8 pool, 675 of them in the Triton prefill kernel
 # (~274 TFLOP/s), against 407 ms for the whole step on a bf16 pool through cuDNN (benchmarks/lease_s38/p32); its
 # 32k prompt's TTFT was 1.64x vLLM's (lease_s38/moe, moe2). False (as shipped, not yet run on a GPU): an A/B
-# (bench_steps.py --library-fp8-pools).
-FP8_POOLS = False
+# (bench_steps.py --library-fp8-pools; a server: PDSERVE_PREFILL_LIBRARY_FP8=1).
+FP8_POOLS = envs.prefill_library_fp8(False)
 
 
 @lru_cache(maxsize=8)
