@@ -188,8 +188,7 @@ def library_reserve(worker, max_tokens: int, max_model_len: int, kv_dtype: torch
     from pdserve.parallel.ranges import local_kv_heads
 
     cfg = worker.hf_config
-    if (not lib.pool_ok(kv_dtype, worker.dtype) or worker.dtype not in lib.DTYPES or head_dim(cfg) > lib.MAX_HEAD_DIM
-            or not lib.enabled(worker.device)):
+    if not lib.takes_model(worker.device, worker.dtype, kv_dtype, head_dim(cfg)):
         return 0
     tp = worker.tp.size
     return lib.transient_bytes(max_tokens, max_model_len, max(1, cfg.num_attention_heads // tp),

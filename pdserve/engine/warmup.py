@@ -200,10 +200,9 @@ def warm_library(worker, max_tokens: int, max_model_len: int, chunk: int = 0) ->
     from pdserve.ops.attention import library_prefill
     from pdserve.parallel.ranges import local_kv_heads
 
-    runner = worker.runner
-    if runner is None or not library_prefill.pool_ok(runner.kv_dtype, worker.dtype) or worker.device.type != "cuda":
+    runner, cfg, tp = worker.runner, worker.hf_config, worker.tp.size
+    if runner is None or not library_prefill.takes_model(worker.device, worker.dtype, runner.kv_dtype, head_dim(cfg)):
         return 0
-    cfg, tp = worker.hf_config, worker.tp.size
     return library_prefill.warm_up(worker.device, worker.dtype, max(1, cfg.num_attention_heads // tp),
                                    local_kv_heads(cfg.num_key_value_heads, tp), head_dim(cfg), max_tokens,
                                    max_model_len, chunk)

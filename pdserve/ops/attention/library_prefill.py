@@ -137,13 +137,19 @@ def pool_ok(kv_dtype: torch.dtype, dtype: torch.dtype) -> bool:
     return kv_dtype == dtype or (FP8_POOLS and is_fp8(kv_dtype))
 
 
+def takes_model(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the library may take prefill rows of a model of `dtype` and `head_dim` over a pool of `kv_dtype` on
+    `device` at all (library_rows decides a step's rows; the KV sizing and the warm-up ask this)."""
+    return dtype in DTYPES and pool_ok(kv_dtype, dtype) and head_dim <= MAX_HEAD_DIM and enabled(device)
+
+
 def library_rows(meta: AttentionMetadata, q: torch.Tensor, kv_layer: torch.Tensor, k_new: torch.Tensor | None,
                  sliding_window: int | None, softcap: float | None) -> list[tuple[int, int, int, int]] | None:
     """[(row, first token, new tokens, prefix length)] of every prefill row of the step, when all of them
     qualify and the step's shapes allow the library; None otherwise (the Triton kernel takes the step). The
     answer for the rows is kept on `meta` (every layer of the step asks)."""
-    if (k_new is None or sliding_window or softcap is not None or q.dtype not in DTYPES
-            or not pool_ok(kv_layer.dtype, q.dtype) or q.shape[-1] > MAX_HEAD_DIM or not enabled(q.device)):
+    if (k_new is None or sliding_window or softcap is not None
+            or not takes_model(q.device, q.dtype, kv_layer.dtype, q.shape[-1])):
         return None
     if meta.library is None:
         meta.library = (_qualifying_rows(meta.query_start_loc, meta.seq_lens),)
@@ -360,7 +366,7 @@ def warm_up(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_h
             max_tokens: int, max_model_len: int, chunk: int = 0) -> int:
     """Build cuDNN's plans for `warm_shapes` (and compile the merge kernel) on zero inputs; returns how many rows
     ran (0 where the library is off or these shapes do not take it)."""
-    if not (enabled(device) and dtype in DTYPES and head_dim <= MAX_HEAD_DIM):
+    if not takes_model(device, dtype, dtype, head_dim):  # its inputs are in the model's dtype (a gathered prefix's)
         return 0
     shapes = warm_shapes(max_tokens, max_model_len, chunk)
     if not shapes:
