@@ -238,12 +238,15 @@
 #   s38c       (written in session 37, not yet run) dummy Qwen3-30B-A3B's batch-1 decode splits: the shipped rule
 #              (at least 64 keys a split: 16 splits at 1k, 64 at 8k over its 4 KV heads) against at least 256 and 512
 #              keys a split (bench_steps.py --min-split-keys), arms base, k256, k512, base, k256, k512
-#   s39a       (written in session 38, not yet run) long prefill rows over an fp8 pool through cuDNN
+#   s39a       (written in session 38, run in 39) long prefill rows over an fp8 pool through cuDNN
 #              (library_prefill.FP8_POOLS, the prefix dequantized as it is gathered): the library's GPU tests, then
 #              dummy Qwen3-30B-A3B's (fp8 KV) fresh 8k prompt and 8k chunk on a 24k prefix with it (on) and without
-#              (off), arms off, on, off, on (session 38's p32: that chunk took 768 ms, 675 in the Triton kernel);
-#              then the MoE beside vLLM with it, before shipping it on: `PDSERVE_PREFILL_LIBRARY_FP8=1
+#              (off), arms off, on, off, on; then the MoE beside vLLM with it, before shipping it on: `PDSERVE_PREFILL_LIBRARY_FP8=1
 #              SBS_WORKLOADS="8192:16:16:1 32768:16:8:1" lease_1gpu.sh moe` after the staging calls
+#   s39b       (written in session 39) with fp8 pools through cuDNN shipped on: the GPU tests of the library, the warm-up
+#              and the KV sizing (each now also over an fp8 pool, and a whole engine over one with long prompts
+#              against the Triton kernel's logits), the other fp8 GPU tests, then the 41 MoE GPU tests s38a's cut
+#              left unrun
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1518,6 +1521,25 @@ PY
       grep -E "^prefill[^ ]*:|Error|KV sizing" "$W/steps_${i}_$v.txt" | cut -c1-200 | sed "s/^/$v($i) /"
       save
     done ;;
+  s39b)  # fp8 pools through cuDNN shipped on: library, warm-up, sizing and fp8 GPU tests; then the 41 unrun MoE ones
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
+      tests/engine/test_warmup.py tests/engine/test_memory_profile.py > "$W/gpu_tests_library.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests_library.txt" | cut -c1-400 | tail -8
+    save
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short -k fp8 tests/engine/test_cuda_graphs.py \
+      tests/ops/test_attention_backend.py tests/engine/test_fused_engine.py tests/ops/test_attention_prefill.py \
+      tests/ops/test_attention_decode.py tests/ops/test_attention_kv_write.py > "$W/gpu_tests_fp8.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests_fp8.txt" | cut -c1-400 | tail -6
+    save
+    M2="tests/model/test_qwen3_moe_vs_transformers.py tests/model/test_fused_moe_kernel.py"
+    python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider $M2 2>/dev/null | sed -n '167,207p' > "$W/moe_ids.txt"
+    left=$(( 575 - ($(date +%s) - t0) ))
+    echo "$(wc -l < "$W/moe_ids.txt") MoE tests, $left s left"
+    [ $left -gt 30 ] && timeout $left python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+      $(cat "$W/moe_ids.txt") > "$W/moe_gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/moe_gpu_tests.txt" | cut -c1-400 | tail -6
+    save ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \

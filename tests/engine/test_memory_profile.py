@@ -203,21 +203,22 @@ def test_engine_after_a_probe_answers_as_before(tiny_model_dirs, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("util", [0.3, 0.6])
-def test_the_largest_step_fits_beside_the_sized_pool(util):
+@pytest.mark.parametrize("util,kv", [(0.3, "auto"), (0.6, "auto"), (0.3, "fp8")])
+def test_the_largest_step_fits_beside_the_sized_pool(util, kv):
     """On CUDA: the pool sized from the measured steps leaves room for them. After the engine is made, the probe's
     step (every token of the budget, every sequence sampled) runs on the full pool, then a prompt of the model's
     length alone (the second probe's, whose last chunk reads the longest prefix through the library attention), and
     the GPU's memory in use (caching allocator included), less what was in use when the engine opened the GPU,
-    stays within gpu_memory_utilization of it after each step."""
-    used, allowed, blocks, parts = _largest_step_within(util)
+    stays within gpu_memory_utilization of it after each step; with a model-dtype pool and an fp8 one (whose long
+    rows the library takes too, the prefix dequantized as it is gathered)."""
+    used, allowed, blocks, parts = _largest_step_within(util, kv)
     assert blocks > 0 and used <= allowed, (f"{used / 2**30:.2f} GiB in use, {allowed / 2**30:.2f} GiB allowed; "
                                             + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in parts.items()))
 
 
-def _largest_step_within(util: float) -> tuple[int, int, int]:
+def _largest_step_within(util: float, kv: str = "auto") -> tuple[int, int, int]:
     core = EngineCore(EngineConfig(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
-                                   gpu_memory_utilization=util, max_num_batched_tokens=4096, max_num_seqs=128,
+                                   kv_cache_dtype=kv, gpu_memory_utilization=util, max_num_batched_tokens=4096, max_num_seqs=128,
                                    max_model_len=8192, enforce_eager=True, warmup=False))
     try:
         assert core.step_peak is not None and core.step_peak.peak_bytes > 0

@@ -2,7 +2,7 @@
 attentions by their log-sum-exps (Triton kernel and torch reference) against attention over all keys; which rows
 qualify; the prefix gather from the real pool layout; the whole path (gather, two calls, merge, output rows) against
 the torch reference backend, with cuDNN's call replaced on CPU by a torch one of the same contract; on CUDA, the
-Triton backend's forward taking that path with cuDNN itself."""
+Triton backend's forward taking that path with cuDNN itself, and a whole engine over an fp8 pool taking it."""
 
 from __future__ import annotations
 
@@ -406,3 +406,48 @@ def test_warm_up_builds_every_shape_on_cuda():
         pytest.skip("cuDNN attention needs compute capability 9.0+")
     n = lib.warm_up(torch.device("cuda"), torch.bfloat16, 32, 8, 128, 4096, 8192)
     assert n == len(lib.warm_shapes(4096, 8192)) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_over_an_fp8_pool_sends_long_prompts_to_cudnn_and_tracks_triton(monkeypatch):
+    """A whole engine (dummy Qwen3-0.6B, bf16, fp8 KV): a fresh 3000-token prompt and a 9000-token one chunked by
+    4096 on its prefix. With FP8_POOLS the library takes prefill rows, and every request's first-token logits track
+    the run with the Triton kernel for every row (the same fp8 pool; only the attention kernel differs)."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.ops.attention import triton_backend
+    from pdserve.sampling_params import SamplingParams
+    from tests.engine.test_vs_transformers import capture_logits, run_to_end
+
+    if not lib.enabled(torch.device("cuda")):
+        pytest.skip("cuDNN attention needs compute capability 9.0+")
+    calls = []
+    real = triton_backend.library_prefill
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "library_prefill", counted)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(lib, "FP8_POOLS", on)
+        calls.clear()
+        core = EngineCore(EngineConfig(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16",
+                                       kv_cache_dtype="fp8", num_gpu_blocks=1024, max_num_batched_tokens=4096,
+                                       max_num_seqs=4, max_model_len=12288, enforce_eager=True))
+        captured = capture_logits(core)
+        g = torch.Generator().manual_seed(3)
+        for i, n in enumerate([3000, 9000]):
+            core.add_request(str(i), torch.randint(0, 151000, (n,), generator=g).tolist(),
+                             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        run_to_end(core)
+        runs[on] = (captured, len(calls))
+        del core
+        torch.cuda.empty_cache()
+    assert runs[False][1] == 0 and runs[True][1] > 0, (runs[False][1], runs[True][1])
+    for rid, rows in runs[False][0].items():
+        (n, x), (_, y) = runs[True][0][rid][0], rows[0]
+        err = float((x - y).abs().max() / y.abs().max())
+        assert err < 0.05, (rid, n, err)

@@ -96,12 +96,13 @@ PREFIX_BUCKET = 1024  # the unmasked call's prefix length is rounded down to thi
 WARM_MAX_PREFIXES = 64  # start-up builds chunk shapes for prefixes up to this many PREFIX_BUCKETs (warm_shapes)
 DTYPES = (torch.bfloat16, torch.float16)
 # FP8_POOLS: rows over an fp8 pool go to cuDNN too, the prefix dequantized into the model's dtype as it is gathered
-# (the step's own K/V are unquantized, as the Triton kernel reads them). Why: on an H200, dummy Qwen3-30B-A3B's last
-# 8192-token chunk on a 24576-token prefix took 768 ms with an fp8 pool, 675 of them in the Triton prefill kernel
-# (~274 TFLOP/s), against 407 ms for the whole step on a bf16 pool through cuDNN (benchmarks/lease_s38/p32); its
-# 32k prompt's TTFT was 1.64x vLLM's (lease_s38/moe, moe2). False (as shipped, not yet run on a GPU): an A/B
-# (bench_steps.py --library-fp8-pools; a server: PDSERVE_PREFILL_LIBRARY_FP8=1).
-FP8_POOLS = envs.prefill_library_fp8(False)
+# (the step's own K/V are unquantized, as the Triton kernel reads them). Why: over an fp8 pool the Triton prefill
+# kernel ran at ~274 TFLOP/s (dummy Qwen3-30B-A3B on an H200, benchmarks/lease_s38/p32). Measured (lease_s39): that
+# model's 8192-token chunk on a 24576-token prefix 767/767 -> 397/396 ms a step (arms off, on, off, on), a fresh
+# 8192-token prompt 167/168 -> 154/154 ms; served beside vLLM (fp8 KV on both, vLLM's client, one at a time) the 32k
+# prompt's mean TTFT went from 1.64x vLLM's (lease_s38) to 0.94x, the 8k prompt's 0.84x. PDSERVE_PREFILL_LIBRARY_FP8=0
+# (or bench_steps.py --no-library-fp8-pools) keeps those rows on the Triton kernel.
+FP8_POOLS = envs.prefill_library_fp8(True)
 
 
 @lru_cache(maxsize=8)
