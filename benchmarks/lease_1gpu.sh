@@ -247,6 +247,7 @@
 #              and the KV sizing (each now also over an fp8 pool, and a whole engine over one with long prompts
 #              against the Triton kernel's logits), the other fp8 GPU tests, then the 41 MoE GPU tests s38a's cut
 #              left unrun
+#   s39c       (written in session 39) the GPU tests s39b's limits cut: the fp8 ones after the 14th, the MoE's last
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1540,6 +1541,17 @@ PY
       $(cat "$W/moe_ids.txt") > "$W/moe_gpu_tests.txt" 2>&1
     grep -v "^\.*$" "$W/moe_gpu_tests.txt" | cut -c1-400 | tail -6
     save ;;
+  s39c)  # the GPU tests s39b's limits cut: the fp8 ones after the 14th, the last MoE one
+    F8="tests/engine/test_cuda_graphs.py tests/ops/test_attention_backend.py tests/engine/test_fused_engine.py
+      tests/ops/test_attention_prefill.py tests/ops/test_attention_decode.py tests/ops/test_attention_kv_write.py"
+    python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider -k fp8 $F8 2>/dev/null | grep "::" | sed -n '15,$p' \
+      > "$W/ids.txt"
+    python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests/model/test_qwen3_moe_vs_transformers.py \
+      tests/model/test_fused_moe_kernel.py 2>/dev/null | sed -n '207p' >> "$W/ids.txt"
+    echo "$(wc -l < "$W/ids.txt") tests"
+    timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short $(cat "$W/ids.txt") > "$W/gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \
