@@ -750,6 +750,50 @@ def _moe_sbs(folder: str, before_folder: str, before_label: str) -> list[str]:
     return gzip.decompress((B / f"{folder}/pdserve.log.gz").read_bytes()).decode(errors="replace").splitlines()
 
 
+def session39() -> None:
+    """Session 39 (one H200 lease, two machines: long prefill rows over an fp8 pool through cuDNN, A/B'd, served
+    beside vLLM, shipped on, and its GPU tests)."""
+    base = "lease_s39"
+    print(f"- the library's GPU tests with fp8 pools through cuDNN (s39a, machine 1, `lease_1gpu.sh s39a`): "
+          f"`{_gpu_tests(f'{base}/s39a/gpu_tests.txt')}`")
+    print("\nDummy Qwen3-30B-A3B (fp8 KV, `--max-model-len 40960`): a fresh 8192-token prompt and the 8192-token chunk "
+          "on a 24576-token prefix, with the Triton prefill kernel over the fp8 pool (off: `--no-library-fp8-pools`) "
+          "and through cuDNN with the prefix dequantized as it is gathered (on: `--library-fp8-pools`), one process an "
+          "arm (s39a):\n")
+    arms = ["off", "on", "off", "on"]
+    times = _arms_table(f"{base}/s39a", arms)
+    t = _arm_deltas(times, arms, "off", ["prefill:8192", "prefill:24576+8192"])
+    ratio = {n: (sum(v[1::2]) / sum(v[0::2])) for n, v in times.items()}
+    print(f"\n- on against off, the mean of each arm's two: {t}; on / off: "
+          + ", ".join(f"{n} {r:.3f}" for n, r in ratio.items()))
+    print("\nDummy Qwen3-30B-A3B beside vLLM with it on (moe/, machine 1 after s39a: eleven staging calls, "
+          "`lease_2xh200.sh unpack`, then `PDSERVE_PREFILL_LIBRARY_FP8=1 SBS_WORKLOADS=\"8192:16:16:1 32768:16:8:1\" "
+          "lease_1gpu.sh moe`, `--kv-cache-dtype fp8` on both, vLLM's client):\n")
+    _sbs_table(f"{base}/moe")
+    print("\nThe servers' own means over the same runs:\n")
+    _server_side(f"{base}/moe")
+    print()
+    for name in ("8192x16_c1", "32768x16_c1"):
+        vj, pj = (load(f"{base}/moe/{n}_single_{name}.json") for n in ("vllm", "pdserve"))
+        vb = load(f"lease_s38/moe/vllm_single_{name}.json")
+        pb = load(f"lease_s38/moe2/pdserve_single_{name}.json")
+        print(f"- {name}: mean TTFT {pj['mean_ttft_ms'] / vj['mean_ttft_ms']:.3f}x vLLM's, median "
+              f"{pj['median_ttft_ms'] / vj['median_ttft_ms']:.3f}x, p90 {pj['p90_ttft_ms'] / vj['p90_ttft_ms']:.3f}x "
+              f"(session 38, the Triton kernel over the fp8 pool: mean {pb['mean_ttft_ms'] / vb['mean_ttft_ms']:.3f}x, "
+              f"median {pb['median_ttft_ms'] / vb['median_ttft_ms']:.3f}x)")
+    miss = sum("compiled a kernel while serving" in ln for ln in gzip.decompress(
+        (B / f"{base}/moe/pdserve.log.gz").read_bytes()).decode(errors="replace").splitlines())
+    print(f"- kernels pdserve compiled while serving: {miss}")
+    print(f"\nShipped on (library_prefill.FP8_POOLS). GPU tests at that default (s39b, machine 2, `lease_1gpu.sh s39b`, "
+          f"and s39c, the same machine, the tests s39b's limits cut): the library's, the warm-up's and the KV sizing's "
+          f"(now also over an fp8 pool, and a whole engine over one with long prompts against the Triton kernel's "
+          f"logits): `{_gpu_tests(f'{base}/s39b/gpu_tests_library.txt')}`")
+    dots = [(B / f"{base}/s39b/{f}").read_text() for f in ("gpu_tests_fp8.txt", "moe_gpu_tests.txt")]
+    print(f"- the other fp8 GPU tests (`-k fp8`) and the 41 MoE GPU tests s38a's cut left unrun: {dots[0].count('.')} "
+          f"and {dots[1].count('.')} passes, {dots[0].count('F') + dots[1].count('F')} failures before s39b's limits "
+          f"cut them; the rest (s39c): `{_gpu_tests(f'{base}/s39c/gpu_tests.txt')}`")
+
+
 def session38() -> None:
     """Session 38 (one H200: session 37's three stages, the MoE side by side with 8k and 32k prompts, and where the
     MoE's 32k prefill goes on an fp8 pool)."""
@@ -3349,6 +3393,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session39()
+    print()
     session38()
     print()
     session37()
