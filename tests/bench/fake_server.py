@@ -1,4 +1,5 @@
-"""A scripted OpenAI-compatible streaming endpoint with exactly known timings, run in a background thread.
+"""A scripted OpenAI-compatible streaming endpoint with exactly known timings, run in a background thread (or, by
+FakeServerProcess, in a process of its own).
 
 The script: the first token chunk `ttft_s` after the request arrives, then one chunk every `itl_s` (on an
 absolute schedule, so sleeps do not drift), or with steps that make every TTFT and every gap different;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import re
 import threading
 import time
@@ -216,3 +218,47 @@ class FakeServer:
     def __exit__(self, *exc) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+class FakeServerProcess:
+    """`with FakeServerProcess(Script(...)) as srv: srv.url`: the same server in a spawned process of its own, for a
+    test whose verdicts rest on the server's latency: its clock then shares no interpreter lock, garbage collector
+    or leftover threads with the test process (in a full run that process holds what a thousand tests left). What
+    it recorded stays in the child; such a test checks what the client measured."""
+
+    def __init__(self, script: Script | None = None):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_in_child, args=(script or Script(), child), daemon=True)
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FakeServerProcess:
+        self._proc.start()
+        if not self._conn.poll(60):
+            self._proc.kill()
+            raise RuntimeError("fake server process did not start")
+        self.port = self._conn.recv()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+def _serve_in_child(script: Script, conn) -> None:
+    with FakeServer(script) as srv:
+        conn.send(srv.port)
+        try:
+            conn.recv()  # until the parent says stop, or its end of the pipe closes
+        except EOFError:
+            pass
