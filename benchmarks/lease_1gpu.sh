@@ -248,6 +248,9 @@
 #              against the Triton kernel's logits), the other fp8 GPU tests, then the 41 MoE GPU tests s38a's cut
 #              left unrun
 #   s39c       (written in session 39) the GPU tests s39b's limits cut: the fp8 ones after the 14th, the MoE's last
+#   s39d       (written in session 39) where dummy Qwen3-30B-A3B's (fp8 KV) prefill goes now that fp8 pools' long rows
+#              take cuDNN: the kernels of a fresh 8192-token prompt (60 % of its compute floor in s39a) and of the
+#              8192-token chunk on a 24576-token prefix
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1551,6 +1554,12 @@ PY
     echo "$(wc -l < "$W/ids.txt") tests"
     timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short $(cat "$W/ids.txt") > "$W/gpu_tests.txt" 2>&1
     grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s39d)  # dummy Qwen3-30B-A3B's (fp8 KV) prefill kernels at the shipped defaults: a fresh 8k prompt, an 8k chunk on 24k
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b --kv-cache-dtype fp8 --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960 --iters 5 --decode= --mixed= --loop="
+    timeout 240 $B --profile "prefill:8192;prefill:24576+8192" --top 24 --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -E -A30 "^profile" | cut -c1-160 | head -70
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
