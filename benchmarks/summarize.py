@@ -792,6 +792,15 @@ def session39() -> None:
     print(f"- the other fp8 GPU tests (`-k fp8`) and the 41 MoE GPU tests s38a's cut left unrun: {dots[0].count('.')} "
           f"and {dots[1].count('.')} passes, {dots[0].count('F') + dots[1].count('F')} failures before s39b's limits "
           f"cut them; the rest (s39c): `{_gpu_tests(f'{base}/s39c/gpu_tests.txt')}`")
+    print("\nWhere the MoE's prefill goes at that default (s39d, machine 3, `lease_1gpu.sh s39d`: `bench_steps.py --model "
+          "qwen3-30b-a3b --kv-cache-dtype fp8 --profile`), each kernel's time a step:\n")
+    print("| kernel | " + " | ".join(p["case"] for p in load(f"{base}/s39d/profile.json")["profiles"]) + " |\n|---|---|---|")
+    profs = [p["graphs"] for p in load(f"{base}/s39d/profile.json")["profiles"]]
+    times = [{t["name"]: (t["count_per_step"], t["us_per_step"]) for t in g["top"]} for g in profs]
+    for name in [t["name"] for t in profs[0]["top"][:9]]:
+        print(f"| {name[:60]} | " + " | ".join(
+            f"{x[name][1] / 1e3:.1f} ms ({x[name][0]:.0f} calls)" if name in x else "-" for x in times) + " |")
+    print("| all kernels | " + " | ".join(f"{g['gpu_us_per_step'] / 1e3:.1f} ms" for g in profs) + " |")
 
 
 def session38() -> None:
