@@ -251,6 +251,11 @@
 #   s39d       (written in session 39) where dummy Qwen3-30B-A3B's (fp8 KV) prefill goes now that fp8 pools' long rows
 #              take cuDNN: the kernels of a fresh 8192-token prompt (60 % of its compute floor in s39a) and of the
 #              8192-token chunk on a 24576-token prefix
+#   s40a       (written in session 39, not yet run) wide programs of the QK-norm + rotary kernel in steps of at least
+#              rotary.WIDE_MIN_TOKENS tokens (rotary.WIDE_TILE; s39d: 7.7 of the MoE's 153 ms 8k prefill, ~1 TB/s):
+#              the rotary GPU tests (bytes equal to the narrow programs'), then dummy Qwen3-30B-A3B's (fp8 KV) fresh
+#              8k prompt and 8k chunk on a 24k prefix with programs of at most 512 (w0, as shipped), 1024 and 2048
+#              elements, twice; then dummy Qwen3-8B's fresh 8k prompt, w0 and w2048 twice
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1561,6 +1566,23 @@ PY
     timeout 240 $B --profile "prefill:8192;prefill:24576+8192" --top 24 --out "$W/profile.json" > "$W/profile.txt" 2>&1
     grep -v " INFO " "$W/profile.txt" | grep -E -A30 "^profile" | cut -c1-160 | head -70
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s40a)  # wide rotary programs in long steps: GPU tests, then prefill steps per arm (the MoE with fp8 KV, dense 8B)
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_rotary.py \
+      > "$W/gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+    save
+    i=0
+    for spec in "moe 0" "moe 1024" "moe 2048" "moe 0" "moe 1024" "moe 2048" "8b 0" "8b 2048" "8b 0" "8b 2048"; do
+      set -- $spec; i=$((i + 1)); left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time for $spec"; break; }
+      if [ $1 = moe ]; then m="--model qwen3-30b-a3b --kv-cache-dtype fp8 --prefill 8192,24576+8192"
+      else m="--model qwen3-8b --prefill 8192"; fi
+      timeout $(( left < 90 ? left : 90 )) python3 benchmarks/engine/bench_steps.py $m --load-format dummy \
+        --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960 --iters 5 --decode= --mixed= --loop= \
+        --rope-wide-tile $2 --out "$W/steps_${i}_$1_w$2.json" > "$W/steps_${i}_$1_w$2.txt" 2>&1
+      grep -E "^prefill[^ ]*:|Error" "$W/steps_${i}_$1_w$2.txt" | cut -c1-200 | sed "s/^/$1 w$2($i) /"
+      save
+    done ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \

@@ -484,8 +484,13 @@ LIBRARY_SWITCHES = [
     ("library-fp8-pools", "FP8_POOLS", bool, "long prefill rows over an fp8 pool through cuDNN, the prefix "
      "dequantized as it is gathered"),
 ]
-SWITCHES = {"decode": DECODE_SWITCHES, "moe": MOE_SWITCHES,
-            "library_prefill": LIBRARY_SWITCHES}  # by the module's short name in the help
+# ... and pdserve.ops.rotary's
+ROTARY_SWITCHES = [
+    ("rope-wide-tile", "WIDE_TILE", int, "elements a program of the QK-norm + rotary kernel takes in steps of at least "
+     "rotary.WIDE_MIN_TOKENS tokens (0: the 512 of shorter steps)"),
+]
+SWITCHES = {"decode": DECODE_SWITCHES, "moe": MOE_SWITCHES, "library_prefill": LIBRARY_SWITCHES,
+            "rotary": ROTARY_SWITCHES}  # by the module's short name in the help
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,8 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
     from pdserve.model import moe as moe_mod
+    from pdserve.ops import rotary as rotary_mod
     from pdserve.ops.attention import library_prefill as library_mod
-    modules = {"decode": decode_mod, "moe": moe_mod, "library_prefill": library_mod}
+    modules = {"decode": decode_mod, "moe": moe_mod, "library_prefill": library_mod, "rotary": rotary_mod}
     for mod, switches in SWITCHES.items():
         for flag, name, _, _ in switches:
             value = getattr(args, flag.replace("-", "_"))
