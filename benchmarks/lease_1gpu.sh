@@ -256,6 +256,11 @@
 #              the rotary GPU tests (bytes equal to the narrow programs'), then dummy Qwen3-30B-A3B's (fp8 KV) fresh
 #              8k prompt and 8k chunk on a 24k prefix with programs of at most 512 (w0, as shipped), 1024 and 2048
 #              elements, twice; then dummy Qwen3-8B's fresh 8k prompt, w0 and w2048 twice
+#   s40b       (written in session 39, not yet run) the fused MoE's tiles for prefill-sized steps: the shipped H200 table
+#              stops at the 4096-token bucket, so an 8192-token step runs 4096's tiles (s39d: expert GEMMs 62.8 of
+#              the 8k prompt's 153 ms, ~470 TFLOP/s); tune_fused_moe.py --tokens 8192 16384 merges those buckets
+#              into a copy of the table, then the MoE's prefill steps with the shipped table (old) and the merged one
+#              (new), alternated; the merged table is kept as $W/table_new.json (ship it only if new wins)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1583,6 +1588,26 @@ PY
       grep -E "^prefill[^ ]*:|Error" "$W/steps_${i}_$1_w$2.txt" | cut -c1-200 | sed "s/^/$1 w$2($i) /"
       save
     done ;;
+  s40b)  # the fused MoE's tiles for 8192- and 16384-token steps, tuned and merged; the MoE's prefill steps old/new
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    T=pdserve/ops/configs/fused_moe/E=128,N=768,K=2048,dtype=bfloat16,device=NVIDIA_H200.json
+    cp "$T" "$W/table_old.json"
+    timeout 330 python3 benchmarks/moe/tune_fused_moe.py --tokens 8192 16384 --max-minutes 4.5 > "$W/tune.txt" 2>&1
+    tail -4 "$W/tune.txt" | cut -c1-300
+    cp "$T" "$W/table_new.json"
+    save
+    i=0
+    for v in old new old new; do
+      i=$((i + 1)); left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time for $v"; break; }
+      cp "$W/table_$v.json" "$T"
+      timeout $(( left < 80 ? left : 80 )) python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b \
+        --kv-cache-dtype fp8 --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960 \
+        --iters 5 --decode= --mixed= --loop= --prefill 8192,24576+8192 --out "$W/steps_${i}_$v.json" \
+        > "$W/steps_${i}_$v.txt" 2>&1
+      grep -E "^prefill[^ ]*:|Error" "$W/steps_${i}_$v.txt" | cut -c1-200 | sed "s/^/$v($i) /"
+      save
+    done
+    cp "$W/table_old.json" "$T" ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \
