@@ -261,6 +261,10 @@
 #              the 8k prompt's 153 ms, ~470 TFLOP/s); tune_fused_moe.py --tokens 8192 16384 merges those buckets
 #              into a copy of the table, then the MoE's prefill steps with the shipped table (old) and the merged one
 #              (new), alternated; the merged table is kept as $W/table_new.json (ship it only if new wins)
+#   s40c       (written in session 39, not yet run) cuDNN's inputs that need no padding as views of the step's fused
+#              q/k/v (library_prefill.STRIDED_INPUTS; s39d: 144 copy kernels, 5.2 of the MoE's 153-ms 8k prompt):
+#              the library's GPU tests and the warm-up's plan test (both with it), then dummy Qwen3-30B-A3B's (fp8
+#              KV) fresh 8k prompt and 8k chunks on 8k and 24k prefixes, and dummy Qwen3-8B's, off/on twice
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1608,6 +1612,23 @@ PY
       save
     done
     cp "$W/table_old.json" "$T" ;;
+  s40c)  # cuDNN's unpadded inputs as views of the fused q/k/v: GPU tests, then prefill steps off/on (MoE fp8, dense 8B)
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
+      "tests/engine/test_warmup.py::test_long_prompts_after_the_warm_up_build_no_cudnn_plan" > "$W/gpu_tests.txt" 2>&1
+    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+    save
+    i=0
+    for spec in "moe off" "moe on" "moe off" "moe on" "8b off" "8b on" "8b off" "8b on"; do
+      set -- $spec; i=$((i + 1)); left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time for $spec"; break; }
+      if [ $1 = moe ]; then m="--model qwen3-30b-a3b --kv-cache-dtype fp8"; else m="--model qwen3-8b"; fi
+      timeout $(( left < 90 ? left : 90 )) python3 benchmarks/engine/bench_steps.py $m --load-format dummy \
+        --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960 --iters 5 --decode= --mixed= --loop= \
+        --prefill 8192,8192+8192,24576+8192 --$([ $2 = on ] || echo no-)library-strided-inputs \
+        --out "$W/steps_${i}_$1_$2.json" > "$W/steps_${i}_$1_$2.txt" 2>&1
+      grep -E "^prefill[^ ]*:|Error" "$W/steps_${i}_$1_$2.txt" | cut -c1-200 | sed "s/^/$1 $2($i) /"
+      save
+    done ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \

@@ -483,6 +483,8 @@ MOE_SWITCHES = [
 LIBRARY_SWITCHES = [
     ("library-fp8-pools", "FP8_POOLS", bool, "long prefill rows over an fp8 pool through cuDNN, the prefix "
      "dequantized as it is gathered"),
+    ("library-strided-inputs", "STRIDED_INPUTS", bool, "cuDNN's inputs that need no padding as views of the step's "
+     "fused q/k/v, not packed copies"),
 ]
 # ... and pdserve.ops.rotary's
 ROTARY_SWITCHES = [

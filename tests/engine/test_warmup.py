@@ -246,13 +246,14 @@ def test_a_step_one_token_past_an_mlp_part_compiles_nothing():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_long_prompts_after_the_warm_up_build_no_cudnn_plan(kv):
+@pytest.mark.parametrize("kv,strided", [("auto", False), ("fp8", False), ("auto", True)])
+def test_long_prompts_after_the_warm_up_build_no_cudnn_plan(kv, strided, monkeypatch):
     """On CUDA (cuDNN's prefill: sm_90+): after the warm-up, a long prompt in --max-long-prefill-tokens' chunks beside
     a decoding request, one alone in full chunks, and one in full chunks beside a decoding request without the cap
     (shifted off the prefix buckets) run on cuDNN plans the warm-up built (plan_watch counts any other; their short
     last chunks go to the Triton kernel); a prefix-cache hit whose new tokens are a long chunk of a length no warm-up
-    shape has then builds one, and the watcher counts it. With a model-dtype pool and an fp8 one."""
+    shape has then builds one, and the watcher counts it. With a model-dtype pool and an fp8 one, and with
+    STRIDED_INPUTS (calls on views of the fused q/k/v, whose plans the warm-up builds on such views)."""
     import torch
 
     from pdserve.ops.attention import library_prefill as lib
@@ -261,6 +262,7 @@ def test_long_prompts_after_the_warm_up_build_no_cudnn_plan(kv):
 
     if not lib.enabled(torch.device("cuda")):
         pytest.skip("cuDNN's prefill needs compute capability 9.0+")
+    monkeypatch.setattr(lib, "STRIDED_INPUTS", strided)
     core = EngineCore(EngineConfig(model="qwen3-8b", load_format="dummy", device="cuda", dtype="bfloat16",
                                    gpu_memory_utilization=0.5, max_num_batched_tokens=8192, max_num_seqs=8,
                                    max_model_len=24576, max_long_prefill_tokens=2048, kv_cache_dtype=kv))
@@ -288,7 +290,7 @@ def test_long_prompts_after_the_warm_up_build_no_cudnn_plan(kv):
         assert PLANS.built_after_arm == 0, f"{PLANS.built_after_arm} cuDNN plans built ({PLANS.stats()})"
         # the first 8192 tokens from the prefix cache, then new ones past MIN_CHUNK, of a length no warm-up shape has
         # (nor the other pool's run: plans live as long as the process, and both runs call cuDNN in the model dtype)
-        new = {"auto": 5000, "fp8": 5600}[kv]
+        new = {("auto", False): 5000, ("fp8", False): 5600, ("auto", True): 6100}[kv, strided]
         core.add_request("hit", long_ids[:8192] + list(range(1, new + 1)), SamplingParams(max_tokens=2, temperature=0.0))
         while core.has_work():
             core.step()

@@ -286,6 +286,36 @@ def test_library_path_over_an_fp8_pool_matches_the_reference_backend(monkeypatch
     assert (unscaled[70:] - ref[70:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_strided_inputs_go_to_the_call_where_they_lie(monkeypatch, strided):
+    """STRIDED_INPUTS: call inputs that need no padding (a fresh row of a bucket's length; a chunk on a prefix at a
+    prefix-bucket multiple) reach the call as views of the step's fused q/k/v, not copies; the answer is the
+    reference's either way, and rows that need padding are still copied."""
+    monkeypatch.setattr(lib, "STRIDED_INPUTS", strided)
+    monkeypatch.setattr(lib, "QUERY_BUCKET", 16)
+    monkeypatch.setattr(lib, "PREFIX_BUCKET", 32)
+    calls = []
+
+    def spy(q, k, v, scale, causal, lse):
+        calls.append([x.untyped_storage().data_ptr() for x in (q, k, v)])
+        return _torch_cudnn(q, k, v, scale, causal, lse)
+
+    monkeypatch.setattr(lib, "_cudnn", spy)
+    seq_lens, q_lens = [64, 96, 70], [64, 32, 20]
+    p = make_problem(seq_lens, q_lens, hq=8, hk=2, d=32, bs=16, dtype=torch.bfloat16, write_new=True)
+    step = p.q.untyped_storage().data_ptr()
+    assert p.k.untyped_storage().data_ptr() == step and not lib._packed(p.q)  # views of one fused projection
+    rows = [(0, 0, 64, 0), (1, 64, 32, 64), (2, 96, 20, 50)]
+    out = poisoned(p.q)
+    lib.library_prefill(p.q, p.kv_layer, p.meta, rows, 0.3, p.k, p.v, out)
+    ref = TorchAttentionBackend().attend(p.q.float(), p.kv_layer, p.meta, 0.3, k_new=p.k.float(), v_new=p.v.float())
+    assert_close(out.float(), ref, torch.bfloat16, f"strided inputs {strided}")
+    # the fresh row's causal call; the chunk's causal call (k, v its own) and its unmasked one (q only is the step's)
+    assert [c[0] == step for c in calls[:3]] == [strided] * 3
+    assert [c[1] == step for c in calls[:2]] == [strided] * 2
+    assert not any(step in c for c in calls[3:])  # the last row (20 tokens on 50) is padded: copies
+
+
 def test_bucketed_shapes():
     assert lib.bucketed_shapes(8192, 0) == (0, 8192, 8192, 0)
     assert lib.bucketed_shapes(8000, 24576) == (24576, 8192, 8192, 0)
@@ -301,18 +331,21 @@ def test_transient_bound_covers_the_8b_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_backend_takes_cudnn_for_long_rows(dtype):
+@pytest.mark.parametrize("dtype,strided", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
+def test_triton_backend_takes_cudnn_for_long_rows(dtype, strided, monkeypatch):
     """On CUDA (sm_90+), through the Triton backend's forward: cuDNN takes the prefill rows (a fresh prompt, chunks
-    on prefixes beside decode rows), and the output matches the reference."""
+    on prefixes beside decode rows), and the output matches the reference; with STRIDED_INPUTS, the rows that need
+    no padding reach cuDNN as views of the fused q/k/v, which it takes as they are (no fallback to repeated K/V)."""
     from pdserve.ops.attention.triton_backend import TritonAttentionBackend
 
     if not lib.enabled(torch.device("cuda")):
         pytest.skip("cuDNN attention needs compute capability 9.0+")
+    monkeypatch.setattr(lib, "STRIDED_INPUTS", strided)
     dev = torch.device("cuda")
     cases = (([lib.MIN_FRESH + 5], [lib.MIN_FRESH + 5]), ([lib.MIN_CHUNK + 2500, 300, 77], [lib.MIN_CHUNK, 1, 1]),
              ([8192 + 1000], [8192]),  # fresh; a chunk with both calls and the merge; a prefix under one bucket
-             ([lib.MIN_CHUNK + 2 * lib.PREFIX_BUCKET], [lib.MIN_CHUNK]))  # aligned: one query copy for both calls
+             ([lib.MIN_CHUNK + 2 * lib.PREFIX_BUCKET], [lib.MIN_CHUNK]),  # aligned: one query copy for both calls
+             ([8192], [8192]), ([8192 + 3 * lib.PREFIX_BUCKET, 500], [8192, 1]))  # no padding at all
     for seq_lens, q_lens in cases:
         p = make_problem(seq_lens, q_lens, hq=32, hk=8, d=128, bs=16, dtype=dtype, device=dev)
         out = TritonAttentionBackend().forward(p.q, p.k, p.v, p.kv_layer, p.meta, 128 ** -0.5)
@@ -320,6 +353,7 @@ def test_triton_backend_takes_cudnn_for_long_rows(dtype):
         ref = TorchAttentionBackend().attend(p.q.float(), p.kv_layer.float(), p.meta, 128 ** -0.5,
                                              k_new=p.k.float(), v_new=p.v.float())
         assert_close(out.float(), ref, dtype, f"cuDNN rows {q_lens}")
+    assert not lib._expand_kv, "cuDNN refused the grouped K/V views"
 
 
 @pytest.mark.gpu

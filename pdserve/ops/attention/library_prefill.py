@@ -103,6 +103,13 @@ DTYPES = (torch.bfloat16, torch.float16)
 # prompt's mean TTFT went from 1.64x vLLM's (lease_s38) to 0.94x, the 8k prompt's 0.84x. PDSERVE_PREFILL_LIBRARY_FP8=0
 # (or bench_steps.py --no-library-fp8-pools) keeps those rows on the Triton kernel.
 FP8_POOLS = envs.prefill_library_fp8(True)
+# STRIDED_INPUTS: a call input that needs no padding (its length is already the call's size) goes to cuDNN as it lies
+# in the step's fused q/k/v projection (each token's heads one projection row apart, the head dim contiguous), not
+# copied into a packed buffer first; the warm-up then builds its plans on views of such a buffer. Why: a fresh
+# 8192-token prompt of dummy Qwen3-30B-A3B ran 144 copy kernels (3 a layer), 5.2 of its 153 ms of kernels
+# (benchmarks/lease_s39/s39d); every chunk of a long prompt on a prefix at a PREFIX_BUCKET multiple needs no padding
+# either. False (as shipped, not yet run on a GPU): an A/B (bench_steps.py --library-strided-inputs).
+STRIDED_INPUTS = False
 
 
 @lru_cache(maxsize=8)
@@ -266,11 +273,21 @@ def _packed(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and x.stride(-3) == x.shape[-2] * x.shape[-1]
 
 
+def _as_is(x: torch.Tensor) -> bool:
+    """Whether a call may take rows of [L, H, D] where they lie: heads packed, or (STRIDED_INPUTS) any layout with
+    the head dim contiguous and 16-byte aligned rows and heads (a view of the step's fused q/k/v projection)."""
+    if _packed(x):
+        return True
+    return (STRIDED_INPUTS and x.stride(-1) == 1 and (x.stride(-2) * x.element_size()) % 16 == 0
+            and (x.stride(-3) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
 def _padded(rows: list[tuple[torch.Tensor, int]], length: int) -> torch.Tensor:
     """[length, H, D]: each (x, at) placed at row `at` (in order, not overlapping), zeros in the rows none covers; a
-    bucketed call's input. One x that already fills the length, heads packed, is returned as it is."""
+    bucketed call's input. One x that already fills the length, in a layout the call takes (_as_is), is returned
+    as it is."""
     x0 = rows[0][0]
-    if len(rows) == 1 and rows[0][1] == 0 and x0.shape[0] == length and _packed(x0):
+    if len(rows) == 1 and rows[0][1] == 0 and x0.shape[0] == length and _as_is(x0):
         return x0
     buf = torch.empty((length, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
     end = 0
@@ -373,15 +390,16 @@ def warm_up(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_h
     if not shapes:
         return 0
     longest_new = max(n for n, _ in shapes)
-    q = torch.zeros((longest_new, num_q_heads, head_dim), dtype=dtype, device=device)
-    kv = torch.zeros((2, longest_new, num_kv_heads, head_dim), dtype=dtype, device=device)
-    out = torch.empty_like(q)
+    # q, k and v as a step's are: views of one fused projection output (the plans of STRIDED_INPUTS' calls)
+    qkv = torch.zeros((longest_new, num_q_heads + 2 * num_kv_heads, head_dim), dtype=dtype, device=device)
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for n, c in shapes:
         kp = vp = None
         if c:  # as gather_prefix returns it: a whole-block copy, cut to the prefix
             kp = torch.zeros((c, num_kv_heads, head_dim), dtype=dtype, device=device)
             vp = torch.zeros_like(kp)
-        attend_row(q[:n], kv[0, :n], kv[1, :n], kp, vp, 1.0, out[:n])
+        attend_row(q[:n], k[:n], v[:n], kp, vp, 1.0, out[:n])
         del kp, vp
     torch.cuda.synchronize(device)
     return len(shapes)
