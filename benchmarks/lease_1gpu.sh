@@ -322,6 +322,13 @@ ab_loops() {  # PREFIX PATTERN FLAGS CASES ARMS...: dummy Qwen3-8B steps and ste
     save
   done
 }
+gpu_tests() {  # LIMIT PYTEST_ARGS...: the GPU tests given under `timeout LIMIT` into $W/gpu_tests.txt, their tail
+  # printed, then `save`
+  local limit=$1; shift
+  timeout $limit python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short "$@" > "$W/gpu_tests.txt" 2>&1
+  grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
+  save
+}
 moe_arms() {  # CASES NAME=FLAGS...: dummy Qwen3-30B-A3B's steps and steady loops (fp8 KV, temperature 1; CASES:
   # bench_steps.py's --decode/--loop arguments) per arm, in order, until 575 s into the call, each at most 110 s; an
   # arm NAME=FLAGS runs with FLAGS (commas for spaces); results in $W/steps_<i>_<NAME>.json; `save` after each
@@ -1577,10 +1584,7 @@ PY
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s40a)  # wide rotary programs in long steps: GPU tests, then prefill steps per arm (the MoE with fp8 KV, dense 8B)
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_rotary.py \
-      > "$W/gpu_tests.txt" 2>&1
-    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
-    save
+    gpu_tests 150 tests/ops/test_rotary.py
     i=0
     for spec in "moe 0" "moe 1024" "moe 2048" "moe 0" "moe 1024" "moe 2048" "8b 0" "8b 2048" "8b 0" "8b 2048"; do
       set -- $spec; i=$((i + 1)); left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time for $spec"; break; }
@@ -1614,10 +1618,8 @@ PY
     cp "$W/table_old.json" "$T" ;;
   s40c)  # cuDNN's unpadded inputs as views of the fused q/k/v: GPU tests, then prefill steps off/on (MoE fp8, dense 8B)
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
-      "tests/engine/test_warmup.py::test_long_prompts_after_the_warm_up_build_no_cudnn_plan" > "$W/gpu_tests.txt" 2>&1
-    grep -v "^\.*$" "$W/gpu_tests.txt" | cut -c1-400 | tail -6
-    save
+    gpu_tests 200 tests/ops/test_library_prefill.py \
+      "tests/engine/test_warmup.py::test_long_prompts_after_the_warm_up_build_no_cudnn_plan"
     i=0
     for spec in "moe off" "moe on" "moe off" "moe on" "8b off" "8b on" "8b off" "8b on"; do
       set -- $spec; i=$((i + 1)); left=$(( 575 - ($(date +%s) - t0) )); [ $left -lt 50 ] && { echo "no time for $spec"; break; }
