@@ -40,8 +40,6 @@ from pdserve.ops.attention.decode import (
 from pdserve.ops.attention.kv_write import _write_kv_kernel
 from pdserve.ops.attention.library_prefill import _gather_blocks_kernel
 from pdserve.ops.attention.prefill import SWEEP, PrefillConfig, _prefill_kernel, default_g_pack
-from pdserve.ops.rotary import TILE as ROPE_TILE
-from pdserve.ops.rotary import _qk_norm_rope_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 WIDEN_OVERRIDE: bool | None = None  # --fp8-v-widen: None as paged_decode decides
@@ -152,23 +150,6 @@ def gather(dt: str, kv: str, hk: int, d: int) -> dict:
     return _compile(_gather_blocks_kernel, types, ce, 4, 1, ["KV", "Out"])
 
 
-def rope(dt: str, kv: str, hq: int, hk: int, d: int, tile: int) -> dict:
-    """The QK-norm + rotary kernel writing the step's K/V into the pool, with programs of at most `tile` elements
-    (rotary.TILE, or rotary.WIDE_TILE in long steps), as qk_norm_rope_triton launches it."""
-    types = dict(Q=f"*{dt}", K=f"*{dt}", POS="*i64", COS="*fp32", SIN="*fp32", QW=f"*{dt}", KW=f"*{dt}", V=f"*{dt}",
-                 KV=f"*{kv}", SLOTS="*i64", KS="*fp32", VS="*fp32", s_qt="i32", s_qh="i32", s_kt="i32", s_kh="i32",
-                 s_cos="i32", n_qh="i32", n_kh="i32", eps="fp32", offset="fp32", s_vt="i32", s_vh="i32",
-                 s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", n_slots="i32")
-    fp8 = kv in FP8
-    half = d // 2
-    block_half = triton.next_power_of_2(half)
-    hb = max(1, min(triton.next_power_of_2(max(hq, hk)), tile // block_half))
-    ce = dict(HALF=half, BLOCK_HALF=block_half, HB=hb, HAS_NORM=True, WRITE_KV=True, BS=16, FP8=fp8, HAS_KS=fp8,
-              HAS_VS=fp8, FP8_MAX=(448.0 if kv == "fp8e4nv" else 57344.0) if fp8 else 0.0, PDL=1)
-    return _compile(_qk_norm_rope_kernel, types, ce, min(8, max(2, hb * block_half // 128)), 1,
-                    ["Q", "K", "V", "KV"])
-
-
 def default_cases() -> list[tuple[str, dict, callable]]:
     """(name, description, thunk) of the configurations prefill_config / paged_decode / write_kv choose on sm_90."""
     from pdserve.ops.attention.prefill import prefill_config
@@ -224,11 +205,6 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                 # pools where FP8_POOLS) at Qwen3-30B-A3B's and Qwen3-8B's KV heads
                 desc = dict(kernel="gather", dtype=dt, kv=kv, hk=hk)
                 cases.append((f"gather {dt}/{kv} hk={hk}", desc, lambda dt=dt, kv=kv, hk=hk: gather(dt, kv, hk, 128)))
-            for tile in ((ROPE_TILE, 1024, 2048) if dt != "fp32" else ()):  # the rotary's programs: narrow
-                # (as shipped) and the wide ones of rotary.WIDE_TILE's A/B, at Qwen3-30B-A3B's heads
-                desc = dict(kernel="rope", dtype=dt, kv=kv, tile=tile)
-                cases.append((f"rope {dt}/{kv} tile={tile}", desc,
-                              lambda dt=dt, kv=kv, tile=tile: rope(dt, kv, 32, 4, 128, tile)))
     return cases
 
 

@@ -486,13 +486,8 @@ LIBRARY_SWITCHES = [
     ("library-strided-inputs", "STRIDED_INPUTS", bool, "cuDNN's inputs that need no padding as views of the step's "
      "fused q/k/v, not packed copies"),
 ]
-# ... and pdserve.ops.rotary's
-ROTARY_SWITCHES = [
-    ("rope-wide-tile", "WIDE_TILE", int, "elements a program of the QK-norm + rotary kernel takes in steps of at least "
-     "rotary.WIDE_MIN_TOKENS tokens (0: the 512 of shorter steps)"),
-]
-SWITCHES = {"decode": DECODE_SWITCHES, "moe": MOE_SWITCHES, "library_prefill": LIBRARY_SWITCHES,
-            "rotary": ROTARY_SWITCHES}  # by the module's short name in the help
+SWITCHES = {"decode": DECODE_SWITCHES, "moe": MOE_SWITCHES,
+            "library_prefill": LIBRARY_SWITCHES}  # by the module's short name in the help
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,9 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_mod.MANY_PROGRAMS_PREFETCH = False
         decode_mod.MANY_PROGRAMS_TILE = (64, 4, 3)
     from pdserve.model import moe as moe_mod
-    from pdserve.ops import rotary as rotary_mod
     from pdserve.ops.attention import library_prefill as library_mod
-    modules = {"decode": decode_mod, "moe": moe_mod, "library_prefill": library_mod, "rotary": rotary_mod}
+    modules = {"decode": decode_mod, "moe": moe_mod, "library_prefill": library_mod}
     for mod, switches in SWITCHES.items():
         for flag, name, _, _ in switches:
             value = getattr(args, flag.replace("-", "_"))

@@ -15,16 +15,6 @@ from pdserve.ops.dispatch import HAS_TRITON, use_fused
 from pdserve.ops.norm import rms_norm_ref
 from pdserve.ops.pdl import pdl_args
 
-# Elements (heads x head_dim) one program of the Triton kernel takes: at most TILE in a step of fewer than
-# WIDE_MIN_TOKENS tokens (decode, short mixed steps), at most WIDE_TILE (where set) in a longer one. Why: with
-# 512-element programs a prefill step ran at ~1 TB/s, one short load-compute-store per program: dummy
-# Qwen3-30B-A3B's fresh 8192-token prompt (fp8 KV, H200) spent 7.7 of its 153 ms of kernels in it (48 calls,
-# benchmarks/lease_s39/s39d). Each head's math is the same either way. 0 (as shipped, not yet run on a GPU): off;
-# the A/B: bench_steps.py --rope-wide-tile 2048.
-TILE = 512
-WIDE_TILE = 0
-WIDE_MIN_TOKENS = 1024
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -145,8 +135,9 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
         return q, k
     half = d // 2
     block_half = triton.next_power_of_2(half)
-    tile = WIDE_TILE if WIDE_TILE and t >= WIDE_MIN_TOKENS else TILE
-    hb = max(1, min(triton.next_power_of_2(max(n_qh, n_kh)), tile // block_half))
+    # programs of at most 512 elements; wider ones in long steps (1024-2048, up to 8 warps) were no faster and not
+    # bitwise equal on an H200 (benchmarks/lease_s40/s40a)
+    hb = max(1, min(triton.next_power_of_2(max(n_qh, n_kh)), 512 // block_half))
     grid = (t, triton.cdiv(n_qh, hb) + triton.cdiv(n_kh, hb))
     has_norm = q_weight is not None
     if kv is not None:
@@ -167,7 +158,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
         q, k, positions, cos, sin, q_weight if has_norm else q, k_weight if has_norm else q,
         s_qt=q.stride(0), s_qh=q.stride(1), s_kt=k.stride(0), s_kh=k.stride(1), s_cos=cos.stride(0), n_qh=n_qh,
         n_kh=n_kh, eps=eps, offset=float(offset), HALF=half, BLOCK_HALF=block_half, HB=hb, HAS_NORM=has_norm,
-        num_warps=min(8, max(2, hb * block_half // 128)), **write, **pdl_args(q),
+        num_warps=4 if hb * block_half >= 512 else 2, **write, **pdl_args(q),
     )
     return q, k
 

@@ -1,6 +1,6 @@
 """The fused QK-norm + rotary kernel against the torch reference: with per-head norms (Qwen3, Gemma 3's (1 + w)
 form) and rotary only (Llama); head_dim 64/128/256, GQA head counts, 1/3/257 tokens (19 on CPU), random positions, q and k as
-strided views of one merged QKV projection output; wide programs for long steps (rotary.WIDE_TILE) change no byte."""
+strided views of one merged QKV projection output."""
 
 from __future__ import annotations
 
@@ -157,45 +157,3 @@ def test_kv_write_in_the_rotary_kernel_cuda(dtype, kv_dtype, hk, d, bs):
     p = make_problem([900, 37, 1, 2048], [900, 1, 1, 512], hq=4 * hk, hk=hk, d=d, bs=bs, dtype=dtype,
                      kv_dtype=kv_dtype, seed=bs + d)
     _write_case(p, dtype, True, seed=d)
-
-
-# ---- wide programs for long steps (rotary.WIDE_TILE): the same math per head, more heads a program; every output
-# and pool byte equal to the 512-element programs'
-
-import pdserve.ops.rotary as rotary_mod  # noqa: E402
-
-
-def _wide_against_narrow(monkeypatch, p, dtype, wide: int):
-    g = gen(5)
-    d = p.q.shape[-1]
-    rope = RotaryEmbedding(d, 1e6, 4096).to(p.q.device)
-    pos = torch.randint(0, 4096, (p.q.shape[0],), generator=g).to(p.q.device)
-    qw, kw = (randn((d,), g, p.q.device, dtype, 0.3) + 1.0 for _ in range(2))
-    outs = []
-    for tile in (0, wide):
-        monkeypatch.setattr(rotary_mod, "WIDE_TILE", tile)
-        pool = p.fresh_layer()
-        q, k = qk_norm_rope_triton(p.q.clone(), p.k.clone(), pos, rope.cos, rope.sin, qw, kw, 1e-6, 0.0, v=p.v,
-                                   kv=KVTarget(pool, p.meta.slot_mapping, p.k_scale, p.v_scale))
-        outs.append((q, k, as_storage(pool)))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("hq,hk,d,kv_dtype", [(32, 2, 64, None), (32, 4, 128, torch.float8_e4m3fn),
-                                                (16, 2, 256, None)])
-def test_wide_programs_change_no_byte(monkeypatch, hq, hk, d, kv_dtype):
-    assert hq * d // 2 > rotary_mod.TILE  # the narrow programs split the query heads; the wide ones take them all
-    monkeypatch.setattr(rotary_mod, "WIDE_MIN_TOKENS", 4)  # the interpreter runs a program at a time: short steps
-    p = make_problem([13, 6], [13, 4], hq=hq, hk=hk, d=d, bs=8, dtype=torch.bfloat16, kv_dtype=kv_dtype, seed=hq + d)
-    _wide_against_narrow(monkeypatch, p, torch.bfloat16, 2048)
-
-
-@gpu
-@pytest.mark.parametrize("hq,hk,kv_dtype", [(32, 4, torch.float8_e4m3fn), (32, 8, torch.bfloat16),
-                                            (32, 4, torch.bfloat16)])
-@pytest.mark.parametrize("wide", [1024, 2048, 4096])
-def test_wide_programs_change_no_byte_cuda(monkeypatch, hq, hk, kv_dtype, wide):
-    p = make_problem([8192, 3000], [8192, 1500], hq=hq, hk=hk, d=128, bs=16, dtype=torch.bfloat16, kv_dtype=kv_dtype,
-                     seed=wide + hk, device=torch.device("cuda"))
-    _wide_against_narrow(monkeypatch, p, torch.bfloat16, wide)
