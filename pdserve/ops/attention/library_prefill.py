@@ -108,8 +108,10 @@ FP8_POOLS = envs.prefill_library_fp8(True)
 # copied into a packed buffer first; the warm-up then builds its plans on views of such a buffer. Why: a fresh
 # 8192-token prompt of dummy Qwen3-30B-A3B ran 144 copy kernels (3 a layer), 5.2 of its 153 ms of kernels
 # (benchmarks/lease_s39/s39d); every chunk of a long prompt on a prefix at a PREFIX_BUCKET multiple needs no padding
-# either. False (as shipped, not yet run on a GPU): an A/B (bench_steps.py --library-strided-inputs).
-STRIDED_INPUTS = False
+# either. Measured (lease_s40/s40c, arms off, on, off, on): that prompt 153.6/152.3 -> 149.0/149.6 ms a step, dummy
+# Qwen3-8B's 222.6/225.2 -> 216.5/218.9 ms; chunks on a prefix 0.8-1.4 % faster. bench_steps.py
+# --no-library-strided-inputs packs them again.
+STRIDED_INPUTS = True
 
 
 @lru_cache(maxsize=8)
