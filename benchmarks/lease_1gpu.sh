@@ -251,20 +251,26 @@
 #   s39d       (written in session 39) where dummy Qwen3-30B-A3B's (fp8 KV) prefill goes now that fp8 pools' long rows
 #              take cuDNN: the kernels of a fresh 8192-token prompt (60 % of its compute floor in s39a) and of the
 #              8192-token chunk on a 24576-token prefix
-#   s40a       (written in session 39, not yet run) wide programs of the QK-norm + rotary kernel in steps of at least
-#              rotary.WIDE_MIN_TOKENS tokens (rotary.WIDE_TILE; s39d: 7.7 of the MoE's 153 ms 8k prefill, ~1 TB/s):
-#              the rotary GPU tests (bytes equal to the narrow programs'), then dummy Qwen3-30B-A3B's (fp8 KV) fresh
-#              8k prompt and 8k chunk on a 24k prefix with programs of at most 512 (w0, as shipped), 1024 and 2048
-#              elements, twice; then dummy Qwen3-8B's fresh 8k prompt, w0 and w2048 twice
-#   s40b       (written in session 39, not yet run) the fused MoE's tiles for prefill-sized steps: the shipped H200 table
-#              stops at the 4096-token bucket, so an 8192-token step runs 4096's tiles (s39d: expert GEMMs 62.8 of
-#              the 8k prompt's 153 ms, ~470 TFLOP/s); tune_fused_moe.py --tokens 8192 16384 merges those buckets
-#              into a copy of the table, then the MoE's prefill steps with the shipped table (old) and the merged one
-#              (new), alternated; the merged table is kept as $W/table_new.json (ship it only if new wins)
-#   s40c       (written in session 39, not yet run) cuDNN's inputs that need no padding as views of the step's fused
-#              q/k/v (library_prefill.STRIDED_INPUTS; s39d: 144 copy kernels, 5.2 of the MoE's 153-ms 8k prompt):
-#              the library's GPU tests and the warm-up's plan test (both with it), then dummy Qwen3-30B-A3B's (fp8
-#              KV) fresh 8k prompt and 8k chunks on 8k and 24k prefixes, and dummy Qwen3-8B's, off/on twice
+#   s40a       (written in session 39, ran in session 40 at fa5e404; rotary.WIDE_TILE and --rope-wide-tile were removed
+#              after it: no faster, and not bitwise equal on the GPU) wide programs of the QK-norm + rotary kernel in
+#              steps of at least rotary.WIDE_MIN_TOKENS tokens (rotary.WIDE_TILE; s39d: 7.7 of the MoE's 153 ms 8k
+#              prefill, ~1 TB/s): the rotary GPU tests (bytes equal to the narrow programs'), then dummy Qwen3-30B-A3B's
+#              (fp8 KV) fresh 8k prompt and 8k chunk on a 24k prefix with programs of at most 512 (w0, as shipped), 1024
+#              and 2048 elements, twice; then dummy Qwen3-8B's fresh 8k prompt, w0 and w2048 twice
+#   s40b       (written in session 39, ran in session 40: the merged table no faster, not shipped) the fused MoE's tiles
+#              for prefill-sized steps: the shipped H200 table stops at the 4096-token bucket, so an 8192-token step
+#              runs 4096's tiles (s39d: expert GEMMs 62.8 of the 8k prompt's 153 ms, ~470 TFLOP/s); tune_fused_moe.py
+#              --tokens 8192 16384 merges those buckets into a copy of the table, then the MoE's prefill steps with the
+#              shipped table (old) and the merged one (new), alternated; the merged table is kept as $W/table_new.json
+#              (ship it only if new wins)
+#   s40c       (written in session 39, ran in session 40: shipped on) cuDNN's inputs that need no padding as views of
+#              the step's fused q/k/v (library_prefill.STRIDED_INPUTS; s39d: 144 copy kernels, 5.2 of the MoE's 153-ms
+#              8k prompt): the library's GPU tests and the warm-up's plan test (both with it), then dummy
+#              Qwen3-30B-A3B's (fp8 KV) fresh 8k prompt and 8k chunks on 8k and 24k prefixes, and dummy Qwen3-8B's,
+#              off/on twice
+#   s40d       (written in session 40) the GPU tests at session 40's defaults (STRIDED_INPUTS on, the rotary's wide
+#              programs removed): the library's, the warm-up's, the KV sizing's and the rotary's; then the kernels of
+#              dummy Qwen3-30B-A3B's (fp8 KV) fresh 8192-token prompt (s39d counted 144 copy kernels there)
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1631,6 +1637,17 @@ PY
       grep -E "^prefill[^ ]*:|Error" "$W/steps_${i}_$1_$2.txt" | cut -c1-200 | sed "s/^/$1 $2($i) /"
       save
     done ;;
+  s40d)  # GPU tests at session 40's defaults (cuDNN's unpadded inputs as views; the rotary's narrow programs only),
+    # then where dummy Qwen3-30B-A3B's (fp8 KV) fresh 8k prompt goes with them
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    gpu_tests 300 tests/ops/test_library_prefill.py tests/engine/test_warmup.py tests/engine/test_memory_profile.py \
+      tests/ops/test_rotary.py
+    timeout $(( 570 - ($(date +%s) - t0) )) python3 benchmarks/engine/bench_steps.py --model qwen3-30b-a3b \
+      --kv-cache-dtype fp8 --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960 \
+      --iters 5 --decode= --mixed= --loop= --profile "prefill:8192" --top 24 --out "$W/profile.json" \
+      > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -E -A30 "^profile" | cut -c1-160 | head -40
+    save ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \
