@@ -703,10 +703,10 @@ def _sweep_variant(r: dict) -> str:
     return ", ".join(parts)
 
 
-def _arms_table(base: str, arms: list[str]) -> dict[str, list[float]]:
+def _arms_table(base: str, arms: list[str], first: int = 1) -> dict[str, list[float]]:
     """Steps and async loops of `bench_steps.py` runs `steps_<i>_<arm>.json` under `base` (one process an arm, in the
-    order given), ms a step (of the floor) per case; returns each case's times in arm order."""
-    runs = [(a, load(f"{base}/steps_{i}_{a}.json")) for i, a in enumerate(arms, 1)]
+    order given, i from `first`), ms a step (of the floor) per case; returns each case's times in arm order."""
+    runs = [(a, load(f"{base}/steps_{i}_{a}.json")) for i, a in enumerate(arms, first)]
 
     def cases(d: dict) -> dict[str, tuple[float, float]]:
         out = {r["case"]: (r["step_ms_median"], r["floor_ms"]) for r in d["results"]}
@@ -714,7 +714,7 @@ def _arms_table(base: str, arms: list[str]) -> dict[str, list[float]]:
         return out
 
     got = [cases(d) for _, d in runs]
-    print("| step | " + " | ".join(f"{a} ({i}) ms (of floor)" for i, (a, _) in enumerate(runs, 1)) + " |\n|---|"
+    print("| step | " + " | ".join(f"{a} ({i}) ms (of floor)" for i, (a, _) in enumerate(runs, first)) + " |\n|---|"
           + "---|" * len(runs))
     times = {}
     for n in got[0]:
@@ -748,6 +748,60 @@ def _moe_sbs(folder: str, before_folder: str, before_label: str) -> list[str]:
               f"({before[k]['mean_tpot']:.3f}), the servers' own inter-token latency {now[k]['server_itl']:.3f} "
               f"({before[k]['server_itl']:.3f})")
     return gzip.decompress((B / f"{folder}/pdserve.log.gz").read_bytes()).decode(errors="replace").splitlines()
+
+
+def session40() -> None:
+    """Session 40 (one H200 lease, one machine: the three prefill A/Bs session 39 wrote)."""
+    base = "lease_s40"
+    print(f"- wide QK-norm + rotary programs (s40a, `lease_1gpu.sh s40a`): tests/ops/test_rotary.py's GPU tests "
+          f"`{_gpu_tests(f'{base}/s40a/gpu_tests.txt')}` (the failures: test_wide_programs_change_no_byte_cuda, "
+          f"wide programs' bytes not equal to the narrow ones)")
+    print("\nDummy Qwen3-30B-A3B (fp8 KV) prefill steps with programs of at most 512 elements (w0, as shipped), 1024 and "
+          "2048 in steps of 1024 tokens or more (`--rope-wide-tile`), one process an arm:\n")
+    arms = ["moe_w0", "moe_w1024", "moe_w2048"] * 2
+    t = _arm_deltas(_arms_table(f"{base}/s40a", arms), arms, "moe_w0", ["prefill:8192", "prefill:24576+8192"])
+    print(f"\n- against w0, the mean of each arm's two: {t}")
+    print("\nDummy Qwen3-8B, the same call:\n")
+    arms = ["8b_w0", "8b_w2048"] * 2
+    t = _arm_deltas(_arms_table(f"{base}/s40a", arms, 7), arms, "8b_w0", ["prefill:8192"])
+    print(f"\n- against w0: {t}; removed (no faster, and not bitwise equal on the GPU)")
+    tune = (B / f"{base}/s40b/tune.txt").read_text().splitlines()
+    print("\nThe fused MoE's tiles for 8192- and 16384-token steps (s40b, `lease_1gpu.sh s40b`: tune_fused_moe.py "
+          "--tokens 8192 16384 merged into a copy of the H200 table); the tuner's own lines:\n")
+    for ln in tune:
+        if ln.startswith("T=") and "tuned" in ln:
+            print(f"- `{ln.split(':')[0]}`: {ln[ln.index('tuned'):]}")
+    print("\nDummy Qwen3-30B-A3B (fp8 KV) prefill steps with the shipped table (old) and the merged one (new):\n")
+    arms = ["old", "new"] * 2
+    t = _arm_deltas(_arms_table(f"{base}/s40b", arms), arms, "old", ["prefill:8192", "prefill:24576+8192"])
+    print(f"\n- against old, the mean of each arm's two: {t}; the table not changed")
+    print(f"\ncuDNN's inputs that need no padding as views of the step's fused q/k/v (s40c, `lease_1gpu.sh s40c`): GPU "
+          f"tests (test_library_prefill.py, the warm-up's no-new-plan test, both with it on and off) "
+          f"`{_gpu_tests(f'{base}/s40c/gpu_tests.txt')}`; prefill steps without it (off: `--no-library-strided-inputs`) "
+          f"and with it (on), one process an arm; dummy Qwen3-30B-A3B (fp8 KV):\n")
+    cases = ["prefill:8192", "prefill:8192+8192", "prefill:24576+8192"]
+    for model, first in (("moe", 1), ("8b", 5)):
+        if model == "8b":
+            print("\nDummy Qwen3-8B:\n")
+        arms = [f"{model}_off", f"{model}_on"] * 2
+        times = _arms_table(f"{base}/s40c", arms, first)
+        t = _arm_deltas(times, arms, f"{model}_off", cases)
+        ratio = {n: sum(v[1::2]) / sum(v[0::2]) for n, v in times.items()}
+        print(f"\n- on against off, the mean of each arm's two: {t}; on / off: "
+              + ", ".join(f"{n} {r:.3f}" for n, r in ratio.items()))
+
+    print(f"\nAt session 40's defaults (s40d, a second machine, `lease_1gpu.sh s40d`): GPU tests (test_library_prefill.py, "
+          f"test_warmup.py, test_memory_profile.py, test_rotary.py) `{_gpu_tests(f'{base}/s40d/gpu_tests.txt')}`; the "
+          f"kernels of dummy Qwen3-30B-A3B's (fp8 KV) fresh 8192-token prompt, against session 39's at its defaults "
+          f"(lease_s39/s39d, another machine):\n")
+    profs = [load(f)["profiles"][0]["graphs"] for f in ("lease_s39/s39d/profile.json", f"{base}/s40d/profile.json")]
+    times = [{t["name"]: (t["count_per_step"], t["us_per_step"]) for t in g["top"]} for g in profs]
+    print("| kernel | session 39 (packed inputs) | session 40 (views) |\n|---|---|---|")
+    for name in [t["name"] for t in profs[0]["top"][:10]]:
+        print(f"| {name[:60]} | " + " | ".join(
+            f"{x[name][1] / 1e3:.1f} ms ({x[name][0]:.0f} calls)" if name in x else "-" for x in times) + " |")
+    print("| all kernels | " + " | ".join(f"{g['gpu_us_per_step'] / 1e3:.1f} ms ({g['kernels_per_step']:.0f} kernels)"
+                                         for g in profs) + " |")
 
 
 def session39() -> None:
@@ -3402,6 +3456,7 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session40()
     session39()
     print()
     session38()
