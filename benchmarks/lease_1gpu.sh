@@ -271,6 +271,9 @@
 #   s40d       (written in session 40) the GPU tests at session 40's defaults (STRIDED_INPUTS on, the rotary's wide
 #              programs removed): the library's, the warm-up's, the KV sizing's and the rotary's; then the kernels of
 #              dummy Qwen3-30B-A3B's (fp8 KV) fresh 8192-token prompt (s39d counted 144 copy kernels there)
+#   s40e       (written in session 40) the engine microbenchmark's criteria at session 40's tree (dummy Qwen3-8B:
+#              steps and steady loops at 1 and 256 rows of ~1k against their floors, the 8k prefill against the
+#              matmul ceiling), a shorter s32d
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1648,6 +1651,13 @@ PY
       > "$W/profile.txt" 2>&1
     grep -v " INFO " "$W/profile.txt" | grep -E -A30 "^profile" | cut -c1-160 | head -40
     save ;;
+  s40e)  # the engine microbenchmark's criteria at session 40's tree: dummy Qwen3-8B's batch-1 and batch-256 steps and
+    # steady loops against their floors, the 8k prefill against the matmul ceiling
+    timeout 200 python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 \
+      --no-compare-eager --max-model-len 16384 --iters 10 --decode 1x1024,256x1024 --prefill 8192 --mixed= \
+      --loop 1x1024,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
+    tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \
