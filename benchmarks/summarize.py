@@ -803,6 +803,29 @@ def session40() -> None:
     print("| all kernels | " + " | ".join(f"{g['gpu_us_per_step'] / 1e3:.1f} ms ({g['kernels_per_step']:.0f} kernels)"
                                          for g in profs) + " |")
 
+    d = load(f"{base}/s40e/steps.json")
+    print(f"\nThe engine microbenchmark's criteria at session 40's tree (s40e, a third machine, `lease_1gpu.sh s40e`: "
+          f"dummy Qwen3-8B, --iters {d['args']['iters']}, loops of {d['args']['loop_steps']} steps at temperature "
+          f"{d['args']['loop_temperature']}; same run: {_ceilings(d['ceilings'])}):\n")
+    print("| step | path | floor ms (bound) | ms | of floor | of serial bound |\n|---|---|---|---|---|---|")
+    for r in d["results"]:
+        print(f"| {r['case']} | {r['path']} | {r['floor_ms']:.2f} ({r['bound']}) | {r['step_ms_median']:.2f} | "
+              f"{r['fraction_of_floor']:.0%} | {r['fraction_of_serial_bound']:.0%} |")
+    for lp in d["loops"]:
+        if lp["async"]:
+            print(f"| {lp['case']} steady, async ({lp['rows_per_step']:.0f} rows at {lp['mean_context']:.0f}) | "
+                  f"engine loop | {lp['floor_ms']:.2f} (memory) | {lp['step_ms']:.2f} | {lp['fraction_of_floor']:.0%} | "
+                  f"{lp['fraction_of_serial_bound']:.0%} |")
+    pf = next(r for r in d["results"] if r["case"] == "prefill:8192")
+    loops = {lp["case"]: lp for lp in d["loops"] if lp["async"]}
+    met = {k: "met" if x >= b else "not met" for k, x, b in (
+        ("pf", pf["fraction_of_floor"], 0.75), ("b1", loops["loop:1x1024"]["fraction_of_floor"], 0.8),
+        ("b256", loops["loop:256x1024"]["fraction_of_floor"], 0.8))}
+    print(f"\n- issue 10's engine criteria: prefill of 8k tokens {pf['fraction_of_floor']:.3f} of the matmul ceiling "
+          f"(>= 0.75: {met['pf']}); steady decode at batch 1 {loops['loop:1x1024']['fraction_of_floor']:.3f} of its "
+          f"floor (>= 0.8: {met['b1']}), at batch 256 {loops['loop:256x1024']['fraction_of_floor']:.3f} "
+          f"(>= 0.8: {met['b256']})")
+
 
 def session39() -> None:
     """Session 39 (one H200 lease, two machines: long prefill rows over an fp8 pool through cuDNN, A/B'd, served
