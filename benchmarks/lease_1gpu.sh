@@ -3,6 +3,9 @@
 # machine goes back 30 s after a call ends). Staged files as in lease_2xh200.sh (.vllm-stage/{p0..p5,deps,model,
 # model-moe,anchors}).
 #   OUT=$OUT bash benchmarks/lease_1gpu.sh STAGE
+# A stage is kept as it ran, the record of its folder under benchmarks/lease_sNN; the switches of A/Bs that lost were
+# removed after them (session 40: rotary.WIDE_TILE, decode.EARLY_TILE/EARLY_V, decode.SELF_MERGE,
+# decode.ROPE_MANY_PROGRAMS), so such a stage runs again only at its recorded tree.
 # Stages:
 #   warm_test  the GPU test that a burst after the warm-up compiles no kernel (run with a staging call: ~40 s)
 #   check      the GPU tests of the engine's newest paths (the KV pool sized from a measured step, async scheduling,

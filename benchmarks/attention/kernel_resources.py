@@ -25,7 +25,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pdserve.ops.attention.decode import (
-    EARLY_V,
     FP8_V_WIDEN,
     FP8_V_WIDEN_FEW,
     MANY_PROGRAMS_PREFETCH,
@@ -34,8 +33,6 @@ from pdserve.ops.attention.decode import (
     ROPE_MAXNREG,
     _decode_kernel,
     decode_tile,
-    early_tile,
-    merge_chunk,
 )
 from pdserve.ops.attention.kv_write import _write_kv_kernel
 from pdserve.ops.attention.library_prefill import _gather_blocks_kernel
@@ -73,9 +70,8 @@ def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int,
             "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
             "shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "num_warps": num_warps, "num_stages": num_stages,
-            # 16-byte global loads issued before the PDL wait (the decode kernel's early tile: EARLY_TILE)
+            # 16-byte global loads issued before the PDL wait (none of the pool's: it is read after the wait)
             "v4_loads_before_wait": ptx[:wait].count("ld.global.v4") if wait >= 0 else 0,
-            "acq_rel_atomics": ptx.count("atom.global.gpu.acq_rel"), "cg_loads": ptx.count("ld.global.cg"),
             # shared-memory loads of one byte (an fp8 V tile read out as the PV product's operand: decode.FP8_V_WIDEN)
             "b8_shared_loads": ptx.count("ld.shared.b8")}
 
@@ -96,13 +92,12 @@ def prefill(dt: str, kv: str, d: int, g: int, cfg: PrefillConfig, bs: int = 16, 
 
 
 def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int = 16, many: bool = False,
-           few: bool = False, self_merge: bool = False, rope: bool = False) -> dict:
+           few: bool = False, rope: bool = False) -> dict:
     """many: the many-program tile (a batch-256 step) with its block table read a tile ahead; few: the tile below 8
-    rows (a batch-1 step) with its first tile read before the PDL wait (decode.EARLY_TILE, off as shipped: what an
-    A/B turns on); self_merge: its splits merged in the kernel (decode.SELF_MERGE); rope: the layer's QK-norm, rotary
-    and K/V write in the kernel (decode.ROPE_IN_DECODE: decode-only, so never mixed, and no early tile)."""
+    rows (a batch-1 step); rope: the layer's QK-norm, rotary and K/V write in the kernel (decode.ROPE_IN_DECODE:
+    decode-only, so never mixed)."""
     types = dict(Q=f"*{dt}", KV=f"*{kv}", BT="*i32", SL="*i32", QSL="*i32", KS="*fp32", VS="*fp32", Out=f"*{dt}",
-                 PartO="*fp32", PartM="*fp32", PartL="*fp32", Count="*i32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
+                 PartO="*fp32", PartM="*fp32", PartL="*fp32", s_qt="i32", s_qh="i32", s_ot="i32", s_oh="i32",
                  s_kvb="i64", s_kvkv="i32", s_kvt="i32", s_kvh="i32", s_btb="i32", s_pb="i32", s_ph="i32",
                  s_ps="i32", sm_scale="fp32", softcap="fp32", window="i32", POS="*i64", COS="*fp32", SIN="*fp32",
                  QW=f"*{dt}", KW=f"*{dt}", KNEW=f"*{dt}", VNEW=f"*{dt}", SLOTS="*i64", s_cos="i32", s_knt="i32",
@@ -119,9 +114,7 @@ def decode(dt: str, kv: str, d: int, g: int, single: bool, mixed: bool, bs: int 
               BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_KS=kv in FP8,
               HAS_VS=kv in FP8 and single, PRECISION="ieee" if dt == "fp32" else "tf32",
               DOT_F16=kv in FP8 and dt != "fp32", PDL=1, PREFETCH_BT=many and MANY_PROGRAMS_PREFETCH,
-              EARLY_TILE=not rope and ((few and not self_merge) or early_tile(block_n, many)), EARLY_V=EARLY_V,
-              SELF_MERGE=self_merge, MERGE_G=triton.next_power_of_2(g), MERGE_S=64,
-              MERGE_CHUNK=merge_chunk(g, triton.next_power_of_2(d)), ROPE=rope, HAS_QNORM=rope,
+              ROPE=rope, HAS_QNORM=rope,
               V_WIDEN=(2 if kv == "fp8e5" else 1) if widen else 0,
               FP8_MAX=(448.0 if kv == "fp8e4nv" else 57344.0) if kv in FP8 and rope else 0.0,
               WRITE_VS=kv in FP8 and rope)
@@ -179,11 +172,6 @@ def default_cases() -> list[tuple[str, dict, callable]]:
                         desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=False, mixed=mixed, few=True)
                         cases.append((f"decode {dt}/{kv} d={d} g={g} single=False mixed={mixed} few rows", desc,
                                       lambda dt=dt, kv=kv, d=d, g=g, m=mixed: decode(dt, kv, d, g, False, m, few=True)))
-                if dt != "fp32" and kv == dt:  # decode.SELF_MERGE (16-bit pools)
-                    desc = dict(kernel="decode", dtype=dt, kv=kv, d=d, g=g, single=False, mixed=False, self_merge=True)
-                    cases.append((f"decode {dt}/{kv} d={d} g={g} single=False mixed=False few rows self-merge", desc,
-                                  lambda dt=dt, kv=kv, d=d, g=g: decode(dt, kv, d, g, False, False, few=True,
-                                                                         self_merge=True)))
                 if dt != "fp32" and (kv == dt or kv in FP8) and d <= 128:  # decode.ROPE_IN_DECODE (QK-norm, d <=
                     # 128; fp8 pools with ROPE_IN_DECODE_FP8): one row
                     for single, few in ((False, True), (True, False)):  # (several splits, held to ROPE_MAXNREG), 8+ rows

@@ -26,7 +26,7 @@ from pdserve.bench.ceilings import graph_us, hbm_copy_gbps
 from pdserve.bench.record import new_record, save_json
 from pdserve.ops.attention import decode as D
 from pdserve.ops.attention.common import as_storage, is_fp8
-from pdserve.ops.attention.decode import decode_tile, early_tile, paged_decode
+from pdserve.ops.attention.decode import decode_tile, paged_decode
 
 SHAPES = [(1, 1024), (1, 8192), (1, 32768), (4, 8192), (32, 4096), (128, 2048), (256, 1024), (256, 4096)]
 TILES = [(32, 4, 2)] + [(n, w, s) for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))]
@@ -46,9 +46,6 @@ def main(argv=None) -> int:
     ap.add_argument("--kv", default="bf16,fp8", help="pool dtypes: bf16, fp8")
     ap.add_argument("--prefetch", action="store_true",
                     help="also time each tile with the block table read a tile ahead (the kernel's PREFETCH_BT)")
-    ap.add_argument("--early", action="store_true",
-                    help="time each tile with its first tile read before the PDL wait and after it (decode."
-                         "EARLY_TILE; without: as the engine decides)")
     ap.add_argument("--tiles", default="", help="keys,warps,stages;... (default: TILES)")
     ap.add_argument("--v-widen", action="store_true",
                     help="also time each fp8 tile with V widened by inline PTX (decode.FP8_V_WIDEN)")
@@ -60,7 +57,6 @@ def main(argv=None) -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     splits = tuple(int(x) for x in args.splits.split(",")) if args.splits else SPLITS
     prefetches = (False, True) if args.prefetch else (False,)
-    earlies = (False, True) if args.early else (None,)
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")] if args.tiles else TILES
     shipped_widen = (D.FP8_V_WIDEN_FEW, D.FP8_V_WIDEN)  # by many-program launch, before the sweep sets them
     widens = (False, True) if args.v_widen else (False,)
@@ -100,14 +96,14 @@ def main(argv=None) -> int:
             engine_pf = many and D.MANY_PROGRAMS_PREFETCH
             engine_vw = is_fp8(dt) and shipped_widen[many]
             ref = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, k_scale=scale, v_scale=scale)
-            for t, pf, early, vw, mr in itertools.product(tiles, prefetches, earlies, widens, maxnregs):
+            for t, pf, vw, mr in itertools.product(tiles, prefetches, widens, maxnregs):
                 if (vw or mr) and not is_fp8(dt):
                     continue
                 D.FP8_V_WIDEN = D.FP8_V_WIDEN_FEW = vw  # read by paged_decode at each call (and capture)
                 D.FP8_MAXNREG = mr
-                plain = not pf and not early and not vw and not mr
+                plain = not pf and not vw and not mr
                 for sp in (splits if b < SPLIT_ROWS else (0,)):
-                    kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None, prefetch=pf, early=early)
+                    kw = dict(k_scale=scale, v_scale=scale, tile=t, num_splits=sp or None, prefetch=pf)
                     try:
                         out = paged_decode(q, layers[0], bt, sl, ctx, args.head_dim ** -0.5, **kw)
                         if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
@@ -116,7 +112,7 @@ def main(argv=None) -> int:
                                                          **kw) for lay in layers])
                     except Exception as e:  # out of resources, compile failure
                         rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
-                                            "prefetch": pf, "early": early, "v_widen": vw, "maxnreg": mr,
+                                            "prefetch": pf, "v_widen": vw, "maxnreg": mr,
                                             "error": str(e)[:200]})
                         if not sp and plain:
                             scores[t].append(1e-3)
@@ -124,12 +120,11 @@ def main(argv=None) -> int:
                     if not sp and plain:
                         scores[t].append(floor / us)
                     rec["rows"].append({"kv": name, "batch": b, "context": ctx, "tile": t, "splits": sp,
-                                        "prefetch": pf, "early": early, "v_widen": vw, "maxnreg": mr, "us": us,
+                                        "prefetch": pf, "v_widen": vw, "maxnreg": mr, "us": us,
                                         "floor_us": floor,
                                         "of_floor": floor / us, "default": t == default,
                                         "engine": t == engine_tile and not sp and pf == engine_pf
-                                        and vw == engine_vw and not mr
-                                        and early in (None, early_tile(t[0], False))})
+                                        and vw == engine_vw and not mr})
                 D.FP8_V_WIDEN = D.FP8_V_WIDEN_FEW = False
                 D.FP8_MAXNREG = 0
             mine = [r for r in rec["rows"] if r.get("us") and r["kv"] == name and r["batch"] == b
@@ -137,7 +132,7 @@ def main(argv=None) -> int:
             best = min(mine, key=lambda r: r["us"])
             eng = next((r for r in mine if r["engine"]), None)
             for r in sorted(mine, key=lambda r: r["us"])[:6]:
-                print(f"    {r['tile']} splits {r['splits'] or 'engine'} prefetch {r['prefetch']} early {r['early']} "
+                print(f"    {r['tile']} splits {r['splits'] or 'engine'} prefetch {r['prefetch']} "
                       f"v_widen {r['v_widen']} maxnreg {r['maxnreg']}: {r['us']:.2f} us", flush=True)
             if args.out:
                 save_json(rec, args.out)  # each shape as it ends (a call cut short keeps what it timed)

@@ -455,10 +455,6 @@ def time_decode_loop(core: EngineCore, batch: int, ctx: int, steps: int, warmup:
 
 # decode.py's switches an A/B turns from the command line: (flag, name in decode.py, bool or int, what it does)
 DECODE_SWITCHES = [
-    ("decode-early-tile", "EARLY_TILE", bool, "each decode split reads its first tile of older keys before its PDL wait"),
-    ("decode-early-v", "EARLY_V", bool, "with the early tile, V's first tile before the wait too"),
-    ("decode-early-maxnreg", "EARLY_V_MAXNREG", int, "with V early, the registers a thread may hold (0: no limit)"),
-    ("decode-self-merge", "SELF_MERGE", bool, "the decode kernel merges its splits itself"),
     ("decode-fp8-v-widen", "FP8_V_WIDEN", bool,
      "an fp8 pool's V tiles widened to fp16 by inline PTX (through shared memory as fp16) in many-program launches"),
     ("decode-fp8-v-widen-few", "FP8_V_WIDEN_FEW", bool, "the same in the other launches (a few rows)"),
@@ -467,8 +463,6 @@ DECODE_SWITCHES = [
      "decode-only steps leave the QK-norm, rotary and K/V write to the decode kernel"),
     ("decode-rope-fp8", "ROPE_IN_DECODE_FP8", bool,
      "with --decode-rope, fp8 pools too (on CUDA with --decode-fp8-v-widen-few)"),
-    ("decode-rope-many", "ROPE_MANY_PROGRAMS", bool,
-     "with --decode-rope, launches of many programs (a batch-256 step) take it too"),
     ("decode-rope-maxnreg", "ROPE_MAXNREG", int,
      "the registers a thread of the one-row decode tile may hold with the rotary in it (0: no limit)"),
 ]

@@ -21,8 +21,7 @@ The wait blocks until the previous grid has completed and its writes are visible
 before it can complete, the order of a stream is kept transitively. A kernel that returns early must wait first.
 Before its wait a kernel may read only what nothing in the process writes while serving (weights): in mode
 `early` a chain of kernels can be launched ahead of kernels several places back, so even the KV pool's older
-entries (copy-on-write, transfers, the same step's writes) are not safe to read there in general. One exception,
-argued where it is made: the decode kernel reads a decode row's keys before its newest one (decode.EARLY_TILE).
+entries (copy-on-write, transfers, the same step's writes) are not safe to read there in general.
 A kernel launched without PDL, or any torch kernel, still waits for the whole of the one before it.
 
 `pdl_args(x)` gives a kernel launch its `PDL` constexpr and, on sm_90+ CUDA, `launch_pdl=True`; the Triton

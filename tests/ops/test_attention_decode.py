@@ -15,7 +15,6 @@ from pdserve.ops.attention.decode import paged_decode
 from pdserve.ops.attention.torch_ref import TorchAttentionBackend
 from pdserve.ops.rotary import qk_norm_rope_triton
 from tests.ops.attention_helpers import TOL, assert_close, gpu, make_problem, poisoned, row_kinds
-from tests.ops.kernel_cases import GridSpy
 
 
 def _reference(p, scale, window, softcap):
@@ -23,12 +22,12 @@ def _reference(p, scale, window, softcap):
     return TorchAttentionBackend().attend(p.q.float(), layer, p.meta, scale, window, softcap, p.k_scale, p.v_scale)
 
 
-def _run(p, scale, window=None, softcap=None, mixed=False, splits=None, prefetch=None, early=None, tile=None):
+def _run(p, scale, window=None, softcap=None, mixed=False, splits=None, prefetch=None, tile=None):
     m = p.meta
     out = poisoned(p.q)
     paged_decode(p.q, p.kv_layer, m.block_tables, m.seq_lens_t, m.max_seq_len, scale, window, softcap,
                  p.k_scale, p.v_scale, query_start_loc=m.query_start_loc_t if mixed else None, out=out,
-                 num_splits=splits, prefetch=prefetch, early=early, tile=tile)
+                 num_splits=splits, prefetch=prefetch, tile=tile)
     return out
 
 
@@ -63,91 +62,6 @@ def test_block_table_read_a_tile_ahead_matches_reference(hq, hk, d, bs, dtype, k
     scale = d ** -0.5
     out = _run(p, scale, window, softcap, splits=splits, prefetch=True)
     assert_close(out, _reference(p, scale, window, softcap), dtype, "decode, block table read ahead")
-
-
-@pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window,softcap,splits", CPU_CASES[1:])
-@pytest.mark.parametrize("prefetch,early_v", [(False, False), (True, False), (False, True)])
-def test_first_tile_read_before_the_wait_gives_the_same_bits(hq, hk, d, bs, dtype, kv_dtype, window, softcap, splits,
-                                                             prefetch, early_v, monkeypatch):
-    """EARLY_TILE: each split's first tile of older keys read ahead of the PDL wait, the newest key after it (the
-    tile read early leaves it out, so a kernel that did not read it again would be wrong). Rows end inside and at
-    the edge of a tile (1, 17, 64, 65, 130 keys), splits with no keys (1-key rows over several splits), windows,
-    softcapping, fp8 pools, with and without the block table read ahead, K alone or K and V (EARLY_V): the same bits
-    as reading it after."""
-    monkeypatch.setattr(D, "EARLY_V", early_v)
-    p = make_problem([1, 17, 130, 64, 65], [1] * 5, hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype,
-                     seed=hq + d + bs + 2)
-    scale = d ** -0.5
-    late = _run(p, scale, window, softcap, splits=splits, prefetch=prefetch, early=False)
-    early = _run(p, scale, window, softcap, splits=splits, prefetch=prefetch, early=True)
-    assert torch.equal(early, late)
-    assert_close(early, _reference(p, scale, window, softcap), dtype, "decode, first tile early")
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("early_v", [False, True])
-def test_first_tile_read_early_in_a_mixed_batch(splits, early_v, monkeypatch):
-    monkeypatch.setattr(D, "EARLY_V", early_v)
-    p = make_problem([33, 70, 9, 120, 16], [1, 20, 1, 5, 16], hq=8, hk=2, d=64, bs=16, seed=12)
-    out = _run(p, 0.125, mixed=True, splits=splits, early=True)
-    dec, pre = row_kinds(p.meta)
-    assert torch.isnan(out[pre]).all()
-    assert torch.equal(out[dec], _run(p, 0.125, mixed=True, splits=splits, early=False)[dec])
-    assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed decode rows, early tile")
-
-
-def test_first_tile_early_only_where_the_launch_takes_pdl(monkeypatch):
-    p = make_problem([40, 7], [1, 1], hq=4, hk=2, d=32, bs=16, dtype=torch.float16, seed=4)
-    spy = GridSpy(D._decode_kernel)
-    monkeypatch.setattr(D, "_decode_kernel", spy)
-    monkeypatch.setattr(D, "EARLY_TILE", True)
-    _run(p, 0.2, splits=2)  # on CPU: no PDL, so no early tile
-    monkeypatch.setattr(D, "pdl_on", lambda x: True)
-    _run(p, 0.2, splits=2)
-    _run(p, 0.2, splits=2, tile=(128, 4, 3))  # a 128-key tile held across the wait would spill
-    monkeypatch.setattr(D, "EARLY_TILE", False)  # as shipped
-    _run(p, 0.2, splits=2)
-    assert [kw["EARLY_TILE"] for kw in spy.kwargs] == [False, True, False, False]
-
-
-SPLIT_CASES = [c[:-1] + (c[-1] or 4,) for c in CPU_CASES if c[-1] != 1 and c[5] is None]  # 16-bit pools
-
-
-@pytest.mark.parametrize("hq,hk,d,bs,dtype,kv_dtype,window,softcap,splits", SPLIT_CASES)
-def test_splits_merged_in_the_decode_kernel_match_the_merge_kernel(hq, hk, d, bs, dtype, kv_dtype, window, softcap,
-                                                                   splits, monkeypatch):
-    """SELF_MERGE: the last split of each (row, KV head) to finish merges the group (the output starts as NaN, so a
-    group nobody merged fails), a chunk of splits at a time (MERGE_ELEMS set so that chunks are 1-4 splits: some
-    cut short), and leaves its counter at zero for the next launch; the merge kernel is not launched."""
-    monkeypatch.setattr(D, "MERGE_ELEMS", 2 * 2 * d)
-    p = make_problem([1, 17, 130, 64, 45], [1] * 5, hq=hq, hk=hk, d=d, bs=bs, dtype=dtype, kv_dtype=kv_dtype,
-                     seed=hq + d + bs + 3)
-    scale = d ** -0.5
-    two_kernels = _run(p, scale, window, softcap, splits=splits)
-    merges = GridSpy(D._merge_kernel)
-    monkeypatch.setattr(D, "_merge_kernel", merges)
-    monkeypatch.setattr(D, "SELF_MERGE", True)
-    for _ in range(2):  # the second launch finds the counters zeroed by the first
-        one = _run(p, scale, window, softcap, splits=splits)
-        assert_close(one, _reference(p, scale, window, softcap), dtype, "decode, merged in the kernel")
-        assert_close(one, two_kernels, dtype, "decode, merged in the kernel against the merge kernel")
-        assert D._counters[torch.device("cpu")].eq(0).all()
-    assert merges.grids == []
-
-
-def test_splits_merged_in_the_kernel_in_a_mixed_batch_and_without_counters_enough(monkeypatch):
-    monkeypatch.setattr(D, "SELF_MERGE", True)
-    p = make_problem([33, 70, 9, 120, 16], [1, 20, 1, 5, 16], hq=8, hk=2, d=64, bs=16, seed=13)
-    out = _run(p, 0.125, mixed=True, splits=3)
-    dec, pre = row_kinds(p.meta)
-    assert torch.isnan(out[pre]).all()
-    assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed rows merged in the kernel")
-    monkeypatch.setattr(D, "_counters", {})
-    monkeypatch.setattr(D, "MERGE_COUNTERS", 4)  # 5 rows x 2 KV heads need 10: the merge kernel's way
-    assert D.merge_counters(torch.device("cpu"), 10) is None
-    out = _run(p, 0.125, mixed=True, splits=3)
-    assert_close(out[dec], _reference(p, 0.125, None, None)[dec], torch.float32, "mixed rows, the merge kernel")
-    assert not D.self_merge(fp8=True) and D.self_merge(fp8=False)  # an fp8 pool's kernel keeps the merge kernel
 
 
 def test_block_table_read_ahead_is_the_many_program_default():
@@ -493,8 +407,6 @@ def test_rope_in_decode_only_where_it_can(monkeypatch):
     monkeypatch.setattr(D, "num_sms", lambda device: 8)  # as on CPU, also for the fp16 case's device check
     assert not D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8)  # a batch-256-like launch
     assert D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8 - 1)
-    monkeypatch.setattr(D, "ROPE_MANY_PROGRAMS", True)  # an A/B
-    assert D.rope_in_decode(p.q, p.kv_layer, rope, D.MANY_PROGRAM_WAVES * 8)
     monkeypatch.setattr(D, "ROPE_IN_DECODE", False)
     assert not D.rope_in_decode(p.q, p.kv_layer, rope)
 

@@ -2,8 +2,8 @@
 through the block table (no gather copy).
 
 One program per (row, KV head, split) with the query heads of a GQA group packed into one tile, so each K/V tile
-is loaded once per group; the splits of a row are merged by a second small kernel (skipped when there is one split;
-with SELF_MERGE, an A/B, by the last of them to finish). A split's share is computed in the kernel from the row's
+is loaded once per group; the splits of a row are merged by a second small kernel (skipped when there is one split).
+A split's share is computed in the kernel from the row's
 own KV length, so a grid sized for an upper-bound length (a CUDA graph) still spreads a short row over every split.
 In a mixed batch the kernel reads the row's query offsets and leaves rows with more than one new token to the
 prefill kernel. fp8 pools are read as fp8 and widened (to fp16, one instruction per pair) in registers; k_scale
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from pdserve.ops.attention.common import QKRope, fp8_max, is_fp8
 from pdserve.ops.attention.tl_math import tanh
-from pdserve.ops.pdl import pdl_args, pdl_enter, pdl_launch_early, pdl_on, pdl_wait
+from pdserve.ops.pdl import pdl_args, pdl_enter, pdl_launch_early, pdl_wait
 
 # Integer arguments that change from step to step. Triton compiles a kernel again for every new specialization of an
 # integer argument (equal to 1, a multiple of 16, neither), so each of these would cost a compile the first time a
@@ -31,7 +31,7 @@ VARYING_MERGE = ["num_splits"]
 # Step metadata (block tables, lengths, query offsets, the fp8 scales or their stand-ins): read an int at a time, so
 # a 16-byte-aligned address buys nothing, and a specialization on it is one more compile whenever a caller's
 # regions land otherwise (pdserve.engine.step_inputs aligns its regions; other callers need not).
-METADATA_PTRS = ["BT", "SL", "QSL", "KS", "VS", "Count", "POS", "SLOTS"]
+METADATA_PTRS = ["BT", "SL", "QSL", "KS", "VS", "POS", "SLOTS"]
 # The merge reads up to MERGE_SPLITS partials per (row, head) in one tile whatever the step's split count (a
 # BLOCK_S that followed the split count made each power of two another compile: 2..64, times mixed or not; the
 # masked lanes load nothing).
@@ -88,7 +88,7 @@ def _attend_one(qk, v, valid, m_i, l_i, acc, qk_scale, softcap, HAS_SOFTCAP: tl.
 
 @triton.jit(do_not_specialize=VARYING_DECODE, do_not_specialize_on_alignment=METADATA_PTRS)
 def _decode_kernel(
-    Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL, Count, POS, COS, SIN, QW, KW, KNEW, VNEW, SLOTS,
+    Q, KV, BT, SL, QSL, KS, VS, Out, PartO, PartM, PartL, POS, COS, SIN, QW, KW, KNEW, VNEW, SLOTS,
     s_qt, s_qh, s_ot, s_oh, s_cos, s_knt, s_knh, s_vnt, s_vnh, eps, offset,
     s_kvb, s_kvkv, s_kvt, s_kvh,
     s_btb,
@@ -97,9 +97,7 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, MIXED: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_KS: tl.constexpr, HAS_VS: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
-    EARLY_V: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, MERGE_G: tl.constexpr = 1,
-    MERGE_S: tl.constexpr = 64, MERGE_CHUNK: tl.constexpr = 16, ROPE: tl.constexpr = False,
+    DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_BT: tl.constexpr = False, ROPE: tl.constexpr = False,
     HAS_QNORM: tl.constexpr = False, V_WIDEN: tl.constexpr = 0, FP8_MAX: tl.constexpr = 0.0,
     WRITE_VS: tl.constexpr = False,
 ):
@@ -133,18 +131,12 @@ def _decode_kernel(
     h = hk * G + g
     gmask = g < G
     dmask = d < D
-    # The split's first tile. With EARLY_TILE its older keys are read before the wait (EARLY_TILE says why that is
-    # safe), so they stream in under the previous kernels; the newest key is this step's write and is read after it.
+    # The split's first tile: its page ids before the wait (the block table is step metadata), its K/V after it (the
+    # step's kernels before this one write the newest key).
     n = start + tl.arange(0, BLOCK_N)
     valid = n < end
-    newest = seq_len - 1
     page = tl.maximum(tl.load(BT + b * s_btb + n // BS, mask=valid & one_new, other=0), 0)
     base = page.to(tl.int64) * s_kvb + (n % BS) * s_kvt + hk * s_kvh
-    if EARLY_TILE:
-        old = (valid & one_new & (n < newest))[:, None] & dmask[None, :]
-        k_first = tl.load(KV + base[:, None] + d[None, :], mask=old, other=0.0)
-        if EARLY_V:
-            v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=old, other=0.0)
     if PREFETCH_BT:  # the block table a tile ahead (MANY_PROGRAMS_PREFETCH says why)
         n_next = n + BLOCK_N
         pg = tl.load(BT + b * s_btb + n_next // BS, mask=(n_next < end) & one_new, other=0)
@@ -165,18 +157,8 @@ def _decode_kernel(
     if not one_new:  # a prefill row of a mixed step: the prefill kernel's
         return
     kv_mask = valid[:, None] & dmask[None, :]
-    if EARLY_TILE:
-        if not EARLY_V:  # issued first: its round trip overlaps q's
-            v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if (newest >= start) & (newest < start + BLOCK_N):
-            is_new = (n == newest)[:, None] & kv_mask
-            k_first = tl.where(is_new, tl.load(KV + base[:, None] + d[None, :], mask=is_new, other=0.0), k_first)
-            if EARLY_V:
-                v_first = tl.where(is_new, tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=is_new,
-                                                   other=0.0), v_first)
-    else:
-        k_first = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k_first = tl.load(KV + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v_first = tl.load(KV + s_kvkv + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if ROPE:  # q normed and rotated here; the split holding the newest key makes it and writes it (ROPE_IN_DECODE)
         qm = gmask[:, None] & dmask[None, :]
         pq = Q + row * s_qt + h[:, None] * s_qh
@@ -259,49 +241,6 @@ def _decode_kernel(
         pm = (b * tl.num_programs(1) * G + h) * num_splits + sp  # PartM/PartL: [B, Hq, splits] contiguous
         tl.store(PartM + pm, m_i, mask=gmask)
         tl.store(PartL + pm, l_i, mask=gmask)
-        if SELF_MERGE:  # the (row, KV head)'s last split to finish merges them all (SELF_MERGE says how)
-            tl.debug_barrier()  # every thread's partials stored before the count is released
-            cnt = Count + b * tl.num_programs(1) + hk
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                _merge_group(PartO, PartM, PartL, VS, Out, b, row, hk, tl.num_programs(1), num_splits,
-                             s_pb, s_ph, s_ps, s_ot, s_oh, G, MERGE_G, D, BLOCK_D, MERGE_S, MERGE_CHUNK, HAS_VS)
-
-
-@triton.jit
-def _merge_group(PartO, PartM, PartL, VS, Out, b, row, hk, num_hk, num_splits, s_pb, s_ph, s_ps, s_ot, s_oh,
-                 G: tl.constexpr, MERGE_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 MERGE_S: tl.constexpr, MERGE_CHUNK: tl.constexpr, HAS_VS: tl.constexpr):
-    """The merge kernel's work for one (row, KV head)'s G query heads, inside the decode kernel: the partials of
-    the other programs are read past L1 (.cg), after the acquiring count."""
-    g = tl.arange(0, MERGE_G)
-    gmask = g < G
-    h = hk * G + g
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    hrow = (b * num_hk * G + h) * num_splits  # PartM/PartL: [B, Hq, splits] contiguous
-    s_all = tl.arange(0, MERGE_S)
-    mask = gmask[:, None] & (s_all < num_splits)[None, :]
-    m = tl.load(PartM + hrow[:, None] + s_all[None, :], mask=mask, other=float("-inf"), cache_modifier=".cg")
-    lse = tl.load(PartL + hrow[:, None] + s_all[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, 1)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(m > float("-inf"), tl.exp2(m - m_safe[:, None]), 0.0)
-    denom = tl.sum(w * lse, 1)
-    acc = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, MERGE_CHUNK):
-        sc = s0 + tl.arange(0, MERGE_CHUNK)
-        cmask = gmask[:, None] & (sc < num_splits)[None, :]
-        mc = tl.load(PartM + hrow[:, None] + sc[None, :], mask=cmask, other=float("-inf"), cache_modifier=".cg")
-        wc = tl.where(mc > float("-inf"), tl.exp2(mc - m_safe[:, None]), 0.0)
-        o = tl.load(PartO + b * s_pb + h[:, None, None] * s_ph + sc[None, :, None] * s_ps + d[None, None, :],
-                    mask=cmask[:, :, None] & dmask[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(o * wc[:, :, None], 1)
-    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    if HAS_VS:
-        out = out * tl.load(VS)
-    tl.store(Out + row * s_ot + h[:, None] * s_oh + d[None, :], out.to(Out.dtype.element_ty),
-             mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit(do_not_specialize=VARYING_MERGE, do_not_specialize_on_alignment=["QSL", "VS"])
@@ -377,44 +316,11 @@ MANY_PROGRAM_WAVES = 4
 # rounds each); with 3 stages it holds two K/V tiles (72 KB), fits 3 programs an SM instead of 4 and was slower.
 MANY_PROGRAMS_PREFETCH = True
 
-# EARLY_TILE: each split reads its first tile of older keys (all but the row's newest: K, and V with EARLY_V) before
-# its PDL wait, and works out where that tile's V lies, so those bytes could stream in while the kernels before it
-# finish (the q/k/v product, the rotary kernel that writes the step's K/V). The idea: at one row a split holds two
-# 64-key tiles (8k keys over 64 splits) and the kernel is over in about 13 us, with the wait, then the block table,
-# then the K/V each a round trip.
-#
-# Off, because no way of it measured faster without a cost (dummy Qwen3-8B, batch-1 loops at temperature 1 on H200s,
-# one process an arm, benchmarks/lease_s30):
-# - K alone: 8k 4.50/4.50 against 4.51/4.51 ms a step off; 32k 5.32/5.32 against 5.31/5.32 (s30d).
-# - K and V at the compiler's 157 registers (3 programs an SM): 8k 4.45/4.45, but 32k 5.64/5.64 (s30d). In s30b, at 8k
-#   and 1k: 4.50/4.50 and 4.22/4.22 against off at 4.55/4.56 and 4.28/4.28.
-# - K and V held at 128 registers (EARLY_V_MAXNREG, 4 an SM): 8k 4.50/4.50 against 4.51/4.51, 32k 5.32/5.33 against
-#   5.32/5.31 (s30e).
-# A one-row step's 64 splits are fixed by the graph's length bound, not the row's length, so no rule by length could
-# take the 8k gain without the 32k loss.
-#
-# Why reading these pool entries before the wait is safe (pdserve.ops.pdl says what in general is not):
-# - a decode row's keys before its newest were written by earlier steps, and every step starts with kernels launched
-#   without PDL (the embedding lookup, the host's input copies), which wait for all the work before them;
-# - within a step, the kernels that write the pool write only the step's new tokens (a decode row's newest key, a
-#   prefill row's chunk), into blocks no other row writes (blocks shared by prefix hits are full and never written
-#   again);
-# - a mixed step's prefill rows read nothing before the wait;
-# - KV transfers land before their request joins a step;
-# - the newest key is read after the wait.
-# bench_steps.py --decode-early-tile turns it on for an A/B.
-EARLY_TILE = False
-# ... for tiles of at most this many keys, in launches below MANY_PROGRAM_WAVES waves. Held across the wait, the tile
-# costs registers (ptxas on sm_90, bf16, d=128, GQA 4, K and V early: (64, 4, 2) 114 -> 157, 4 programs an SM to 3;
-# (128, 4, 3) 208 -> 255 and 64 bytes of spill; the many-program tile 122 -> 168), and a many-program launch (a
-# 256-row step: about 260 us a layer) has little to gain from the wait.
-EARLY_TILE_KEYS = 64
-# ... K and V both (True) or K alone (False: V's page ids are known before the wait, so its load goes out right after
-# it, beside q's; (64, 4, 2) at 118 registers, 4 programs an SM).
-EARLY_V = False
-# ... and with V, the registers a thread may hold (ptxas' .maxnreg): 128 keeps (64, 4, 2) at 4 programs an SM with no
-# spill (ptxas on sm_90, bf16, d=128, GQA 4). 0: as the compiler likes.
-EARLY_V_MAXNREG = 128
+# Each split's first K/V tile is read after its PDL wait. Its older keys read before the wait measured no faster
+# without a cost (dummy Qwen3-8B's batch-1 loops on H200s, benchmarks/lease_s30): K alone 8k 4.50/4.50 ms a step
+# against 4.51/4.51, 32k 5.32/5.32 against 5.31/5.32; K and V 8k 4.45/4.45 but 32k 5.64/5.64 (held to 128 registers:
+# 4.50/4.50 and 5.32/5.33). A one-row step's splits are fixed by the graph's length bound, so no rule by length could
+# keep the 8k gain alone. Removed in session 40.
 
 # FP8_V_WIDEN: an fp8 pool's V tiles widened to fp16 by inline PTX (_widen_fp8) rather than by `.to`, so that they
 # reach the PV product through shared memory as fp16 (ldmatrix) instead of a byte at a time (ld.shared.b8: what
@@ -448,44 +354,9 @@ def v_widen(q: torch.Tensor, kv_dtype: torch.dtype, many: bool) -> int:
     return 2 if kv_dtype == torch.float8_e5m2 else 1
 
 
-# SELF_MERGE: a launch with several splits merges them in the decode kernel, not in a second kernel.
-# - Each program stores its partials, then counts itself done on its (row, KV head)'s counter: an acquire-release
-#   atomic at GPU scope, after a barrier so that every thread's stores are ordered before it.
-# - The program that counts last zeroes the counter and merges the group's partials (read past L1), a chunk of
-#   splits at a time (merge_chunk).
-# - That is one launch a layer less, at the cost of the merge on the last program's path.
-# - The counters are a zeroed buffer of MERGE_COUNTERS per device, allocated outside graph capture; a launch that
-#   needs more takes the merge kernel.
-# - The sums run in another order than the merge kernel's, so the bits differ from it by rounding.
-# False (as shipped): the merge kernel. Dummy Qwen3-8B's batch-1 loops were slower with it, one process an arm, twice
-# (benchmarks/lease_s31/s31d): 8k 4.50/4.50 ms a step against 4.47/4.47, 32k 5.29/5.30 against 5.27/5.27.
-# bench_steps.py --decode-self-merge turns it on for an A/B.
-SELF_MERGE = False
-MERGE_ELEMS = 8192  # a chunk of partials held at once: query heads x splits x head dim (64 registers a thread, 4 warps)
-MERGE_COUNTERS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_chunk(group: int, block_d: int) -> int:
-    """Splits a chunk of SELF_MERGE's merge reads (MERGE_ELEMS a chunk; 16 at Qwen3-8B's GQA 4, head dim 128)."""
-    return max(1, min(MERGE_SPLITS, MERGE_ELEMS // (triton.next_power_of_2(group) * block_d)))
-
-
-def self_merge(fp8: bool) -> bool:
-    """Whether a launch with several splits merges them in the decode kernel: SELF_MERGE, on 16-bit pools (an fp8
-    pool's tile already holds most of the registers: ptxas spilled with a chunk beside it)."""
-    return SELF_MERGE and not fp8
-
-
-def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The device's zeroed merge counters (SELF_MERGE), or None where `n` exceed them or they would first be
-    allocated inside a graph capture."""
-    buf = _counters.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _counters[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return buf if n <= buf.numel() else None
+# The splits are merged by _merge_kernel. Merged by the decode kernel's last split to finish (an acquire-release count
+# a (row, KV head), one launch a layer less), dummy Qwen3-8B's batch-1 loops were slower: 8k 4.50/4.50 ms a step
+# against 4.47/4.47, 32k 5.29/5.30 against 5.27/5.27 (benchmarks/lease_s31/s31d). Removed in session 40.
 
 
 # ROPE_IN_DECODE: a decode-only launch applies the layer's QK-norm and rotary itself, from the q/k/v product's output,
@@ -509,9 +380,8 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
 # against 5.27/5.27, 64 rows at 2k 9.69/9.68 against 9.68/9.68. Without the register limit, 32k took 5.64/5.64.
 ROPE_IN_DECODE = True
 ROPE_MAXNREG = 128
-# ... and in launches of MANY_PROGRAM_WAVES waves too (an A/B: bench_steps.py --decode-rope-many). Off: dummy
-# Qwen3-8B's batch-256 loop took 17.17/17.16 ms a step with it against 16.81/16.80 without (benchmarks/lease_s32/s32a).
-ROPE_MANY_PROGRAMS = False
+# (In launches of MANY_PROGRAM_WAVES waves too, dummy Qwen3-8B's batch-256 loop took 17.17/17.16 ms a step against
+# 16.81/16.80 without, benchmarks/lease_s32/s32a: those keep the rotary kernel.)
 # ... and on fp8 pools (16-bit queries; with FP8_V_WIDEN_FEW, rope_pool says why): the kernel quantizes the new key
 # and value as the rotary kernel does (the stored 16-bit key / k_scale, saturated, nearest even) and attends to the key
 # as stored. Only in launches whose tile has at most ROPE_FP8_MAX_KEYS keys (a few rows: DECODE_TILES' (64, 4, 3)).
@@ -533,7 +403,7 @@ def rope_in_decode(q: torch.Tensor, kv_layer: torch.Tensor, rope: QKRope, num_pr
             many or decode_tile(d, q.dtype, True, q.shape[0], num_programs, q.device)[0] > ROPE_FP8_MAX_KEYS):
         return False
     return (ROPE_IN_DECODE and rope_pool(q, kv_layer.dtype) and rope.q_weight is not None and 2 <= d <= 128
-            and d & (d - 1) == 0 and (ROPE_MANY_PROGRAMS or not many))
+            and d & (d - 1) == 0 and not many)
 
 
 def rope_pool(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
@@ -545,11 +415,6 @@ def rope_pool(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
         return True
     return (ROPE_IN_DECODE_FP8 and is_fp8(kv_dtype) and q.dtype != torch.float32
             and (not q.is_cuda or v_widen(q, kv_dtype, False) > 0))
-
-
-def early_tile(block_n: int, many: bool) -> bool:
-    """Whether a launch with `block_n`-key tiles (`many`: taking MANY_PROGRAMS_TILE) reads its first tile early."""
-    return EARLY_TILE and block_n <= EARLY_TILE_KEYS and not many
 
 
 def many_tile(fp8: bool) -> tuple[int, int, int] | None:
@@ -625,7 +490,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  query_start_loc: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  num_splits: int | None = None, tile: tuple[int, int, int] | None = None,
-                 prefetch: bool | None = None, early: bool | None = None, rope: QKRope | None = None,
+                 prefetch: bool | None = None, rope: QKRope | None = None,
                  k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                  slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of rows with one new token.
@@ -635,8 +500,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     ([B+1] int32), row b's query is token query_start_loc[b] and rows with another count of new tokens are skipped
     (their output rows are left as they are). Returns `out` ([T, Hq, D], allocated if not given). `tile` =
     (keys per step, warps, stages) overrides decode_tile's choice (benchmarks/attention/sweep_decode.py), `prefetch`
-    the block table read a tile ahead (None: with MANY_PROGRAMS_TILE, as MANY_PROGRAMS_PREFETCH says), `early` each
-    split's first tile of older keys read before the PDL wait (None: as early_tile says, where the launch takes PDL).
+    the block table read a tile ahead (None: with MANY_PROGRAMS_TILE, as MANY_PROGRAMS_PREFETCH says).
 
     With `rope` (a decode-only launch: no `query_start_loc`), q, `k` and `v` [B, H, D] are the q/k/v product's
     output: the kernel norms and rotates q and each row's new key itself and writes that key and `v` into the pool
@@ -661,7 +525,6 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
             raise ValueError("the decode kernel's rotary needs a decode-only launch, a pool of q's dtype (or fp8 with "
                              "ROPE_IN_DECODE_FP8), a power-of-two head dim, k and v with a contiguous head dim and a "
                              "slot for every row")
-        early = False
     has_ks, has_vs = fp8 and k_scale is not None, fp8 and v_scale is not None
     splits = num_splits or decode_splits(b, hk, max_seq_len, sliding_window, q.device)
     single = splits == 1
@@ -670,14 +533,11 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     many = many_programs(q.dtype, fp8, b * hk * splits, q.device)
     if prefetch is None:
         prefetch = tile is None and MANY_PROGRAMS_PREFETCH and many
-    if early is None:
-        early = early_tile(block_n, many) and pdl_on(q)
-    limits = {"maxnreg": EARLY_V_MAXNREG} if early and EARLY_V and EARLY_V_MAXNREG and q.is_cuda else {}
+    limits = {}
     if rope is not None and block_n <= 64 and ROPE_MAXNREG and q.is_cuda:
         limits = {"maxnreg": ROPE_MAXNREG}
     if fp8 and FP8_MAXNREG and q.is_cuda:
         limits = {"maxnreg": FP8_MAXNREG}
-    counters = merge_counters(q.device, b * hk) if self_merge(fp8) and not single else None
     if single:
         part_o = part_m = part_l = out
         s_p = (0, 0, 0)
@@ -703,8 +563,7 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
     # Rows first in the grid. KV heads first (a row's heads, which share each block of the pool, side by side) read
     # no faster at 256 rows, nor did blocks of 2.25 MiB against 0.75 (benchmarks/lease_s33/s33a).
     _decode_kernel[(b, hk, splits)](
-        q, kv_layer, block_tables, seq_lens, qsl, ks, vs, out, part_o, part_m, part_l,
-        counters if counters is not None else seq_lens, *r_args,
+        q, kv_layer, block_tables, seq_lens, qsl, ks, vs, out, part_o, part_m, part_l, *r_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *r_strides,
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0),
@@ -712,16 +571,14 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         scale, softcap or 1.0, sliding_window or 0,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d, BS=bs,
         BLOCK_N=block_n, MIXED=mixed, SINGLE=single, HAS_WINDOW=bool(sliding_window),
-        HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and (single or counters is not None),
+        HAS_SOFTCAP=softcap is not None, HAS_KS=has_ks, HAS_VS=has_vs and single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_F16=fp8 and q.dtype != torch.float32,
-        PREFETCH_BT=prefetch, EARLY_TILE=early, EARLY_V=EARLY_V, SELF_MERGE=counters is not None,
-        MERGE_G=triton.next_power_of_2(g), MERGE_S=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
-        MERGE_CHUNK=merge_chunk(g, block_d), ROPE=rope is not None, HAS_QNORM=has_qnorm,
+        PREFETCH_BT=prefetch, ROPE=rope is not None, HAS_QNORM=has_qnorm,
         V_WIDEN=v_widen(q, kv_layer.dtype, many), FP8_MAX=fp8_max(kv_layer.dtype) if fp8 and rope is not None else 0.0,
         WRITE_VS=has_vs and rope is not None, num_warps=warps,
         num_stages=stages, **limits, **pdl_args(q),
     )
-    if not single and counters is None:
+    if not single:
         _merge_kernel[(b, hq)](
             part_o, part_m, part_l, qsl, vs, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), out.stride(0), out.stride(1), splits,
