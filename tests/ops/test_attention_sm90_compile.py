@@ -2,8 +2,8 @@
 shape (d=128, GQA 4) with bf16 and fp8 pools (prefill: with and without the new tokens' K/V read from the
 step's k/v) use wgmma, fit shared memory and spill nothing (ptxas -v); the decode kernel reads its K/V tiles after
 its PDL wait; with the layer's QK-norm and rotary in it (decode.ROPE_IN_DECODE) the one-row tile fits ROPE_MAXNREG
-registers (4 programs an SM) without a spill. Runs
-benchmarks/attention/kernel_resources.py in a subprocess without TRITON_INTERPRET."""
+registers (4 programs an SM) without a spill. Runs benchmarks/attention/kernel_resources.py in a subprocess without
+TRITON_INTERPRET."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ through the block table (no gather copy).
 
 One program per (row, KV head, split) with the query heads of a GQA group packed into one tile, so each K/V tile
 is loaded once per group; the splits of a row are merged by a second small kernel (skipped when there is one split).
-A split's share is computed in the kernel from the row's
-own KV length, so a grid sized for an upper-bound length (a CUDA graph) still spreads a short row over every split.
+A split's share is computed in the kernel from the row's own KV length, so a grid sized for an upper-bound length (a
+CUDA graph) still spreads a short row over every split.
 In a mixed batch the kernel reads the row's query offsets and leaves rows with more than one new token to the
 prefill kernel. fp8 pools are read as fp8 and widened (to fp16, one instruction per pair) in registers; k_scale
 folds into the softmax scale and v_scale into the output, accumulation is fp32.
