@@ -703,6 +703,21 @@ def _sweep_variant(r: dict) -> str:
     return ", ".join(parts)
 
 
+def _run_table(d: dict, serial: bool = False) -> None:
+    """A bench_steps.py run's steps and async loops: path, floor (its bound), ms, share of the floor (and, `serial`,
+    of the serial bound)."""
+    extra = (" of serial bound |", "---|") if serial else ("", "")
+    print(f"| step | path | floor ms (bound) | ms | of floor |{extra[0]}\n|---|---|---|---|---|{extra[1]}")
+    for r in d["results"]:
+        print(f"| {r['case']} | {r['path']} | {r['floor_ms']:.2f} ({r['bound']}) | {r['step_ms_median']:.2f} | "
+              f"{r['fraction_of_floor']:.0%} |" + (f" {r['fraction_of_serial_bound']:.0%} |" if serial else ""))
+    for lp in d["loops"]:
+        if lp["async"]:
+            print(f"| {lp['case']} steady, async ({lp['rows_per_step']:.0f} rows at {lp['mean_context']:.0f}) | "
+                  f"engine loop | {lp['floor_ms']:.2f} (memory) | {lp['step_ms']:.2f} | {lp['fraction_of_floor']:.0%} |"
+                  + (f" {lp['fraction_of_serial_bound']:.0%} |" if serial else ""))
+
+
 def _arms_table(base: str, arms: list[str], first: int = 1) -> dict[str, list[float]]:
     """Steps and async loops of `bench_steps.py` runs `steps_<i>_<arm>.json` under `base` (one process an arm, in the
     order given, i from `first`), ms a step (of the floor) per case; returns each case's times in arm order."""
@@ -807,15 +822,7 @@ def session40() -> None:
     print(f"\nThe engine microbenchmark's criteria at session 40's tree (s40e, a third machine, `lease_1gpu.sh s40e`: "
           f"dummy Qwen3-8B, --iters {d['args']['iters']}, loops of {d['args']['loop_steps']} steps at temperature "
           f"{d['args']['loop_temperature']}; same run: {_ceilings(d['ceilings'])}):\n")
-    print("| step | path | floor ms (bound) | ms | of floor | of serial bound |\n|---|---|---|---|---|---|")
-    for r in d["results"]:
-        print(f"| {r['case']} | {r['path']} | {r['floor_ms']:.2f} ({r['bound']}) | {r['step_ms_median']:.2f} | "
-              f"{r['fraction_of_floor']:.0%} | {r['fraction_of_serial_bound']:.0%} |")
-    for lp in d["loops"]:
-        if lp["async"]:
-            print(f"| {lp['case']} steady, async ({lp['rows_per_step']:.0f} rows at {lp['mean_context']:.0f}) | "
-                  f"engine loop | {lp['floor_ms']:.2f} (memory) | {lp['step_ms']:.2f} | {lp['fraction_of_floor']:.0%} | "
-                  f"{lp['fraction_of_serial_bound']:.0%} |")
+    _run_table(d, serial=True)
     pf = next(r for r in d["results"] if r["case"] == "prefill:8192")
     loops = {lp["case"]: lp for lp in d["loops"] if lp["async"]}
     met = {k: "met" if x >= b else "not met" for k, x, b in (
@@ -1617,14 +1624,7 @@ def session32() -> None:
           f"`lease_1gpu.sh s32d`: bench_steps.py's default cases, dummy Qwen3-8B, --iters {d['args']['iters']}, loops "
           f"of {d['args']['loop_steps']} steps at temperature {d['args']['loop_temperature']}; same run: "
           f"{_ceilings(d['ceilings'])}):\n")
-    print("| step | path | floor ms (bound) | ms | of floor |\n|---|---|---|---|---|")
-    for r in d["results"]:
-        print(f"| {r['case']} | {r['path']} | {r['floor_ms']:.2f} ({r['bound']}) | {r['step_ms_median']:.2f} | "
-              f"{r['fraction_of_floor']:.0%} |")
-    for lp in d["loops"]:
-        if lp["async"]:
-            print(f"| {lp['case']} steady, async ({lp['rows_per_step']:.0f} rows at {lp['mean_context']:.0f}) | "
-                  f"engine loop | {lp['floor_ms']:.2f} (memory) | {lp['step_ms']:.2f} | {lp['fraction_of_floor']:.0%} |")
+    _run_table(d)
     pf = next(r for r in d["results"] if r["case"] == "prefill:8192")
     b256 = next(lp for lp in d["loops"] if lp["async"] and lp["case"] == "loop:256x1024")
     print(f"\n- prefill of 8k tokens, of the matmul ceiling: {check(pf['fraction_of_floor'], 0.75, False)}")
