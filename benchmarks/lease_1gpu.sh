@@ -277,6 +277,10 @@
 #   s40e       (written in session 40) the engine microbenchmark's criteria at session 40's tree (dummy Qwen3-8B:
 #              steps and steady loops at 1 and 256 rows of ~1k against their floors, the 8k prefill against the
 #              matmul ceiling), a shorter s32d
+#   s41a       (written in session 40, not yet run) the decode kernel's GPU tests after session 40 removed its early
+#              tile, self merge and many-program rotary (its sm_90 PTX proven equivalent offline,
+#              benchmarks/attention/ptx_equivalence.py): decode, graphs, the engine against transformers, async, fused
+#              engine; then dummy Qwen3-8B's decode steps and loops at 1x1k, 1x8k and 256x1k against their floors
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
 #              with the early tile; the decode sweep at 1-4 rows with it and without (sweep_decode.py --early)
 set -uo pipefail
@@ -1661,6 +1665,17 @@ PY
       --loop 1x1024,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s41a)  # the decode kernel after session 40's removal of its losing switches (PTX-equivalent offline): its GPU tests,
+    # the graphs', the engine's against transformers and the async loop's; then the engine microbenchmark's loops
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    gpu_tests 330 tests/ops/test_attention_decode.py tests/engine/test_cuda_graphs.py \
+      tests/engine/test_vs_transformers.py tests/engine/test_async_gpu.py tests/engine/test_fused_engine.py
+    timeout $(( 570 - ($(date +%s) - t0) )) python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy \
+      --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384 --iters 10 --decode 1x1024,1x8192,256x1024 \
+      --prefill= --mixed= --loop 1x1024,1x8192,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" \
+      > "$W/steps.txt" 2>&1
+    grep -E "^(decode|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
+    save ;;
   s38c)  # the MoE's batch-1 decode splits: the shipped rule against fewer, longer splits
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     moe_arms "--decode 1x1024,1x8192 --loop 1x1024,1x8192" base= k256=--min-split-keys,256 k512=--min-split-keys,512 \
