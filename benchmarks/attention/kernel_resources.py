@@ -46,14 +46,20 @@ FP8 = ("fp8e4nv", "fp8e5")
 TORCH_DT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, aligned: list[str],
-             maxnreg: int | None = None) -> dict:
+def compiled(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, aligned: list[str],
+             maxnreg: int | None = None):
+    """`fn` compiled for sm_90 with these argument types, constexprs and launch options (no GPU needed)."""
     sig = {n: ("constexpr" if n in constexprs else types[n]) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": bool(constexprs.get("PDL"))}
     if maxnreg:
         options["maxnreg"] = maxnreg
-    k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET, options=options)
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET, options=options)
+
+
+def _compile(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, aligned: list[str],
+             maxnreg: int | None = None) -> dict:
+    k = compiled(fn, types, constexprs, num_warps, num_stages, aligned, maxnreg)
     ptx = k.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_resources as kr  # noqa: E402
-import triton  # noqa: E402
 
 REG = re.compile(r"%(r|rd|f|fd|p|rs|h|hh|b)\d+")
 LABEL = re.compile(r"\$L__\w+")
@@ -32,14 +31,8 @@ LABEL = re.compile(r"\$L__\w+")
 
 def _ptx_lines(fn, types: dict, ce: dict, num_warps: int, num_stages: int, aligned: list[str],
                maxnreg: int | None = None) -> dict:
-    """kernel_resources._compile's compile, returning the normalized instruction multiset instead of ptxas' report."""
-    ce = {k: v for k, v in ce.items() if k in fn.arg_names}
-    sig = {n: ("constexpr" if n in ce else types[n]) for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in fn.arg_names}
-    options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": bool(ce.get("PDL"))}
-    if maxnreg:
-        options["maxnreg"] = maxnreg
-    ptx = triton.compile(kr.ASTSource(fn, sig, ce, attrs), target=kr.TARGET, options=options).asm["ptx"]
+    """kernel_resources' compile, returning the normalized instruction multiset instead of ptxas' report."""
+    ptx = kr.compiled(fn, types, ce, num_warps, num_stages, aligned, maxnreg).asm["ptx"]
     runtime = [n for n in fn.arg_names if n not in ce]
     name = re.compile(rf"{fn.__name__}_param_(\d+)")
 

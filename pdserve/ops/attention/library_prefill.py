@@ -105,7 +105,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 FP8_POOLS = envs.prefill_library_fp8(True)
 # STRIDED_INPUTS: a call input that needs no padding (its length is already the call's size) goes to cuDNN as it lies
 # in the step's fused q/k/v projection (each token's heads one projection row apart, the head dim contiguous), not
-# copied into a packed buffer first; the warm-up then builds its plans on views of such a buffer. Why: a fresh
+# copied into a packed buffer first (the warm-up builds its plans on views of such a buffer either way). Why: a fresh
 # 8192-token prompt of dummy Qwen3-30B-A3B ran 144 copy kernels (3 a layer), 5.2 of its 153 ms of kernels
 # (benchmarks/lease_s39/s39d); every chunk of a long prompt on a prefix at a PREFIX_BUCKET multiple needs no padding
 # either. Measured (lease_s40/s40c, arms off, on, off, on): that prompt 153.6/152.3 -> 149.0/149.6 ms a step, dummy
