@@ -277,7 +277,11 @@
 #   s40e       (written in session 40) the engine microbenchmark's criteria at session 40's tree (dummy Qwen3-8B:
 #              steps and steady loops at 1 and 256 rows of ~1k against their floors, the 8k prefill against the
 #              matmul ceiling), a shorter s32d
-#   s41a       (written in session 40, not yet run) the decode kernel's GPU tests after session 40 removed its early
+#   dense      dummy Qwen3-8B bf16 (.vllm-stage/model), vLLM then pdserve on the one GPU, vLLM's client
+#              (SBS_WORKLOADS, default 1024/1024 c256); into dense.tgz
+#   s41b       s41a's GPU tests that its 330 s left unrun: the graphs' last four, the engine against transformers
+#              and the async loop on CUDA, with their durations
+#   s41a       (written in session 40, run in session 41: the GPU tests stopped at 330 s after 68 passed) the decode kernel's GPU tests after session 40 removed its early
 #              tile, self merge and many-program rotary (its sm_90 PTX proven equivalent offline,
 #              benchmarks/attention/ptx_equivalence.py): decode, graphs, the engine against transformers, async, fused
 #              engine; then dummy Qwen3-8B's decode steps and loops at 1x1k, 1x8k and 256x1k against their floors
@@ -1665,6 +1669,18 @@ PY
       --loop 1x1024,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  dense)  # dummy Qwen3-8B bf16, vLLM then pdserve on the one GPU
+    WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256"} CLIENTS=vllm SINGLE_GPU=1 OUT=$W STAGE=.vllm-stage \
+      VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -14
+    echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
+    for f in "$W"/*.log; do gzip -f "$f"; done
+    tar czf "$OUT/dense.tgz" -C "$OUT" dense ;;
+  s41b)  # what s41a's 330 s left unrun (it stopped in test_cuda_graphs after 68 passed)
+    save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
+    G=tests/engine/test_cuda_graphs.py
+    gpu_tests 540 --durations=15 $G::test_bf16_graphs_track_eager $G::test_fp8_kv_close_to_model_dtype_on_cuda \
+      $G::test_pdl_changes_no_bit $G::test_skinny_linear_tracks_cublas tests/engine/test_vs_transformers.py \
+      tests/engine/test_async_gpu.py ;;
   s41a)  # the decode kernel after session 40's removal of its losing switches (PTX-equivalent offline): its GPU tests,
     # the graphs', the engine's against transformers and the async loop's; then the engine microbenchmark's loops
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
