@@ -279,6 +279,8 @@
 #              matmul ceiling), a shorter s32d
 #   dense      dummy Qwen3-8B bf16 (.vllm-stage/model), vLLM then pdserve on the one GPU, vLLM's client
 #              (SBS_WORKLOADS, default 1024/1024 c256); into dense.tgz
+#   s41d       can a product hide under the batch-256 decode attention? benchmarks/attention/probe_overlap.py (the
+#              o and gate_up products at 256 rows on a second stream beside the decode kernel, eager and in a graph)
 #   s41b       s41a's GPU tests that its 330 s left unrun: the graphs' last four, the engine against transformers
 #              and the async loop on CUDA, with their durations
 #   s41a       (written in session 40, run in session 41: the GPU tests stopped at 330 s after 68 passed) the decode kernel's GPU tests after session 40 removed its early
@@ -1675,6 +1677,8 @@ PY
     echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
     for f in "$W"/*.log; do gzip -f "$f"; done
     tar czf "$OUT/dense.tgz" -C "$OUT" dense ;;
+  s41d)  # the decode attention and a product on two streams at once (probe_overlap.py)
+    timeout 420 python3 benchmarks/attention/probe_overlap.py --out "$W/overlap.json" 2>&1 | tee "$W/overlap.txt" | tail -40 ;;
   s41b)  # what s41a's 330 s left unrun (it stopped in test_cuda_graphs after 68 passed)
     save() { tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE; }
     G=tests/engine/test_cuda_graphs.py
