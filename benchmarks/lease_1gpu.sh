@@ -279,6 +279,9 @@
 #              matmul ceiling), a shorter s32d
 #   dense      dummy Qwen3-8B bf16 (.vllm-stage/model), vLLM then pdserve on the one GPU, vLLM's client
 #              (SBS_WORKLOADS, default 1024/1024 c256); into dense.tgz
+#   s41e       where a mixed step's time goes at the session's tree: dummy Qwen3-8B's batch-256 decode step and mixed
+#              steps (256 decodes + 512, 1024 or 2048 prompt tokens) against their floors, then the mixed steps' kernels
+#              and the GPU's idle gaps under the profiler
 #   s41d       can a product hide under the batch-256 decode attention? benchmarks/attention/probe_overlap.py (the
 #              o and gate_up products at 256 rows on a second stream beside the decode kernel, eager and in a graph)
 #   s41b       s41a's GPU tests that its 330 s left unrun: the graphs' last four, the engine against transformers
@@ -1677,6 +1680,14 @@ PY
     echo "pdserve compiled $(grep -c 'compiled a kernel while serving' "$W/pdserve.log") kernels while serving"
     for f in "$W"/*.log; do gzip -f "$f"; done
     tar czf "$OUT/dense.tgz" -C "$OUT" dense ;;
+  s41e)  # the mixed steps' times and profiles
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 16384"
+    timeout 150 $B --iters 10 --decode 256x1024 --prefill= --loop= --mixed 256x1024+512,256x1024+1024,256x1024+2048 \
+      --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^(decode|mixed)[^ ]*:|Error" "$W/steps.txt" | cut -c1-220
+    timeout $(( 290 - ($(date +%s) - t0) )) $B --profile "mixed:256x1024+512;mixed:256x1024+1024" --top 14 \
+      --out "$W/profile.json" > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -E -A24 "^profile" | cut -c1-150 | head -60 ;;
   s41d)  # the decode attention and a product on two streams at once (probe_overlap.py)
     timeout 420 python3 benchmarks/attention/probe_overlap.py --out "$W/overlap.json" 2>&1 | tee "$W/overlap.txt" | tail -40 ;;
   s41b)  # what s41a's 330 s left unrun (it stopped in test_cuda_graphs after 68 passed)
