@@ -832,12 +832,28 @@ def session41() -> None:
     print("| launch | arm | stream | launched first | us a layer | of the product hidden |\n|---|---|---|---|---|---|")
     for row in o["rows"]:
         hid = f"{row['hidden_of_product']:.0%}" if "hidden_of_product" in row else ""
-        print(f"| {row['how']} | {row['arm'].replace(' || ', ' beside ')} | {row.get('stream', '')} | {row.get('first', '')} | {row['us']:.1f} | "
-              f"{hid} |")
+        print(f"| {row['how']} | {row['arm'].replace(' || ', ' beside ')} | {row.get('stream', '')} | "
+              f"{row.get('first', '')} | {row['us']:.1f} | {hid} |")
     g = [x for x in o["rows"] if x["how"] == "graph" and "hidden_of_product" in x]
     span = {k: [x["hidden_of_product"] for x in g if x["arm"].endswith(f"|| {k}")] for k in ("o", "gate_up")}
     print("\n- in a CUDA graph, as the engine runs a step, the share of the product's own time that running both at once "
           "saved against one after the other: " + ", ".join(f"{k} {min(v):.0%} to {max(v):.0%}" for k, v in span.items()))
+    d = load(f"{base}/s41e/steps.json")
+    print(f"\nDummy Qwen3-8B's mixed steps (256 decode rows at 1024 tokens of context and a prompt's chunk) at the session's "
+          f"tree (s41e, machine 4, `lease_1gpu.sh s41e`; each step run and waited for, so its time includes the host's "
+          f"preparation of it; same run: {_ceilings(d['ceilings'])}):\n")
+    _run_table(d, serial=True)
+    pj = load(f"{base}/s41e/profile.json")
+    print(f"\nThe same steps under the profiler (the same call, {pj['args']['profile_steps']} steps each, run and waited "
+          f"for; each on the path the table names):\n")
+    print("| step | kernels a step | kernel ms a step | GPU busy ms | GPU idle ms | its longest idle gaps |\n"
+          "|---|---|---|---|---|---|")
+    for prof in pj["profiles"]:
+        g = prof["graphs"]
+        gaps = "; ".join(f"{x['us']:.0f} us after {x['after'][:32]} before {x['before'][:32]}"
+                         for x in g["gpu"]["longest_gaps"])
+        print(f"| {prof['case']} | {g['kernels_per_step']:.0f} | {g['gpu_us_per_step'] / 1e3:.2f} | "
+              f"{g['gpu']['busy_us_per_step'] / 1e3:.2f} | {g['gpu']['idle_us_per_step'] / 1e3:.2f} | {gaps} |")
 
 
 def session40() -> None:
