@@ -286,8 +286,9 @@
 #              o and gate_up products at 256 rows on a second stream beside the decode kernel, eager and in a graph)
 #   s41b       s41a's GPU tests that its 330 s left unrun: the graphs' last four, the engine against transformers
 #              and the async loop on CUDA, with their durations
-#   s41a       (written in session 40, run in session 41: the GPU tests stopped at 330 s after 68 passed) the decode kernel's GPU tests after session 40 removed its early
-#              tile, self merge and many-program rotary (its sm_90 PTX proven equivalent offline,
+#   s41a       (written in session 40, run in session 41: its GPU tests stopped at 330 s after 68 passed, s41b ran
+#              the rest) the decode kernel's GPU tests after session 40 removed its early tile, self merge and
+#              many-program rotary (its sm_90 PTX proven equivalent offline,
 #              benchmarks/attention/ptx_equivalence.py): decode, graphs, the engine against transformers, async, fused
 #              engine; then dummy Qwen3-8B's decode steps and loops at 1x1k, 1x8k and 256x1k against their floors
 #   s30c       the GPU tests of the decode kernel, the graphs (PDL changes no bit) and the engine against transformers
