@@ -7,7 +7,8 @@ KV and weights so nothing stays in L2), the decode kernel alone, a product alone
 gate_up 24576x4096, at 256 rows), both one after the other, and both at once (the product on a second stream,
 forked and joined each layer; with and without a high-priority stream; eager, and captured in one CUDA graph).
 Session 41 (benchmarks/lease_s41/s41d, an H200): in a graph 7-26 % of the o product's time hid under the attention
-and none of gate_up's, so running the step's products beside its KV read is no route to the batch-256 floor.
+and none of gate_up's: with these kernels (the attention's programs fill every SM), two streams do not take a
+step toward the batch-256 floor.
 
     python benchmarks/attention/probe_overlap.py --out overlap.json
 """
