@@ -786,6 +786,11 @@ def session41() -> None:
     print(f"\n- issue 10's engine criteria: steady decode at batch 1 {b1:.3f} of its floor (>= 0.8: "
           f"{'met' if b1 >= 0.8 else 'not met'}), at batch 256 {b256:.3f} (>= 0.8: {'met' if b256 >= 0.8 else 'not met'}"
           f"; {loops['loop:256x1024']['fraction_of_serial_bound']:.3f} of its serial bound)")
+    lp = loops["loop:256x1024"]
+    bound = lp["step_ms"] * lp["fraction_of_serial_bound"]
+    print(f"- the batch-256 loop: 80 % of its floor is {lp['floor_ms'] / 0.8:.2f} ms a step, against {lp['step_ms']:.2f} ms "
+          f"({lp['step_ms'] - lp['floor_ms'] / 0.8:.2f} ms to go); its serial bound {bound:.2f} ms, at which a step "
+          f"would be at {lp['floor_ms'] / bound:.0%} of its floor; the loop spends {lp['step_ms'] - bound:.2f} ms beyond it")
 
     folder = f"{base}/dense"
     print(f"\nDummy Qwen3-8B (bf16) beside vLLM 0.22 at the session's tree (machine 2, after s41b: vLLM staged in eleven "
