@@ -277,6 +277,9 @@
 #   s40e       (written in session 40) the engine microbenchmark's criteria at session 40's tree (dummy Qwen3-8B:
 #              steps and steady loops at 1 and 256 rows of ~1k against their floors, the 8k prefill against the
 #              matmul ceiling), a shorter s32d
+#   s42a       (written in session 41, not yet run) where a 32k prompt's prefill goes (session 41: pdserve's own 32k TTFT
+#              ~5 % above vLLM's by both servers' /metrics): dummy Qwen3-8B's 8192-token chunks fresh and on 8k, 16k and
+#              24k prefixes against their floors and serial bounds, then the kernels of the chunk on 24k
 #   dense      dummy Qwen3-8B bf16 (.vllm-stage/model), vLLM then pdserve on the one GPU, vLLM's client
 #              (SBS_WORKLOADS, default 1024/1024 c256); into dense.tgz
 #   s41e       where a mixed step's time goes at the session's tree: dummy Qwen3-8B's batch-256 decode step and mixed
@@ -1675,6 +1678,14 @@ PY
       --loop 1x1024,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s42a)  # the 32k prompt's four 8192-token chunks and the last one's kernels
+    B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960"
+    timeout 240 $B --iters 5 --decode= --loop= --mixed= --prefill 8192,8192+8192,16384+8192,24576+8192 \
+      --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^prefill[^ ]*:|Error" "$W/steps.txt" | cut -c1-220
+    timeout $(( 500 - ($(date +%s) - t0) )) $B --profile "prefill:24576+8192" --top 16 --out "$W/profile.json" \
+      > "$W/profile.txt" 2>&1
+    grep -v " INFO " "$W/profile.txt" | grep -E -A22 "^profile" | cut -c1-150 | head -30 ;;
   dense)  # dummy Qwen3-8B bf16, vLLM then pdserve on the one GPU
     WORKLOADS=${SBS_WORKLOADS:-"1024:1024:512:256"} CLIENTS=vllm SINGLE_GPU=1 OUT=$W STAGE=.vllm-stage \
       VLLM_USE_FLASHINFER_SAMPLER=0 timeout 560 bash benchmarks/vs_vllm/side_by_side.sh single 2>&1 | tail -14
