@@ -20,27 +20,15 @@ import functools
 import torch
 from probe_kv_read import add_step_args, step_pool
 
-from pdserve.bench.ceilings import graph_us, hbm_copy_gbps, matmul_tflops
+from pdserve.bench.ceilings import _time_ms, graph_us, hbm_copy_gbps, matmul_tflops
 from pdserve.bench.record import new_record, save_json
 from pdserve.ops.attention.decode import paged_decode
 
 
 def eager_us(calls, reps: int = 20) -> float:
-    """Median microseconds per call of `calls` launched eagerly back to back on the current stream."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for c in calls:
-            c()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    times.sort()
-    return times[len(times) // 2]
+    """Median microseconds per call of `calls` launched eagerly back to back on the current stream (the ceilings'
+    CUDA-event timer over the whole list)."""
+    return _time_ms(lambda: [c() for c in calls], warmup=1, iters=reps) * 1e3 / len(calls)
 
 
 def main(argv=None) -> int:
