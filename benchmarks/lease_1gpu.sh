@@ -277,6 +277,9 @@
 #   s40e       (written in session 40) the engine microbenchmark's criteria at session 40's tree (dummy Qwen3-8B:
 #              steps and steady loops at 1 and 256 rows of ~1k against their floors, the 8k prefill against the
 #              matmul ceiling), a shorter s32d
+#   s42b       (written in session 41, not yet run; after the eleven staging calls and `lease_2xh200.sh unpack` on the
+#              same machine) the 32k prompt's 8k chunks through the library row (gather, cuDNN, merge) against vLLM's
+#              FlashAttention 3 over the same pages (bench_library_row.py --fa3, vLLM from /tmp/site)
 #   s42a       (written in session 41, not yet run) where a 32k prompt's prefill goes (session 41: pdserve's own 32k TTFT
 #              ~5 % above vLLM's by both servers' /metrics): dummy Qwen3-8B's 8192-token chunks fresh and on 8k, 16k and
 #              24k prefixes against their floors and serial bounds, then the kernels of the chunk on 24k
@@ -1678,6 +1681,9 @@ PY
       --loop 1x1024,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s42b)  # the library row against vLLM's FA3 on the 32k prompt's chunks
+    PYTHONPATH=/tmp/site timeout 420 python3 benchmarks/attention/bench_library_row.py --fa3 \
+      --cases 0:8192,8192:8192,16384:8192,24576:8192 --out "$W/library_row.json" 2>&1 | tee "$W/library_row.txt" | tail -16 ;;
   s42a)  # the 32k prompt's four 8192-token chunks and the last one's kernels
     B="python3 benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960"
     timeout 240 $B --iters 5 --decode= --loop= --mixed= --prefill 8192,8192+8192,16384+8192,24576+8192 \

@@ -10,6 +10,12 @@ Per (prefix, new tokens), triton.testing.do_bench medians in microseconds:
   calls        the two cuDNN calls alone, on inputs made beforehand (what the row cannot go below) and the merge
 and the row's TFLOP/s (causal pairs) for each. The two rows' outputs are compared (max abs difference).
 
+--fa3 (where vLLM's wheel is importable, e.g. PYTHONPATH=/tmp/site after lease_2xh200.sh unpack): also
+  fa3          vLLM's FlashAttention 3 (vllm.vllm_flash_attn.flash_attn_varlen_func, fa_version=3) over the same
+               row, the new tokens' K/V written into the pool first, reading the prefix's pages where they lie (the
+               layer's strided view as FA3's paged cache; a contiguous copy of the layer if FA3 refuses the view),
+               compared with the row's output: what the kernel vLLM runs there reaches on these shapes
+
     python benchmarks/attention/bench_library_row.py --out $OUT/library_row.json
 """
 
@@ -75,7 +81,38 @@ def row_new(qr, kr, vr, kv_layer, table, ctx, scale, out):
     lib.attend_row(qr, kr, vr, kp, vp, scale, out)
 
 
-def run_case(ctx: int, t: int, dev: torch.device) -> dict:
+def fa3_row(fa, qr, kr, vr, kv_layer, table, ctx, scale, res) -> None:
+    """res["fa3_*"]: FA3 over the row with its K/V in the pool (they are written there first, as vLLM's backend
+    has them before it attends), on the layer's strided view or, where FA3 refuses it, a contiguous copy."""
+    t, n = qr.shape[0], ctx + kr.shape[0]
+    idx = torch.arange(ctx, n, device=qr.device)
+    blocks, offs = table[idx // BS].long(), idx % BS
+    kv_layer[blocks, 0, offs] = kr
+    kv_layer[blocks, 1, offs] = vr
+    cu_q = torch.tensor([0, t], dtype=torch.int32, device=qr.device)
+    used = torch.tensor([n], dtype=torch.int32, device=qr.device)
+    bt = table[: -(-n // BS)][None].contiguous()
+    out = torch.empty((t, HQ, D), dtype=qr.dtype, device=qr.device)
+
+    def call(k, v):
+        fa(qr, k, v, max_seqlen_q=t, cu_seqlens_q=cu_q, max_seqlen_k=n, seqused_k=used, softmax_scale=scale,
+           causal=True, block_table=bt, out=out, fa_version=3)
+
+    k, v = kv_layer[:, 0], kv_layer[:, 1]  # [blocks, BS, HK, D], strided: the pool's pages where they lie
+    try:
+        call(k, v)
+        torch.cuda.synchronize()
+        res["fa3_layout"] = "pool view"
+    except RuntimeError as e:
+        res["fa3_view_error"] = str(e)[:300]
+        k, v = k.contiguous(), v.contiguous()
+        call(k, v)
+        res["fa3_layout"] = "contiguous copy"
+    res["fa3_out"] = out
+    res["fa3_us"] = us(lambda: call(k, v))
+
+
+def run_case(ctx: int, t: int, dev: torch.device, fa=None) -> dict:
     scale = D ** -0.5
     n = ctx + t
     nb = -(-n // BS) + 64
@@ -118,8 +155,14 @@ def run_case(ctx: int, t: int, dev: torch.device) -> dict:
                       out_new)
 
     res["calls_us"] = us(calls)
+    timed = ["row_old", "row", "calls"]
+    if fa is not None:
+        fa3_row(fa, qr, kr, vr, kv_layer, table, ctx, scale, res)
+        row_new(qr, kr, vr, kv_layer, table, ctx, scale, out_new)
+        res["fa3_max_abs_diff"] = (res.pop("fa3_out").float() - out_new.float()).abs().max().item()
+        timed.append("fa3")
     flops = 4.0 * HQ * D * (t * ctx + t * (t + 1) / 2)
-    for k in ("row_old", "row", "calls"):
+    for k in timed:
         res[f"{k}_tflops"] = flops / (res[f"{k}_us"] * 1e-6) / 1e12
     del pool
     torch.cuda.empty_cache()
@@ -130,22 +173,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="0:8192,8192:8192,16384:8192,24576:8192,4096:4096,2500:4096",
                     help="prefix:new pairs")
+    ap.add_argument("--fa3", action="store_true", help="also vLLM's FlashAttention 3 over the same rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
+    fa = None
+    if args.fa3:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func as fa
     if not lib.enabled(dev):
         raise SystemExit("cuDNN attention is not available here (needs sm_90+ and cuDNN)")
     rec = new_record("library_row", {"hq": HQ, "hk": HK, "d": D, "block_size": BS, "dtype": "bf16"})
     rec["results"] = []
     for pair in args.cases.split(","):
         ctx, t = (int(x) for x in pair.split(":"))
-        r = run_case(ctx, t, dev)
+        r = run_case(ctx, t, dev, fa)
         rec["results"].append(r)
         g = (f"gather {r['gather_old_us']:7.1f} -> {r['gather_us']:6.1f} us ({r['gather_GBps']:.0f} GB/s, "
              f"equal {r['gather_equal']}); " if ctx else "")
         print(f"ctx {ctx:6d} + {t:5d}: {g}row {r['row_old_us']:8.1f} -> {r['row_us']:8.1f} us "
               f"({r['row_old_tflops']:.0f} -> {r['row_tflops']:.0f} TFLOP/s); calls alone {r['calls_us']:8.1f} us "
               f"({r['calls_tflops']:.0f}); max |diff| {r['max_abs_diff']:.2e}", flush=True)
+        if fa is not None:
+            print(f"  fa3 ({r['fa3_layout']}) {r['fa3_us']:8.1f} us ({r['fa3_tflops']:.0f} TFLOP/s), row / fa3 "
+                  f"{r['row_us'] / r['fa3_us']:.3f}; max |diff| against the row {r['fa3_max_abs_diff']:.2e}"
+                  + (f"; the view refused: {r['fa3_view_error'][:120]}" if "fa3_view_error" in r else ""), flush=True)
     if args.out:
         save_json(rec, args.out)
 
