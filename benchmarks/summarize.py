@@ -766,10 +766,14 @@ def _moe_sbs(folder: str, before_folder: str, before_label: str) -> list[str]:
 
 
 def session41() -> None:
-    """Session 41 (one H200 lease, three machines: the decode kernel's GPU tests after session 40's removal, its
-    steps and loops, dummy Qwen3-8B beside vLLM at the session's tree, and whether a product hides under the
-    batch-256 decode attention)."""
+    """Session 41 (one H200 lease, four machines: the decode kernel's GPU tests after session 40's removal, its
+    steps and loops, dummy Qwen3-8B beside vLLM at the session's tree, whether a product hides under the batch-256
+    decode attention, and the mixed steps)."""
     base = "lease_s41"
+
+    def met(x: float, bound: float, le: bool = True) -> str:
+        return "met" if (x <= bound if le else x >= bound) else "not met"
+
     dots = (B / f"{base}/s41a/gpu_tests.txt").read_text()
     print(f"- the decode kernel's GPU tests after session 40 removed its losing switches (s41a, machine 1, "
           f"`lease_1gpu.sh s41a`: test_attention_decode.py, test_cuda_graphs.py, test_vs_transformers.py, "
@@ -784,7 +788,7 @@ def session41() -> None:
     loops = {lp["case"]: lp for lp in d["loops"] if lp["async"]}
     b1, b256 = loops["loop:1x1024"]["fraction_of_floor"], loops["loop:256x1024"]["fraction_of_floor"]
     print(f"\n- issue 10's engine criteria: steady decode at batch 1 {b1:.3f} of its floor (>= 0.8: "
-          f"{'met' if b1 >= 0.8 else 'not met'}), at batch 256 {b256:.3f} (>= 0.8: {'met' if b256 >= 0.8 else 'not met'}"
+          f"{met(b1, 0.8, False)}), at batch 256 {b256:.3f} (>= 0.8: {met(b256, 0.8, False)}"
           f"; {loops['loop:256x1024']['fraction_of_serial_bound']:.3f} of its serial bound)")
     lp = loops["loop:256x1024"]
     bound = lp["step_ms"] * lp["fraction_of_serial_bound"]
@@ -807,15 +811,11 @@ def session41() -> None:
     _sbs_chunks(folder, "8192x16_c1")
     before = {w["workload"]: w["ratio"] for f in ("lease_s34/s34b/sbs", "lease_s35/s35a/sbs")
               for w in load(f"{f}/comparison.json")["workloads"]}
-    now = {w["workload"]: w for w in load(f"{folder}/comparison.json")["workloads"]}
-    r = {k: w["ratio"] for k, w in now.items()}
+    r = {w["workload"]: w["ratio"] for w in load(f"{folder}/comparison.json")["workloads"]}
     c256, k8, k32 = r["1024x1024_c256"], r["8192x16_c1"], r["32768x16_c1"]
     print("\n- against the last dense runs (1024/1024 c256: session 34's s34b, one GPU; 8k and 32k: session 35's s35a): "
           + "; ".join(f"{k} output {r[k]['output_throughput']:.3f}x ({before[k]['output_throughput']:.3f}x), mean TTFT "
                       f"{r[k]['mean_ttft']:.3f} ({before[k]['mean_ttft']:.3f})" for k in sorted(r)))
-
-    def met(x: float, bound: float, le: bool = True) -> str:
-        return "met" if (x <= bound if le else x >= bound) else "not met"
 
     v, p = (load(f"{folder}/{n}_single_server.json") for n in ("vllm", "pdserve"))
     print(f"- issue 10, by vLLM's client: 1024/1024 c256 output {c256['output_throughput']:.3f}x (>= 1.0: "
