@@ -765,6 +765,88 @@ def _moe_sbs(folder: str, before_folder: str, before_label: str) -> list[str]:
     return gzip.decompress((B / f"{folder}/pdserve.log.gz").read_bytes()).decode(errors="replace").splitlines()
 
 
+def session42() -> None:
+    """Session 42 (machine 1, an H200: the 32k prompt's four chunks and the last one's kernels; machine 2, a 2xH200:
+    vLLM and NIXL staged, 1P1D against vLLM's 1P1D, then the library row against vLLM's FlashAttention 3)."""
+    base = "lease_s42"
+    d = load(f"{base}/s42a/steps.json")
+    print(f"Dummy Qwen3-8B's 32768-token prompt as the engine takes it: four 8192-token chunks, each on a prefix whose KV "
+          f"is in the pool (s42a, machine 1, `lease_1gpu.sh s42a`: bench_steps.py --prefill 8192,8192+8192,16384+8192,"
+          f"24576+8192 --iters {d['args']['iters']}, each step run and waited for; same run: {_ceilings(d['ceilings'])}):"
+          f"\n")
+    _run_table(d, serial=True)
+    rs = d["results"]
+    tot, fl = sum(r["step_ms_median"] for r in rs), sum(r["floor_ms"] for r in rs)
+    print(f"\n- the four chunks together: {tot:.1f} ms against {fl:.1f} ms of floor ({fl / tot:.0%})")
+    print("\nThe last chunk (24576+8192) under the profiler (the same call): ", end="")
+    g = _profile_top(f"{base}/s42a/profile.json", 9)
+    last = next(r for r in rs if r["case"] == "prefill:24576+8192")
+    top = g["top"]
+    att = sum(t["us_per_step"] for t in top if t["name"].startswith("cudnn"))
+    gemm = sum(t["us_per_step"] for t in top if t["name"].startswith("nvjet"))
+    rest = g["gpu_us_per_step"] - att - gemm
+    print(f"\n- cuDNN's attention {att / 1e3:.1f} ms for {last['attn_flops'] / 1e12:.1f} TFLOP "
+          f"({last['attn_flops'] / att / 1e6:.0f} TFLOP/s); cuBLAS's products {gemm / 1e3:.1f} ms for "
+          f"{last['prod_flops'] / 1e12:.1f} TFLOP ({last['prod_flops'] / gemm / 1e6:.0f} TFLOP/s, "
+          f"{last['prod_flops'] / gemm / 1e6 / d['ceilings']['bf16_matmul_tflops']:.0%} of the run's matmul rate); "
+          f"every other kernel {rest / 1e3:.1f} ms; GPU idle {g['gpu']['idle_us_per_step'] / 1e3:.2f} ms")
+
+    folder = "lease_s41/dense"
+    (vt, ve), (pt, pe) = (_misses(load(f"{folder}/{n}_single_32768x16_c1.json")) for n in ("vllm", "pdserve"))
+    v1, p1 = (load(f"{folder}/{n}_single_32768x16_c1.json")["ttfts"][0] for n in ("vllm", "pdserve"))
+    print(f"\nSession 41's 32768/16 records read again (lease_s41/dense, vLLM's client, one request at a time): each "
+          f"server's first request re-sent a warm-up prompt and hit its prefix cache (TTFT vLLM {1e3 * v1:.1f} ms, "
+          f"pdserve {1e3 * p1:.1f} ms), and the servers' own histograms also count the two warm-ups, so their means mix "
+          f"cached and fresh prompts. Over the seven fresh prompts after it: mean TTFT vLLM {vt:.1f} ms, pdserve "
+          f"{pt:.1f} ms ({pt / vt:.3f}); mean E2E vLLM {ve:.1f} ms, pdserve {pe:.1f} ms ({pe / ve:.3f})")
+
+    t = load(f"{base}/s42b/library_row.json")
+    print("\nThe library row (pdserve's long-prefill attention: the prefix gathered out of the pool, cuDNN's two calls, "
+          "their merge) against vLLM 0.22's FlashAttention 3 (`vllm.vllm_flash_attn`, fa_version=3, reading the same "
+          "pool's pages through its block table), one layer of dummy Qwen3-8B's heads (32 x 128 over 8 KV heads, "
+          "bf16, blocks of 16 tokens in random pages), the 32k prompt's chunks (s42b, machine 2 after the 1P1D runs, "
+          "`lease_1gpu.sh s42b`: bench_library_row.py --fa3), us a layer:\n")
+    print("| prefix + new | row us (TFLOP/s) | cuDNN's calls alone us | FA3 us (TFLOP/s) | row / FA3 | FA3's paged "
+          "cache | max abs diff FA3 - row |\n|---|---|---|---|---|---|---|")
+    for r in t["results"]:
+        print(f"| {r['ctx']} + {r['new']} | {r['row_us']:.1f} ({r['row_tflops']:.0f}) | {r['calls_us']:.1f} | "
+              f"{r['fa3_us']:.1f} ({r['fa3_tflops']:.0f}) | {r['row_us'] / r['fa3_us']:.3f} | {r['fa3_layout']} | "
+              f"{r['fa3_max_abs_diff']:.1e} |")
+    row = sum(r["row_us"] for r in t["results"]) * 36 / 1e3
+    fa3 = sum(r["fa3_us"] for r in t["results"]) * 36 / 1e3
+    print(f"\n- the four chunks' attention at 36 layers: row {row:.1f} ms, FA3 {fa3:.1f} ms ({row - fa3:.1f} ms, "
+          f"{(row - fa3) / tot:.1%} of s42a's four chunks on machine 1); FA3 ships inside vLLM's wheel, not as a "
+          f"library of its own, and its {(row - fa3) / tot:.1%} does not pay for a dependency: the library row stays")
+
+    print("\n1P1D on 2xH200 at the session's tree (machine 2: vLLM 0.22 and NIXL 1.5.1 staged in thirteen calls, "
+          "`lease_2xh200.sh unpack`, then `PD_MODE=pd-pdserve lease_2xh200.sh pd_one` and `PD_MODE=pd-vllm ... pd_one`): "
+          "`pdserve serve --prefill 1 --decode 1` (cuda_ipc) against vLLM with NixlConnector behind the anchors' proxy; "
+          "dummy Qwen3-8B bf16, --gpu-memory-utilization 0.9; vLLM's `bench serve` on both, one round:\n")
+    print("| workload | vLLM out tok/s | pdserve out tok/s | ratio | mean TTFT vLLM / pdserve ms | ratio | mean TPOT vLLM "
+          "/ pdserve ms | ratio |\n|---|---|---|---|---|---|---|---|")
+    pairs = {}
+    for w in ("1024x1024_c256", "8192x16_c1"):
+        v, p = (load(f"{base}/pd/pd-{n}/{n}_pd_{w}.json") for n in ("vllm", "pdserve"))
+        pairs[w] = (v, p)
+        print(f"| {w} | {_sbs_cells(v, p)}")
+    v, p = pairs["1024x1024_c256"]
+    vs, ps = (load(f"{base}/pd/pd-{m}/{m}_pd_server.json") for m in ("vllm", "pdserve"))
+    comp = ", ".join(f"{n} {_compiles(f'{base}/pd/pd-pdserve/pdlogs/{n}0.log.gz')}" for n in ("prefill", "decode"))
+    ratio = p["output_throughput"] / v["output_throughput"]
+    print("\n- requests completed: " + ", ".join(f"{w} vLLM {a['completed']}, pdserve {b['completed']}"
+                                                   for w, (a, b) in pairs.items())
+          + f"; 1024x1024_c256 inter-token latency median / p99: vLLM {v['median_itl_ms']:.1f} / {v['p99_itl_ms']:.1f} "
+          f"ms, pdserve {p['median_itl_ms']:.1f} / {p['p99_itl_ms']:.1f} ms")
+    print(f"- start-up (launch to first completion through the proxy or router): vLLM {vs['startup_s']:.1f} s, pdserve "
+          f"{ps['startup_s']:.1f} s; KV tokens vLLM {vs['kv_tokens']:,}, pdserve {ps['kv_tokens']:,}; kernels "
+          f"pdserve's instances compiled while serving: {comp}")
+    s33 = [load(f"lease_s33/pd_r{r}/pd-pdserve/pdserve_pd_1024x1024_c256.json")["output_throughput"]
+           / load(f"lease_s33/pd_r{r}/pd-vllm/vllm_pd_1024x1024_c256.json")["output_throughput"] for r in (1, 2)]
+    print(f"- issue 10's PD criterion, 1024/1024 c256 output: {ratio:.3f}x vLLM's 1P1D (>= 1.0: "
+          f"{'met' if ratio >= 1.0 else 'not met'}); session 33's two rounds at its tree: "
+          + " and ".join(f"{x:.3f}x" for x in s33))
+
+
 def session41() -> None:
     """Session 41 (one H200 lease, four machines: the decode kernel's GPU tests after session 40's removal, its
     steps and loops, dummy Qwen3-8B beside vLLM at the session's tree, whether a product hides under the batch-256
@@ -3575,6 +3657,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    session42()
+    print()
     session41()
     print()
     session40()
