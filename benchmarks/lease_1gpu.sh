@@ -277,12 +277,15 @@
 #   s40e       (written in session 40) the engine microbenchmark's criteria at session 40's tree (dummy Qwen3-8B:
 #              steps and steady loops at 1 and 256 rows of ~1k against their floors, the 8k prefill against the
 #              matmul ceiling), a shorter s32d
-#   s42b       (written in session 41, not yet run; after the eleven staging calls and `lease_2xh200.sh unpack` on the
+#   s42c       (session 42) the 32k prompt's 8k chunks through the library row against one call of cuDNN's frontend
+#              graph (nvidia-cudnn-frontend, carried in .whl): causal aligned bottom-right over the gathered prefix and
+#              new K/V, or over the pool's pages through a page table; every plan of cuDNN's heuristics timed
+#   s42b       (written in session 41, ran in session 42 after the staging calls and `lease_2xh200.sh unpack` on the
 #              same machine) the 32k prompt's 8k chunks through the library row (gather, cuDNN, merge) against vLLM's
 #              FlashAttention 3 over the same pages (bench_library_row.py --fa3, vLLM from /tmp/site)
-#   s42a       (written in session 41, not yet run) where a 32k prompt's prefill goes (session 41: pdserve's own 32k TTFT
-#              ~5 % above vLLM's by both servers' /metrics): dummy Qwen3-8B's 8192-token chunks fresh and on 8k, 16k and
-#              24k prefixes against their floors and serial bounds, then the kernels of the chunk on 24k
+#   s42a       (written in session 41, ran in session 42) where a 32k prompt's prefill goes (session 41: pdserve's own
+#              32k TTFT ~5 % above vLLM's by both servers' /metrics): dummy Qwen3-8B's 8192-token chunks fresh and on 8k,
+#              16k and 24k prefixes against their floors and serial bounds, then the kernels of the chunk on 24k
 #   dense      dummy Qwen3-8B bf16 (.vllm-stage/model), vLLM then pdserve on the one GPU, vLLM's client
 #              (SBS_WORKLOADS, default 1024/1024 c256); into dense.tgz
 #   s41e       where a mixed step's time goes at the session's tree: dummy Qwen3-8B's batch-256 decode step and mixed
@@ -1681,6 +1684,12 @@ PY
       --loop 1x1024,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s42c)  # the library row against one cuDNN frontend call (causal bottom-right; gathered or paged K/V), every plan;
+    # carry .whl (nvidia-cudnn-frontend's cp312 wheel)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cfe .whl/nvidia_cudnn_frontend-*.whl \
+      > "$W/pip_cfe.txt" 2>&1 || echo "the frontend's install failed"
+    PYTHONPATH=/tmp/cfe timeout 420 python3 benchmarks/attention/probe_cudnn_frontend.py --out "$W/cudnn_fe.json" 2>&1 \
+      | tee "$W/cudnn_fe.txt" | tail -30 ;;
   s42b)  # the library row against vLLM's FA3 on the 32k prompt's chunks
     PYTHONPATH=/tmp/site timeout 420 python3 benchmarks/attention/bench_library_row.py --fa3 \
       --cases 0:8192,8192:8192,16384:8192,24576:8192 --out "$W/library_row.json" 2>&1 | tee "$W/library_row.txt" | tail -16 ;;

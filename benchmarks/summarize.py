@@ -818,6 +818,60 @@ def session42() -> None:
           f"{(row - fa3) / tot:.1%} of s42a's four chunks on machine 1); FA3 ships inside vLLM's wheel, not as a "
           f"library of its own, and its {(row - fa3) / tot:.1%} does not pay for a dependency: the library row stays")
 
+    print("\nOne call of cuDNN's frontend graph in place of the library row (s42c1 and s42c2, machines 3 and 4, an H200 "
+          "each, `lease_1gpu.sh s42c` carrying nvidia-cudnn-frontend 1.14.0's wheel: "
+          "benchmarks/attention/probe_cudnn_frontend.py; s42c1 ran it before its gathered and padded arms were added). "
+          "The row reaches cuDNN through torch's SDPA op, which has no bottom-right causal mask and no paged K/V: it "
+          "gathers the prefix, makes two calls and merges them. The frontend graph takes one call, causal aligned "
+          "bottom-right: dense over the gathered prefix and the new K/V copied into one buffer, gathered over the whole "
+          "row gathered out of the pool by the row's kernel in one launch, paged over the pool's pages through a page "
+          "table. Every plan of cuDNN's heuristics (A, FALLBACK) timed; us a layer, best plan (with its inputs made in "
+          "the timed call where the arm has any):\n")
+    print("| run | prefix + new | row | dense call | dense with inputs | gathered call | gathered with its gather | "
+          "paged | padded graph / exact graph |\n|---|---|---|---|---|---|---|---|---|")
+    sums: dict[str, list[float]] = {}
+    for run in ("s42c1", "s42c2"):
+        fe = load(f"{base}/{run}/cudnn_fe.json")
+        for r in fe["results"]:
+            def best(arm: str, key: str = "us", r: dict = r) -> str:
+                b = (r.get(arm) or {}).get("best")
+                return f"{b[key]:.1f}" if b and key in b else "-"
+            pad = "-"
+            if r.get("padded") and r.get("padded_exact"):
+                pl = r["padded_lengths"]
+                pad = (f"{r['padded']['best']['us']:.1f} / {r['padded_exact']['best']['us']:.1f} ({pl['q']} + "
+                       f"{pl['kv'] - pl['q']} in a {pl['graph_q']} x {pl['graph_kv']} graph; max abs diff "
+                       f"{r['padded']['best']['max_abs_diff']:.1e})")
+            print(f"| {run} | {r['ctx']} + {r['new']} | {r['row_us']:.1f} | {best('dense')} | "
+                  f"{best('dense', 'with_inputs_us')} | {best('gathered')} | {best('gathered', 'with_inputs_us')} | "
+                  f"{best('paged')} | {pad} |")
+            for arm, key in (("row", None), ("dense", "us"), ("gathered", "with_inputs_us"), ("paged", "us")):
+                v = r["row_us"] if key is None else ((r.get(arm) or {}).get("best") or {}).get(key)
+                if v is not None:
+                    sums.setdefault(f"{run} {arm}", []).append(v)
+    print("\n- the four chunks at 36 layers, ms: " + "; ".join(
+        f"{k} {36 * sum(v) / 1e3:.1f}" for k, v in sums.items() if len(v) == 4))
+    diffs = [p["max_abs_diff"] for run in ("s42c1", "s42c2") for r in load(f"{base}/{run}/cudnn_fe.json")["results"]
+             for arm in ("dense", "gathered", "paged") for p in (r.get(arm) or {}).get("plans", [])
+             if "max_abs_diff" in p]
+    print(f"- every plan's output against the row's: max abs difference at most {max(diffs):.1e}")
+    rs = [r for run in ("s42c1", "s42c2") for r in load(f"{base}/{run}/cudnn_fe.json")["results"]]
+
+    def span(xs: list[float], pct: bool = False) -> str:
+        return (f"{min(xs):.0%} to {max(xs):.0%}" if pct else f"{min(xs):.0f}-{max(xs):.0f}")
+
+    dense_rate = [r["dense"]["best"]["tflops"] for r in rs if r["ctx"] >= 16384]
+    row_rate = [r["row_tflops"] for r in rs]
+    call = [r["row_us"] / r["dense"]["best"]["us"] - 1 for r in rs]
+    gath = [r["row_us"] / r["gathered"]["best"]["with_inputs_us"] - 1 for r in rs if r.get("gathered")]
+    paged = [r["paged"]["best"]["us"] / r["row_us"] - 1 for r in rs]
+    pad = [r["padded"]["best"]["us"] / r["padded_exact"]["best"]["us"] - 1 for r in rs if r.get("padded")]
+    print(f"- the dense call on prefixes of 16384 and 24576 ran {span(dense_rate)} TFLOP/s across the two processes, "
+          f"the row {span(row_rate)} over every case: the row's time over the dense call's less one, {span(call, True)}; "
+          f"over the gathered arm's with its gather, {span(gath, True)}; the paged reads through 16-token pages, "
+          f"{span(paged, True)} slower than the row; a graph of a bucket's dims serving shorter lengths through its "
+          f"padding mask, {span(pad, True)} against a graph of the exact dims. Not taken this session: the spread "
+          f"between the two processes is as large as the gain")
     print("\n1P1D on 2xH200 at the session's tree (machine 2: vLLM 0.22 and NIXL 1.5.1 staged in thirteen calls, "
           "`lease_2xh200.sh unpack`, then `PD_MODE=pd-pdserve lease_2xh200.sh pd_one` and `PD_MODE=pd-vllm ... pd_one`): "
           "`pdserve serve --prefill 1 --decode 1` (cuda_ipc) against vLLM with NixlConnector behind the anchors' proxy; "
