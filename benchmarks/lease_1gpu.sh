@@ -277,6 +277,8 @@
 #   s40e       (written in session 40) the engine microbenchmark's criteria at session 40's tree (dummy Qwen3-8B:
 #              steps and steady loops at 1 and 256 rows of ~1k against their floors, the 8k prefill against the
 #              matmul ceiling), a shorter s32d
+#   s42d       (session 42) s42c's row and gathered arm timed one after the other (--interleave 7), in two processes
+#              one after the other, on the 32k prompt's chunks on 8k, 16k and 24k prefixes
 #   s42c       (session 42) the 32k prompt's 8k chunks through the library row against one call of cuDNN's frontend
 #              graph (nvidia-cudnn-frontend, carried in .whl): causal aligned bottom-right over the gathered prefix and
 #              new K/V, or over the pool's pages through a page table; every plan of cuDNN's heuristics timed
@@ -1684,6 +1686,14 @@ PY
       --loop 1x1024,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s42d)  # s42c's row and gathered arm interleaved, in two processes one after the other; carry .whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cfe .whl/nvidia_cudnn_frontend-*.whl \
+      > "$W/pip_cfe.txt" 2>&1 || echo "the frontend's install failed"
+    for i in 1 2; do
+      PYTHONPATH=/tmp/cfe timeout 200 python3 benchmarks/attention/probe_cudnn_frontend.py --interleave 7 \
+        --cases 8192:8192,16384:8192,24576:8192 --out "$W/cudnn_fe_$i.json" > "$W/cudnn_fe_$i.txt" 2>&1
+      grep -E "^ctx|interleaved|failed" "$W/cudnn_fe_$i.txt" | cut -c1-400
+    done ;;
   s42c)  # the library row against one cuDNN frontend call (causal bottom-right; gathered or paged K/V), every plan;
     # carry .whl (nvidia-cudnn-frontend's cp312 wheel)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cfe .whl/nvidia_cudnn_frontend-*.whl \

@@ -870,8 +870,22 @@ def session42() -> None:
           f"the row {span(row_rate)} over every case: the row's time over the dense call's less one, {span(call, True)}; "
           f"over the gathered arm's with its gather, {span(gath, True)}; the paged reads through 16-token pages, "
           f"{span(paged, True)} slower than the row; a graph of a bucket's dims serving shorter lengths through its "
-          f"padding mask, {span(pad, True)} against a graph of the exact dims. Not taken this session: the spread "
-          f"between the two processes is as large as the gain")
+          f"padding mask, {span(pad, True)} against a graph of the exact dims. Each arm timed apart, the spread "
+          f"between the two processes was as large as the differences, hence s42d")
+    print("\nThe row and the gathered arm (its gather inside the timed call) one after the other, round by round (s42d, "
+          "machine 5, an H200, `lease_1gpu.sh s42d` carrying the same wheel: `probe_cudnn_frontend.py --interleave 7`, "
+          "two processes one after the other), median us a layer of the rounds:\n")
+    print("| process | prefix + new | row | gathered, first plan | gathered, fastest plan | row / gathered (fastest) |"
+          "\n|---|---|---|---|---|---|")
+    ratios = []
+    for i in (1, 2):
+        for r in load(f"{base}/s42d/cudnn_fe_{i}.json")["results"]:
+            med = {k: sorted(v)[len(v) // 2] for k, v in r["interleaved"].items()}
+            ratios.append(med["row"] / med["gathered_best"])
+            print(f"| {i} | {r['ctx']} + {r['new']} | {med['row']:.1f} | {med['gathered_first']:.1f} | "
+                  f"{med['gathered_best']:.1f} | {ratios[-1]:.3f} |")
+    print(f"\n- timed side by side, the one-call graph with its gather is {min(ratios):.3f}-{max(ratios):.3f}x the "
+          f"row's speed: no gain worth a dependency. Not taken; the row stays")
     print("\n1P1D on 2xH200 at the session's tree (machine 2: vLLM 0.22 and NIXL 1.5.1 staged in thirteen calls, "
           "`lease_2xh200.sh unpack`, then `PD_MODE=pd-pdserve lease_2xh200.sh pd_one` and `PD_MODE=pd-vllm ... pd_one`): "
           "`pdserve serve --prefill 1 --decode 1` (cuda_ipc) against vLLM with NixlConnector behind the anchors' proxy; "

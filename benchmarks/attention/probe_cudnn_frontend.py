@@ -13,7 +13,9 @@ over the new tokens, an unmasked one against the prefix) and merges them. The fr
               through a page table (the new tokens' K/V written into the pool first, as the engine's KV write does
               before attention): no gather, no copy, no merge
 For each frontend graph every plan cuDNN's heuristics (modes A and FALLBACK) propose is built and timed: the first
-(the heuristics' choice) and the fastest are reported, each plan's output compared with the row's.
+(the heuristics' choice) and the fastest are reported, each plan's output compared with the row's. --interleave N
+then times the row and the gathered arm (its gather inside the timed call; the first plan and the fastest) one after
+the other, N rounds, so a drift of the GPU's speed falls on every arm alike.
 
     pip install --no-deps --target /tmp/cfe nvidia_cudnn_frontend-*.whl
     PYTHONPATH=/tmp/cfe python benchmarks/attention/probe_cudnn_frontend.py --out $OUT/cudnn_fe.json
@@ -130,7 +132,7 @@ def sweep(fe: FeGraph, out: torch.Tensor, ref: torch.Tensor, extra=None) -> dict
     return {"plans": plans, "first": ok[0] if ok else None, "best": min(ok, key=lambda p: p["us"]) if ok else None}
 
 
-def run_case(cudnn, handle, ctx: int, t: int, dev: torch.device) -> dict:
+def run_case(cudnn, handle, ctx: int, t: int, dev: torch.device, rounds: int = 0) -> dict:
     scale = D ** -0.5
     n = ctx + t
     nb = -(-n // BS) + 64
@@ -190,6 +192,16 @@ def run_case(cudnn, handle, ctx: int, t: int, dev: torch.device) -> dict:
         fe = FeGraph(cudnn, handle, bhsd(qr), bhsd(buf[0, :n]), bhsd(buf[1, :n]), bhsd(out), scale)
         res["gathered"] = sweep(fe, out, ref, gather_all)
         res["gather_all_us"] = us(gather_all)
+        if rounds and res["gathered"]["best"] is not None:
+            # the row and the gathered arm (its gather inside the timed call) one after the other, round by round
+            first, best = res["gathered"]["first"]["index"], res["gathered"]["best"]["index"]
+            arms = {"row": lambda: row(qr, kr, vr, kv_layer, table, ctx, scale, ref),
+                    "gathered_first": lambda: (gather_all(), fe.run(first)),
+                    "gathered_best": lambda: (gather_all(), fe.run(best))}
+            res["interleaved"] = {k: [] for k in arms}
+            for _ in range(rounds):
+                for k, fn in arms.items():
+                    res["interleaved"][k].append(us(fn))
     except Exception as e:
         res["gathered_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
@@ -240,6 +252,8 @@ def run_case(cudnn, handle, ctx: int, t: int, dev: torch.device) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="0:8192,8192:8192,16384:8192,24576:8192", help="prefix:new pairs")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="rounds of the row and the gathered arm (first and best plan) timed one after the other")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -259,7 +273,7 @@ def main() -> None:
     rec["results"] = []
     for pair in args.cases.split(","):
         ctx, t = (int(x) for x in pair.split(":"))
-        r = run_case(cudnn, handle, ctx, t, dev)
+        r = run_case(cudnn, handle, ctx, t, dev, args.interleave)
         rec["results"].append(r)
         line = f"ctx {ctx:6d} + {t:5d}: row {r['row_us']:8.1f} us ({r['row_tflops']:.0f} TFLOP/s)"
         for arm in ("dense", "gathered", "paged", "padded_exact", "padded"):
@@ -278,6 +292,12 @@ def main() -> None:
             line += (f"\n  {arm}: {len(a['plans'])} plans; first {f['us']:.1f} us; best {b['us']:.1f} us "
                      f"({rate}{inp}), row / best {r['row_us'] / b['us']:.3f}, max |diff| "
                      f"{b['max_abs_diff']:.1e}, {b['name'][:60]}")
+        if "interleaved" in r:
+            med = {k: sorted(v)[len(v) // 2] for k, v in r["interleaved"].items()}
+            line += ("\n  interleaved, median of " + str(args.interleave) + " rounds: "
+                     + ", ".join(f"{k} {v:.1f} us" for k, v in med.items())
+                     + f"; row / gathered_best {med['row'] / med['gathered_best']:.3f}; rounds: "
+                     + " | ".join(" ".join(f"{x:.0f}" for x in v) for v in r["interleaved"].values()))
         print(line, flush=True)
     if args.out:
         save_json(rec, args.out)
