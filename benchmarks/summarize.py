@@ -765,6 +765,42 @@ def _moe_sbs(folder: str, before_folder: str, before_label: str) -> list[str]:
     return gzip.decompress((B / f"{folder}/pdserve.log.gz").read_bytes()).decode(errors="replace").splitlines()
 
 
+def status() -> None:
+    """Issue 10's criteria, each from its latest record (named beside it): the table docs/benchmarks.md opens with."""
+    dense = "lease_s41/dense"
+    r = {w["workload"]: w["ratio"] for w in load(f"{dense}/comparison.json")["workloads"]}
+    v, p = (load(f"{dense}/{n}_single_server.json") for n in ("vllm", "pdserve"))
+    loops = {lp["case"]: lp for lp in load("lease_s41/s41a/steps.json")["loops"] if lp["async"]}
+    pf = next(x for x in load("lease_s42/s42a/steps.json")["results"] if x["case"] == "prefill:8192")
+    pv, pp = (load(f"lease_s42/pd/pd-{n}/{n}_pd_1024x1024_c256.json") for n in ("vllm", "pdserve"))
+    c256, k8, k32 = r["1024x1024_c256"], r["8192x16_c1"], r["32768x16_c1"]
+    ge, le = ">=", "<="
+    rows = [  # (criterion, measured, >= or <=, bound, note, record)
+        ("1024/1024 c256, output tok/s, pdserve / vLLM", c256["output_throughput"], ge, 1.0, "aim 1.15", dense),
+        ("same, mean TPOT", c256["mean_tpot"], le, 1.0, "", dense),
+        ("same, mean TTFT", c256["mean_ttft"], le, 1.0, "", dense),
+        ("8192/16 one at a time, TTFT", k8["mean_ttft"], le, 1.0, "", dense),
+        ("8192/16, TPOT", k8["mean_tpot"], le, 1.1, "", dense),
+        ("32768/16 one at a time, TTFT", k32["mean_ttft"], le, 1.0, "", dense),
+        ("32768/16, TPOT", k32["mean_tpot"], le, 1.1,
+         f"by vLLM's client, which sees vLLM's tokens in fewer chunks; by the servers' own inter-token latency "
+         f"{k32['server_itl']:.3f}", dense),
+        ("KV tokens at --gpu-memory-utilization 0.9", p["kv_tokens"] / v["kv_tokens"], ge, 1.0, "", dense),
+        ("start-up, launch to first answer", p["startup_s"] / v["startup_s"], le, 1.0, "", dense),
+        ("steady decode at batch 1, of its floor", loops["loop:1x1024"]["fraction_of_floor"], ge, 0.8, "",
+         "lease_s41/s41a"),
+        ("steady decode at batch 256, of its floor", loops["loop:256x1024"]["fraction_of_floor"], ge, 0.8,
+         f"{loops['loop:256x1024']['fraction_of_serial_bound']:.3f} of its serial bound", "lease_s41/s41a"),
+        ("prefill of 8k tokens, of the matmul ceiling", pf["fraction_of_floor"], ge, 0.75, "", "lease_s42/s42a"),
+        ("1P1D 1024/1024 c256, output tok/s, pdserve / vLLM's 1P1D (NIXL)",
+         pp["output_throughput"] / pv["output_throughput"], ge, 1.0, "", "lease_s42/pd"),
+    ]
+    print("| criterion | measured | asked | met | note | record |\n|---|---|---|---|---|---|")
+    for name, x, op, bound, note, rec in rows:
+        met = x >= bound if op == ge else x <= bound
+        print(f"| {name} | {x:.3f} | {op} {bound} | {'yes' if met else 'no'} | {note} | benchmarks/{rec} |")
+
+
 def session42() -> None:
     """Session 42 (machine 1, an H200: the 32k prompt's four chunks and the last one's kernels; machine 2, a 2xH200:
     vLLM and NIXL staged, 1P1D against vLLM's 1P1D, then the library row against vLLM's FlashAttention 3)."""
@@ -3725,6 +3761,8 @@ def _fmt(x) -> str:
 
 
 if __name__ == "__main__":
+    status()
+    print()
     session42()
     print()
     session41()
