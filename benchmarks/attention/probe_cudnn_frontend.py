@@ -9,9 +9,13 @@ over the new tokens, an unmasked one against the prefix) and merges them. The fr
   row         the library row as shipped (gather, the two calls, the merge)
   dense       one frontend call, causal aligned bottom-right, over the prefix gathered by the row's kernel and the
               new tokens' K/V (one contiguous copy of both; `dense_call`: the call alone on inputs made beforehand)
+  gathered    the same call over the whole row's K/V (prefix and new, written into the pool first, as the engine's
+              KV write does before attention) gathered out of the pool by the row's gather kernel in one launch
   paged       one frontend call, causal aligned bottom-right, reading every K/V token where it lies in the pool
-              through a page table (the new tokens' K/V written into the pool first, as the engine's KV write does
-              before attention): no gather, no copy, no merge
+              through a page table: no gather, no copy, no merge
+  padded      a graph at the case's dims serving 192 fewer new tokens (and 100 fewer prefix tokens) through its
+              padding mask (lengths given at run time), against a graph of the exact dims on the same inputs: whether
+              one graph can serve a bucket of lengths, and at what cost
 For each frontend graph every plan cuDNN's heuristics (modes A and FALLBACK) propose is built and timed: the first
 (the heuristics' choice) and the fastest are reported, each plan's output compared with the row's. --interleave N
 then times the row and the gathered arm (its gather inside the timed call; the first plan and the fastest) one after
