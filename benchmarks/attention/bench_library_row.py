@@ -112,8 +112,10 @@ def fa3_row(fa, qr, kr, vr, kv_layer, table, ctx, scale, res) -> None:
     res["fa3_us"] = us(lambda: call(k, v))
 
 
-def run_case(ctx: int, t: int, dev: torch.device, fa=None) -> dict:
-    scale = D ** -0.5
+def row_inputs(ctx: int, t: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """One row of ctx cached and t new tokens: a pool in the engine's head-major layout (random values, 64 spare
+    blocks), its layer view ([blocks, 2, BS, Hk, D], strided), the row's block table (random pages) and the new
+    tokens' q, k and v as views of one fused projection: (pool, kv_layer, table, qr, kr, vr)."""
     n = ctx + t
     nb = -(-n // BS) + 64
     pool = torch.empty((nb, HK, LAYERS, 2, BS, D), dtype=torch.bfloat16, device=dev).normal_()
@@ -124,6 +126,12 @@ def run_case(ctx: int, t: int, dev: torch.device, fa=None) -> dict:
     qr = qkv[:, : HQ * D].view(t, HQ, D)
     kr = qkv[:, HQ * D: (HQ + HK) * D].view(t, HK, D)
     vr = qkv[:, (HQ + HK) * D:].view(t, HK, D)
+    return pool, kv_layer, table, qr, kr, vr
+
+
+def run_case(ctx: int, t: int, dev: torch.device, fa=None) -> dict:
+    scale = D ** -0.5
+    pool, kv_layer, table, qr, kr, vr = row_inputs(ctx, t, dev)
     out_old = torch.empty((t, HQ, D), dtype=torch.bfloat16, device=dev)
     out_new = torch.empty_like(out_old)
     res = {"ctx": ctx, "new": t}

@@ -28,26 +28,17 @@ the other, N rounds, so a drift of the GPU's speed falls on every arm alike.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-import triton.testing
 
 from pdserve.bench.record import new_record, save_json
-from pdserve.model.forward_context import layer_view
 from pdserve.ops.attention import library_prefill as lib
 
-HQ, HK, D, BS, LAYERS = 32, 8, 128, 16, 2
-
-
-def us(fn) -> float:
-    return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
-
-
-def row(qr, kr, vr, kv_layer, table, ctx, scale, out) -> None:
-    kp = vp = None
-    if ctx:
-        kp, vp = lib.gather_prefix(kv_layer, table, ctx)
-    lib.attend_row(qr, kr, vr, kp, vp, scale, out)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_library_row import BS, HK, HQ, D, row_inputs, us  # noqa: E402
+from bench_library_row import row_new as row  # noqa: E402
 
 
 def bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -139,15 +130,7 @@ def sweep(fe: FeGraph, out: torch.Tensor, ref: torch.Tensor, extra=None) -> dict
 def run_case(cudnn, handle, ctx: int, t: int, dev: torch.device, rounds: int = 0) -> dict:
     scale = D ** -0.5
     n = ctx + t
-    nb = -(-n // BS) + 64
-    pool = torch.empty((nb, HK, LAYERS, 2, BS, D), dtype=torch.bfloat16, device=dev).normal_()
-    kv_layer = layer_view(pool, 1)  # [blocks, 2, BS, HK, D], strided
-    g = torch.Generator().manual_seed(0)
-    table = torch.randperm(nb, generator=g)[: -(-n // BS)].to(torch.int32).to(dev)
-    qkv = torch.randn((t, (HQ + 2 * HK) * D), dtype=torch.bfloat16, device=dev)
-    qr = qkv[:, : HQ * D].view(t, HQ, D)
-    kr = qkv[:, HQ * D: (HQ + HK) * D].view(t, HK, D)
-    vr = qkv[:, (HQ + HK) * D:].view(t, HK, D)
+    pool, kv_layer, table, qr, kr, vr = row_inputs(ctx, t, dev)
     ref = torch.empty((t, HQ, D), dtype=torch.bfloat16, device=dev)
     row(qr, kr, vr, kv_layer, table, ctx, scale, ref)
     res = {"ctx": ctx, "new": t, "row_us": us(lambda: row(qr, kr, vr, kv_layer, table, ctx, scale, ref))}
