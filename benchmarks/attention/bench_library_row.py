@@ -81,14 +81,20 @@ def row_new(qr, kr, vr, kv_layer, table, ctx, scale, out):
     lib.attend_row(qr, kr, vr, kp, vp, scale, out)
 
 
+def write_new_kv(kv_layer, table, ctx, kr, vr) -> None:
+    """The new tokens' K/V into the row's pages after its ctx cached tokens, as the engine's KV write puts them
+    before attention."""
+    idx = torch.arange(ctx, ctx + kr.shape[0], device=kr.device)
+    blocks, offs = table[idx // BS].long(), idx % BS
+    kv_layer[blocks, 0, offs] = kr
+    kv_layer[blocks, 1, offs] = vr
+
+
 def fa3_row(fa, qr, kr, vr, kv_layer, table, ctx, scale, res) -> None:
     """res["fa3_*"]: FA3 over the row with its K/V in the pool (they are written there first, as vLLM's backend
     has them before it attends), on the layer's strided view or, where FA3 refuses it, a contiguous copy."""
     t, n = qr.shape[0], ctx + kr.shape[0]
-    idx = torch.arange(ctx, n, device=qr.device)
-    blocks, offs = table[idx // BS].long(), idx % BS
-    kv_layer[blocks, 0, offs] = kr
-    kv_layer[blocks, 1, offs] = vr
+    write_new_kv(kv_layer, table, ctx, kr, vr)
     cu_q = torch.tensor([0, t], dtype=torch.int32, device=qr.device)
     used = torch.tensor([n], dtype=torch.int32, device=qr.device)
     bt = table[: -(-n // BS)][None].contiguous()

@@ -37,7 +37,7 @@ from pdserve.bench.record import new_record, save_json
 from pdserve.ops.attention import library_prefill as lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_library_row import BS, HK, HQ, D, row_inputs, us  # noqa: E402
+from bench_library_row import BS, HK, HQ, D, row_inputs, us, write_new_kv  # noqa: E402
 from bench_library_row import row_new as row  # noqa: E402
 
 
@@ -157,10 +157,7 @@ def run_case(cudnn, handle, ctx: int, t: int, dev: torch.device, rounds: int = 0
         res["dense_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
     # the new tokens' K/V written into the pool (as the engine's KV write does before attention)
-    idx = torch.arange(ctx, n, device=dev)
-    blocks, offs = table[idx // BS].long(), idx % BS
-    kv_layer[blocks, 0, offs] = kr
-    kv_layer[blocks, 1, offs] = vr
+    write_new_kv(kv_layer, table, ctx, kr, vr)
 
     # gathered: the whole row's K/V (prefix and new) out of the pool by the row's gather kernel in one launch, into
     # one buffer, then one call
