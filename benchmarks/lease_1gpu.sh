@@ -277,6 +277,14 @@
 #   s40e       (written in session 40) the engine microbenchmark's criteria at session 40's tree (dummy Qwen3-8B:
 #              steps and steady loops at 1 and 256 rows of ~1k against their floors, the 8k prefill against the
 #              matmul ceiling), a shorter s32d
+#   s43a       (session 43) the long-prefill row's merge kernel (_merge_two_kernel: ~140 us a layer on an 8192-token
+#              chunk, ~3x the bytes' time at the copy rate, s42a): its launch variants on the row's own inputs
+#              (bench_merge.py: the outputs' pointers' alignment specialized or not, rows a program, warps), then dummy
+#              Qwen3-8B's 8k chunks on 16k and 24k prefixes with the merge as shipped and as the best variant, in
+#              the order shipped, best, shipped, best
+#   s43b       (session 43) the GPU tests of the library row and the merge at the merge's new launch, and of the
+#              warm-up (a burst compiles nothing); the 24k chunk's kernels with the merge as before (free:32:4) and as
+#              shipped; then dummy Qwen3-8B's 32k prompt as four 8k chunks (s42a again)
 #   s42d       (session 42) s42c's row and gathered arm timed one after the other (--interleave 7), in two processes
 #              one after the other, on the 32k prompt's chunks on 8k, 16k and 24k prefixes
 #   s42c       (session 42) the 32k prompt's 8k chunks through the library row against one call of cuDNN's frontend
@@ -1686,6 +1694,34 @@ PY
       --loop 1x1024,256x1024 --loop-steps 60 --loop-temperature 1.0 --out "$W/steps.json" > "$W/steps.txt" 2>&1
     grep -E "^(decode|prefill|loop)[^ ]*:|Error" "$W/steps.txt" | grep -v "async off" | cut -c1-220
     tar czf "$OUT/$STAGE.tgz" -C "$OUT" $STAGE ;;
+  s43a)  # the merge's launch variants, then whole chunks A/B (shipped, best, shipped, best)
+    timeout 170 python3 benchmarks/attention/bench_merge.py --out "$W/merge.json" > "$W/merge.txt" 2>&1
+    tail -2 "$W/merge.txt"; grep -E "24576 \+ 8192" "$W/merge.txt" | cut -c1-120
+    BEST=$(python3 -c "import json; print(json.load(open('$W/merge.json'))['best'])" 2>/dev/null || echo free:32:4)
+    B="benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960"
+    i=0
+    for arm in free:32:4 $BEST free:32:4 $BEST; do
+      i=$((i + 1))
+      left=$(( 570 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for run $i"; break; }
+      timeout $left python3 benchmarks/attention/bench_merge.py --run-with $arm -- $B --iters 5 --decode= --loop= \
+        --mixed= --prefill 16384+8192,24576+8192 --out "$W/steps_$i.json" > "$W/steps_$i.txt" 2>&1
+      echo "$i $arm ($(( $(date +%s) - t0 )) s): $(grep -E '^prefill[^ ]*:' "$W/steps_$i.txt" | cut -d'(' -f1 | tr '\n' ' ')"
+    done ;;
+  s43b)  # the library row's and the warm-up's GPU tests at the merge's new launch, then the 24k chunk's kernels with
+    # the merge as shipped before and now, then s42a's four chunks
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/ops/test_library_prefill.py \
+      tests/engine/test_warmup.py 2>&1 | tee "$W/gpu_tests.txt" | grep -v "^\.*$" | tail -6
+    B="benchmarks/engine/bench_steps.py --model qwen3-8b --load-format dummy --gpu-memory-utilization 0.9 --no-compare-eager --max-model-len 40960"
+    for arm in free:32:4 shipped; do
+      left=$(( 420 - ($(date +%s) - t0) )); [ $left -lt 40 ] && { echo "no time left for the profile of $arm"; break; }
+      n=$(echo $arm | tr ':' '_')
+      if [ $arm = shipped ]; then run="python3 $B"; else run="python3 benchmarks/attention/bench_merge.py --run-with $arm -- $B"; fi
+      timeout $left $run --profile "prefill:24576+8192" --top 12 --out "$W/profile_$n.json" > "$W/profile_$n.txt" 2>&1
+      echo "$arm: $(grep -E '_merge_two_kernel' "$W/profile_$n.txt" | head -1 | cut -c1-120)"
+    done
+    timeout $(( 580 - ($(date +%s) - t0) )) python3 $B --iters 5 --decode= --loop= --mixed= \
+      --prefill 8192,8192+8192,16384+8192,24576+8192 --out "$W/steps.json" > "$W/steps.txt" 2>&1
+    grep -E "^prefill[^ ]*:|Error" "$W/steps.txt" | cut -c1-220 ;;
   s42d)  # s42c's row and gathered arm interleaved, in two processes one after the other; carry .whl
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cfe .whl/nvidia_cudnn_frontend-*.whl \
       > "$W/pip_cfe.txt" 2>&1 || echo "the frontend's install failed"

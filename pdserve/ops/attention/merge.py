@@ -15,6 +15,9 @@ import triton.language as tl
 
 from pdserve.ops.dispatch import use_fused
 
+BLOCK_T = 32  # rows a program
+NUM_WARPS = 4
+
 
 # one binary whatever a chunk's length and where its rows start in the causal call's output (L's divisibility and the
 # log-sum-exp slice's alignment vary with the step's decode rows): session 28's server compiled a second one while
@@ -65,9 +68,16 @@ def merge_two(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Te
     if not use_fused(o1):
         out.copy_(merge_two_reference(o1, l1, o2, l2))
         return
-    block_t = 32
-    _merge_two_kernel[(h, triton.cdiv(n, block_t))](
+    launch(_merge_two_kernel, o1, l1, o2, l2, out, BLOCK_T, NUM_WARPS)
+
+
+def launch(kernel, o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor, out: torch.Tensor,
+           block_t: int, num_warps: int) -> None:
+    """One launch of `kernel` (_merge_two_kernel, or a variant of it built by benchmarks/attention/bench_merge.py) on
+    checked inputs: a program per head and block_t rows."""
+    h, n, d = o1.shape
+    kernel[(h, triton.cdiv(n, block_t))](
         o1, l1, o2, l2, out, n,
         o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1), l1.stride(0), l1.stride(1), l2.stride(0),
         l2.stride(1), out.stride(0), out.stride(1),
-        D=d, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+        D=d, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps)
