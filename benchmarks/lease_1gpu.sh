@@ -1721,7 +1721,8 @@ PY
     done
     timeout $(( 580 - ($(date +%s) - t0) )) python3 $B --iters 5 --decode= --loop= --mixed= \
       --prefill 8192,8192+8192,16384+8192,24576+8192 --out "$W/steps.json" > "$W/steps.txt" 2>&1
-    grep -E "^prefill[^ ]*:|Error" "$W/steps.txt" | cut -c1-220 ;;
+    grep -E "^prefill[^ ]*:|Error" "$W/steps.txt" | cut -c1-220
+    tar czf "$OUT/s43b.tgz" -C "$OUT" s43b ;;
   s42d)  # s42c's row and gathered arm interleaved, in two processes one after the other; carry .whl
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cfe .whl/nvidia_cudnn_frontend-*.whl \
       > "$W/pip_cfe.txt" 2>&1 || echo "the frontend's install failed"
