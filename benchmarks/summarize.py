@@ -767,9 +767,11 @@ def _moe_sbs(folder: str, before_folder: str, before_label: str) -> list[str]:
 
 def status() -> None:
     """Issue 10's criteria, each from its latest record (named beside it): the table docs/benchmarks.md opens with."""
-    dense = "lease_s41/dense"
+    dense, long = "lease_s41/dense", "lease_s43/dense_nocache"  # 1024/1024 c256; 8k and 32k one at a time
     r = {w["workload"]: w["ratio"] for w in load(f"{dense}/comparison.json")["workloads"]}
-    v, p = (load(f"{dense}/{n}_single_server.json") for n in ("vllm", "pdserve"))
+    r.update({w["workload"]: w["ratio"] for w in load(f"{long}/comparison.json")["workloads"]})
+    v, p = (load(f"{long}/{n}_single_server.json") for n in ("vllm", "pdserve"))
+    st = {w: _server_ttft_ratio(long, w) for w in ("8192x16_c1", "32768x16_c1")}
     loops = {lp["case"]: lp for lp in load("lease_s41/s41a/steps.json")["loops"] if lp["async"]}
     pf = next(x for x in load("lease_s42/s42a/steps.json")["results"] if x["case"] == "prefill:8192")
     pv, pp = (load(f"lease_s42/pd/pd-{n}/{n}_pd_1024x1024_c256.json") for n in ("vllm", "pdserve"))
@@ -779,14 +781,16 @@ def status() -> None:
         ("1024/1024 c256, output tok/s, pdserve / vLLM", c256["output_throughput"], ge, 1.0, "aim 1.15", dense),
         ("same, mean TPOT", c256["mean_tpot"], le, 1.0, "", dense),
         ("same, mean TTFT", c256["mean_ttft"], le, 1.0, "", dense),
-        ("8192/16 one at a time, TTFT", k8["mean_ttft"], le, 1.0, "", dense),
-        ("8192/16, TPOT", k8["mean_tpot"], le, 1.1, "", dense),
-        ("32768/16 one at a time, TTFT", k32["mean_ttft"], le, 1.0, "", dense),
+        ("8192/16 one at a time, TTFT", k8["mean_ttft"], le, 1.0,
+         f"by the servers' own clocks {st['8192x16_c1']:.3f}", long),
+        ("8192/16, TPOT", k8["mean_tpot"], le, 1.1, "", long),
+        ("32768/16 one at a time, TTFT", k32["mean_ttft"], le, 1.0,
+         f"by the servers' own clocks {st['32768x16_c1']:.3f}; E2E {k32['mean_e2el']:.3f}", long),
         ("32768/16, TPOT", k32["mean_tpot"], le, 1.1,
          f"by vLLM's client, which sees vLLM's tokens in fewer chunks; by the servers' own inter-token latency "
-         f"{k32['server_itl']:.3f}", dense),
-        ("KV tokens at --gpu-memory-utilization 0.9", p["kv_tokens"] / v["kv_tokens"], ge, 1.0, "", dense),
-        ("start-up, launch to first answer", p["startup_s"] / v["startup_s"], le, 1.0, "", dense),
+         f"{k32['server_itl']:.3f}", long),
+        ("KV tokens at --gpu-memory-utilization 0.9", p["kv_tokens"] / v["kv_tokens"], ge, 1.0, "", long),
+        ("start-up, launch to first answer", p["startup_s"] / v["startup_s"], le, 1.0, "", long),
         ("steady decode at batch 1, of its floor", loops["loop:1x1024"]["fraction_of_floor"], ge, 0.8, "",
          "lease_s41/s41a"),
         ("steady decode at batch 256, of its floor", loops["loop:256x1024"]["fraction_of_floor"], ge, 0.8,
@@ -799,6 +803,108 @@ def status() -> None:
     for name, x, op, bound, note, rec in rows:
         met = x >= bound if op == ge else x <= bound
         print(f"| {name} | {x:.3f} | {op} {bound} | {'yes' if met else 'no'} | {note} | benchmarks/{rec} |")
+
+
+def _server_ttft_ratio(folder: str, workload: str) -> float:
+    """pdserve's mean TTFT over vLLM's by the servers' own /metrics (server_latency.py) for one run."""
+    v, p = (load(f"{folder}/{n}_single_{workload}.server.json")["ttft"]["mean_ms"] for n in ("vllm", "pdserve"))
+    return p / v
+
+
+def session43() -> None:
+    """Session 43 (one H200 lease, two machines): the long-prefill merge's launch variants and the one shipped; the
+    8k and 32k prompts beside vLLM with prefix caching off on both."""
+    base = "lease_s43"
+    m = load(f"{base}/s43a/merge.json")
+    print("The long-prefill row's merge (merge.py's _merge_two_kernel: the two cuDNN calls' outputs combined by their "
+          "log-sum-exps) on the inputs library_prefill.attend_row hands it, dummy Qwen3-8B's heads (32 x 128, bf16), "
+          f"launch variants (s43a, machine 1, `lease_1gpu.sh s43a`: benchmarks/attention/bench_merge.py; same run: HBM "
+          f"copy {m['hbm_copy_GBps']:,.0f} GB/s). Arms `<align>:<rows a program>:<warps>`; free: no pointer "
+          "specialized on its alignment (as built until this session); o: the outputs' pointers specialized, the "
+          "log-sum-exps' not. us a layer (of the copy rate):\n")
+    show = ["free:32:4", "free:16:2", "o:32:4", "o:32:8", "o:16:4"]
+    print("| prefix + new | " + " | ".join(show) + " | max abs diff to the reference (every arm) |\n|---|"
+          + "---|" * (len(show) + 1))
+    for c in m["cases"]:
+        a = {x["arm"]: x for x in c["arms"]}
+        diff = max(x["max_abs_diff_ref"] for x in c["arms"])
+        print(f"| {c['ctx']} + {c['new']} | " + " | ".join(f"{a[k]['us']:.1f} ({a[k]['of_copy']:.0%})" for k in show)
+              + f" | {diff:.1e} |")
+    t = m["total_us"]
+    print(f"\n- over the five rows: {m['best']} {t[m['best']]:.1f} us against free:32:4's {t['free:32:4']:.1f} "
+          f"({t['free:32:4'] / t[m['best']]:.2f}x); every free arm {min(v for k, v in t.items() if k.startswith('free')):.1f}"
+          f" us or more, every o arm {max(v for k, v in t.items() if k.startswith('o:')):.1f} us or less")
+    eq = [x["arm"] for x in m["cases"][0]["arms"] if x["arm"].startswith("o:") and x["equal_free_32_4"]]
+    print(f"- bitwise equal to free:32:4's output on {m['cases'][0]['ctx']} + {m['cases'][0]['new']}: the free arms; "
+          f"of the o arms {', '.join(eq) or 'none'} (the others round a few values differently, each within the "
+          "difference above)")
+    print("- shipped: merge.py specializes O1, O2 and Out on their 16-byte alignment (the log-sum-exps stay free: "
+          f"one binary for every chunk) and takes {m['best'].split(':')[1]} rows a program with "
+          f"{m['best'].split(':')[2]} warps ({m['best']})")
+    runs = []
+    for i, arm in ((1, "free:32:4"), (2, m["best"])):
+        runs.append((arm, {r["case"]: r["step_ms_median"] for r in load(f"{base}/s43a/steps_{i}.json")["results"]}))
+    for ln in (B / base / "s43a/stdout.txt").read_text().splitlines():  # runs 3 and 4: their JSONs did not come back
+        if ln[:2] in ("3 ", "4 "):
+            cells = re.findall(r"(prefill:\S+): ([\d.]+) ms", ln)
+            runs.append((ln.split()[1], {k: float(v) for k, v in cells}))
+    print("\nWhole chunks with each merge (s43a, the same call: bench_steps.py run by bench_merge.py --run-with ARM, "
+          "--iters 5, each step run and waited for; runs 3 and 4 from the call's printed lines, their JSONs over the "
+          "tool's file count), ms a step:\n")
+    cases = list(runs[0][1])
+    print("| run | merge | " + " | ".join(cases) + " |\n|---|---|" + "---|" * len(cases))
+    for i, (arm, d) in enumerate(runs, 1):
+        print(f"| {i} | {arm} | " + " | ".join(f"{d[c]:.2f}" for c in cases) + " |")
+    for c in cases:
+        a = [d[c] for arm, d in runs if arm == "free:32:4"]
+        b = [d[c] for arm, d in runs if arm != "free:32:4"]
+        print(f"- {c}: mean {sum(a) / len(a):.2f} ms with free:32:4, {sum(b) / len(b):.2f} ms with {m['best']} "
+              f"({sum(b) / len(b) - sum(a) / len(a):+.2f} ms; the runs of one arm differ by up to "
+              f"{max(max(a) - min(a), max(b) - min(b)):.2f} ms)")
+
+    print(f"\nThe GPU tests at the new launch (s43b, machine 1 again, `lease_1gpu.sh s43b`: test_library_prefill.py, "
+          f"test_warmup.py): `{_gpu_tests(f'{base}/s43b/gpu_tests.txt')}`")
+    print("\nThe 24k chunk's kernels with the merge as before and as shipped (s43b, the same call, bench_steps.py "
+          "--profile prefill:24576+8192, one process each):\n")
+    print("| merge | kernels a step | kernel time ms a step | _merge_two_kernel us a step | GPU idle ms a step |\n"
+          "|---|---|---|---|---|")
+    for arm, n in (("free:32:4", "free_32_4"), (f"shipped ({m['best']})", "shipped")):
+        g = load(f"{base}/s43b/profile_{n}.json")["profiles"][0]["graphs"]
+        mk = next(x for x in g["top"] if x["name"] == "_merge_two_kernel")
+        print(f"| {arm} | {g['kernels_per_step']:.0f} | {g['gpu_us_per_step'] / 1e3:.2f} | {mk['us_per_step']:.0f} | "
+              f"{g['gpu']['idle_us_per_step'] / 1e3:.2f} |")
+    d = load(f"{base}/s43b/steps.json")
+    print(f"\nDummy Qwen3-8B's 32768-token prompt as four 8192-token chunks at the new launch (s43b, the same call, as "
+          f"s42a; same run: {_ceilings(d['ceilings'])}):\n")
+    _run_table(d, serial=True)
+    rs = d["results"]
+    tot, fl = sum(r["step_ms_median"] for r in rs), sum(r["floor_ms"] for r in rs)
+    print(f"\n- the four chunks together: {tot:.1f} ms against {fl:.1f} ms of floor ({fl / tot:.0%})")
+
+    f = f"{base}/dense_nocache"
+    print("\nDummy Qwen3-8B (bf16) beside vLLM 0.22 with prefix caching off on both (machine 2, after thirteen staging "
+          "calls and `lease_2xh200.sh unpack`: `SBS_WORKLOADS=\"32768:16:10:1 8192:16:16:1\" "
+          "VLLM_ARGS=--no-enable-prefix-caching PDSERVE_ARGS=--no-enable-prefix-caching lease_1gpu.sh dense`: vLLM "
+          "then pdserve on the one GPU, vLLM's `bench serve` for both). Without a prefix cache every request is fresh, "
+          "the client's two warm-ups too, so the servers' own /metrics means are over fresh prompts only:\n")
+    _sbs_table(f)
+    print("\n| workload | client TTFT vLLM / pdserve ms | ratio | client E2E vLLM / pdserve ms | ratio | server TTFT "
+          "vLLM / pdserve ms | ratio | server inter-token vLLM / pdserve ms | ratio | client TTFT - server TTFT, "
+          "vLLM / pdserve ms |\n|---|---|---|---|---|---|---|---|---|---|")
+    for w in ("32768x16_c1", "8192x16_c1"):
+        cv, cp = (load(f"{f}/{n}_single_{w}.json") for n in ("vllm", "pdserve"))
+        sv, sp = (load(f"{f}/{n}_single_{w}.server.json") for n in ("vllm", "pdserve"))
+        tv, tp = sv["ttft"]["mean_ms"], sp["ttft"]["mean_ms"]
+        iv, ip = sv["itl"]["mean_ms"], sp["itl"]["mean_ms"]
+        print(f"| {w} | {cv['mean_ttft_ms']:.1f} / {cp['mean_ttft_ms']:.1f} | "
+              f"{cp['mean_ttft_ms'] / cv['mean_ttft_ms']:.3f} | {cv['mean_e2el_ms']:.1f} / {cp['mean_e2el_ms']:.1f} | "
+              f"{cp['mean_e2el_ms'] / cv['mean_e2el_ms']:.3f} | {tv:.1f} / {tp:.1f} | {tp / tv:.3f} | {iv:.2f} / "
+              f"{ip:.2f} | {ip / iv:.3f} | {cv['mean_ttft_ms'] - tv:.1f} / {cp['mean_ttft_ms'] - tp:.1f} |")
+    print()
+    for w in ("32768x16_c1", "8192x16_c1"):
+        _sbs_chunks(f, w)
+    print("- both servers' clocks start before they tokenize the prompt (server_latency.py); vLLM's first token "
+          "reaches its client later than its engine stamps it, with the tokens made meanwhile in the same chunk")
 
 
 def session42() -> None:
@@ -3762,6 +3868,8 @@ def _fmt(x) -> str:
 
 if __name__ == "__main__":
     status()
+    print()
+    session43()
     print()
     session42()
     print()
